@@ -1,0 +1,36 @@
+"""toolkit.core: the stable, semver-guaranteed API."""
+
+from . import attention as _attention  # noqa: F401  (registers the `toolkit_varlen` attention implementation)
+from .checkpoint import latest_complete_checkpoint
+from .data import DatasetFormat, SFTCollator, as_rows, detect_format, normalize_rows, tokenize_for_sft, validate
+from .errors import ConfigError, DataError, ToolkitError, TrainingHealthError
+from .models import DEFAULT_MODEL, embedded_model_path, load_model, load_tokenizer
+from .numerics import aggregate, chunked_entropy, chunked_token_logps, kl_estimate, masked_mean, masked_sum
+from .sft import SFTConfig, SFTTrainer
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ConfigError",
+    "DataError",
+    "DatasetFormat",
+    "SFTCollator",
+    "SFTConfig",
+    "SFTTrainer",
+    "ToolkitError",
+    "TrainingHealthError",
+    "aggregate",
+    "as_rows",
+    "chunked_entropy",
+    "chunked_token_logps",
+    "detect_format",
+    "embedded_model_path",
+    "kl_estimate",
+    "latest_complete_checkpoint",
+    "load_model",
+    "load_tokenizer",
+    "masked_mean",
+    "masked_sum",
+    "normalize_rows",
+    "tokenize_for_sft",
+    "validate",
+]

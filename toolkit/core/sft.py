@@ -1,0 +1,310 @@
+"""Supervised fine-tuning.
+
+`SFTTrainer` is a `transformers.Trainer`: notebooks, callbacks, `push_to_hub`, accelerate and
+PEFT work as users expect. What it adds, top to bottom:
+
+1. Data: detect the format (docs/datasets.md), validate every row *before* the model loads,
+   tokenize once, keep ids end to end; report truncation and the effective loss settings.
+2. Model: the embedded SmolLM2 by short name, a path, a Hub id or a built model; LoRA/QLoRA via
+   a `peft_config`.
+3. Loss: token-level cross-entropy from the shared chunked log-prob function, so the
+   [batch, seq, vocab] logits tensor never exists; normalised by the number of loss tokens of the
+   whole accumulated step (so 8x1 equals 4x2).
+4. Packing: `padding_free` concatenates a micro-batch into one row; `packing` first fills rows of
+   up to `max_length` tokens (best-fit decreasing). Either way each example attends only to itself.
+5. Checkpoints: marked complete atomically; `resume_from_checkpoint=True` picks the newest complete one.
+
+Public seams for wrappers (override in a subclass; no patching): `compute_token_logps` (how
+per-token log-probs are computed), `compute_sft_loss` (the loss from those log-probs).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+from .attention import use_varlen_attention, varlen_kwargs
+from .checkpoint import CompleteCheckpointCallback, resolve_resume
+from .data import (
+    SFTCollator,
+    as_rows,
+    detect_format,
+    normalize_rows,
+    pack_bins,
+    tokenize_for_sft,
+    validate,
+)
+from .errors import ConfigError, TrainingHealthError
+from .models import DEFAULT_MODEL, load_model, load_tokenizer
+from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTConfig(TrainingArguments):
+    """Settings of `SFTTrainer`: every `transformers.TrainingArguments` field plus the ones below.
+
+    Defaults differ from TrainingArguments where SFT practice differs: learning_rate 2e-5,
+    logging every 10 steps, no reporting integrations, columns never dropped by Trainer.
+    """
+
+    output_dir: str | None = field(default="outputs/sft", metadata={"help": "Where checkpoints and the final model go."})
+    learning_rate: float = field(default=2e-5, metadata={"help": "Peak AdamW learning rate."})
+    logging_steps: float = field(default=10, metadata={"help": "Log metrics every this many optimizer steps."})
+    report_to: Any = field(default="none", metadata={"help": "Integrations to report to ('none', 'tensorboard', ...)."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Kept False: our collator needs the tokenized columns Trainer would drop."})
+
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Longest tokenized example; longer ones are truncated and the count reported. "
+                                        "None keeps everything."})
+    packing: bool = field(
+        default=False, metadata={"help": "Fill rows of up to max_length tokens with several examples (best-fit "
+                                         "decreasing); examples never attend to each other."})
+    padding_free: bool = field(
+        default=False, metadata={"help": "Concatenate each micro-batch into one row instead of padding it "
+                                         "(same examples per step as padded batches, no pad tokens computed)."})
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "For prompt-completion data: train only on completion tokens. "
+                                        "None means True for prompt-completion data."})
+    assistant_only_loss: bool = field(
+        default=False, metadata={"help": "For conversational 'messages' data: train only on assistant turns."})
+    chat_template_kwargs: dict | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for tokenizer.apply_chat_template."})
+    logps_chunk_size: int = field(
+        default=DEFAULT_CHUNK_SIZE, metadata={"help": "Token positions whose vocabulary logits exist at once in the "
+                                                      "loss (memory vs. speed)."})
+    fp32_lm_head: bool = field(
+        default=True, metadata={"help": "Compute the LM head and log-softmax in fp32 even for bf16 models."})
+    model_dtype: str = field(
+        default="float32", metadata={"help": "dtype to load the model in when it is given by name: float32 | bfloat16."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_length is not None and self.max_length < 2:
+            raise ConfigError(f"max_length: must be at least 2 (or None), got {self.max_length}.")
+        if self.packing and self.max_length is None:
+            raise ConfigError("packing: needs max_length to know how many tokens fit in a row; set max_length.")
+        if self.logps_chunk_size < 1:
+            raise ConfigError(f"logps_chunk_size: must be >= 1, got {self.logps_chunk_size}.")
+        if self.model_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model_dtype: '{self.model_dtype}' is not one of float32, bfloat16, float16.")
+
+
+class SFTTrainer(Trainer):
+    """Supervised fine-tuning on language-modeling or prompt-completion data (plain or conversational).
+
+    Supports completion-only and assistant-only loss, padding-free batches and packing (each example
+    attends only to itself), PEFT LoRA and QLoRA, evaluation, atomic checkpoints and exact resume.
+    Departs from TRL's SFTTrainer in three ways: the logits tensor is never materialised (chunked
+    LM head), the loss mask never comes from `input_ids == pad_token_id` (so EOS is learned when
+    pad == eos), and bad rows stop the run before the model loads.
+    """
+
+    _tag_names = ["toolkit", "sft"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = DEFAULT_MODEL,
+        args: SFTConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        model_init_kwargs: dict | None = None,
+        **kwargs: Any,
+    ):
+        args = args if args is not None else SFTConfig()
+        if not isinstance(args, SFTConfig):
+            raise ConfigError(f"args: SFTTrainer needs an SFTConfig, got {type(args).__name__}.")
+        if train_dataset is None:
+            raise ConfigError("train_dataset: SFTTrainer needs a training dataset (Dataset, list of dicts or .jsonl path).")
+
+        # 1. Data first: every row is checked before a model is loaded (minutes saved per mistake).
+        tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        train_rows = normalize_rows(as_rows(train_dataset))
+        self.dataset_format = detect_format(train_rows)
+        validate(train_rows, self.dataset_format, tokenizer=tokenizer)
+        eval_rows = None
+        if eval_dataset is not None:
+            eval_rows = normalize_rows(as_rows(eval_dataset))
+            eval_fmt = detect_format(eval_rows)
+            if (eval_fmt.kind, eval_fmt.conversational) != (self.dataset_format.kind, self.dataset_format.conversational):
+                raise ConfigError(f"eval_dataset: it is {eval_fmt.describe()} but train_dataset is "
+                                  f"{self.dataset_format.describe()}; use the same format for both.")
+            validate(eval_rows, eval_fmt, tokenizer=tokenizer)
+        completion_only = args.completion_only_loss
+        if completion_only is None:
+            completion_only = self.dataset_format.kind == "prompt_completion"
+        elif completion_only and self.dataset_format.kind != "prompt_completion":
+            raise ConfigError(f"completion_only_loss=True needs prompt-completion data; this dataset is "
+                              f"{self.dataset_format.describe()}. Use assistant_only_loss for 'messages' rows.")
+        tok_kwargs = dict(max_length=args.max_length, completion_only_loss=completion_only,
+                          assistant_only_loss=args.assistant_only_loss, template_kwargs=args.chat_template_kwargs)
+        train_tok, report = tokenize_for_sft(train_rows, self.dataset_format, tokenizer, **tok_kwargs)
+        self.tokenization_report = report
+        logger.info("SFT train data: %s: %s", self.dataset_format.describe(), report.summary(args.max_length))
+        if report.truncated_rows:
+            logger.warning("SFT: %d of %d training rows were truncated to max_length=%s (longest: %d tokens).",
+                           report.truncated_rows, report.rows, args.max_length, report.longest)
+        eval_tok = None
+        if eval_rows is not None:
+            eval_tok, eval_report = tokenize_for_sft(eval_rows, self.dataset_format, tokenizer, **tok_kwargs)
+            logger.info("SFT eval data: %s", eval_report.summary(args.max_length))
+
+        # 2. Model.
+        init_kwargs = dict(model_init_kwargs or {})
+        model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
+        if peft_config is not None:
+            model = _apply_peft(model, peft_config, args)
+        packed = args.packing or args.padding_free
+        if packed and not use_varlen_attention(_base_model(model)):
+            impl = _base_model(model).config._attn_implementation
+            if impl not in ("flash_attention_2", "flash_attention_3"):
+                raise ConfigError(
+                    f"packing/padding_free: attention implementation '{impl}' cannot keep packed examples apart. "
+                    "Load the model with attn_implementation='sdpa' (or flash_attention_2 on GPU)."
+                )
+
+        # 3. Datasets of token ids (packing groups whole examples into rows of at most max_length).
+        if args.packing:
+            train_tok = _pack(train_tok, args.max_length)
+            eval_tok = _pack(eval_tok, args.max_length) if eval_tok is not None else None
+        collator = SFTCollator(tokenizer.pad_token_id, padding_free=packed)
+        logger.info(
+            "SFT loss settings: %s; completion_only_loss=%s assistant_only_loss=%s packing=%s padding_free=%s "
+            "max_length=%s; loss = token-mean over the whole accumulated step (%d loss tokens in the data).",
+            self.dataset_format.describe(), completion_only, args.assistant_only_loss, args.packing,
+            args.padding_free, args.max_length, report.loss_tokens,
+        )
+        callbacks = list(callbacks or []) + [CompleteCheckpointCallback()]
+        super().__init__(
+            model=model, args=args, data_collator=collator,
+            train_dataset=Dataset.from_list(train_tok),
+            eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
+            processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers, **kwargs,
+        )
+        # Our compute_loss divides by the token count of the whole accumulated step (num_items_in_batch),
+        # so Trainer must count the tokens and must not divide by the accumulation steps again.
+        self.model_accepts_loss_kwargs = True
+        self.loss_is_scaled_for_ga = True
+        self._window_tokens = 0
+        self._window_start = time.perf_counter()
+        self._total_tokens = 0
+
+    # ---------------------------------------------------------------------------------- seams
+
+    def compute_token_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs of the label tokens. Returns (logps [N], targets [N]) for the N positions with a label.
+
+        Override to change how log-probs are computed (a fused kernel, a different head); the
+        default runs the model with `logits_to_keep=1` (so transformers builds no full logits)
+        and feeds the final hidden states to the shared chunked LM-head function.
+        """
+        forward_kwargs: dict[str, Any] = {"input_ids": inputs["input_ids"], "use_cache": False,
+                                          "output_hidden_states": True, "logits_to_keep": 1}
+        if "cu_seq_lens" in inputs:
+            forward_kwargs["position_ids"] = inputs["position_ids"]
+            forward_kwargs.update(varlen_kwargs(inputs["cu_seq_lens"]))
+        else:
+            forward_kwargs["attention_mask"] = inputs["attention_mask"]
+        outputs = model(**forward_kwargs)
+        hidden = outputs.hidden_states[-1]  # [B, T, H], after the final norm
+        labels = inputs["labels"]
+        shifted = labels[:, 1:]
+        selected = shifted != -100  # [B, T-1]
+        head = _base_model(model).get_output_embeddings()
+        logps = chunked_token_logps(
+            hidden[:, :-1][selected], head.weight, shifted[selected], bias=getattr(head, "bias", None),
+            chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head,
+        )
+        return logps, shifted[selected]
+
+    def compute_sft_loss(self, logps: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+        """Negative log-likelihood summed over this micro-batch, divided by the loss tokens of the whole step."""
+        denom = num_items_in_batch if num_items_in_batch is not None else max(logps.numel(), 1)
+        return -logps.sum() / denom
+
+    # ------------------------------------------------------------------------- Trainer hooks
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logps, _ = self.compute_token_logps(model, inputs)
+        loss = self.compute_sft_loss(logps, num_items_in_batch)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None and self.args.world_size > 1:
+            loss = loss * self.args.world_size  # gradients are averaged over ranks; the denominator is global
+        if not torch.isfinite(loss):
+            raise TrainingHealthError(
+                f"SFT loss is {loss.item()} at step {self.state.global_step}: the model's log-probs of the label "
+                "tokens are not finite. Lower the learning rate, check the data for extreme lengths, or use fp32."
+            )
+        if model.training:
+            self._window_tokens += logps.numel()
+        return (loss, {"logps": logps.detach()}) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            logps, _ = self.compute_token_logps(model, inputs)
+            loss = -logps.sum() / max(logps.numel(), 1)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.model.training:
+            now = time.perf_counter()
+            self._total_tokens += self._window_tokens
+            logs["train_tokens_per_second"] = round(self._window_tokens / max(now - self._window_start, 1e-9), 1)
+            logs["num_loss_tokens"] = self._total_tokens
+            if logs["loss"] < 30:
+                logs["perplexity"] = round(math.exp(logs["loss"]), 3)
+            self._window_tokens, self._window_start = 0, now
+        super().log(logs, start_time)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """As Trainer.train; `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint."""
+        path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if path is not None:
+            logger.info("Resuming from %s", path)
+        self._window_start = time.perf_counter()
+        return super().train(resume_from_checkpoint=path, **kwargs)
+
+
+def _base_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model under PEFT / accelerate wrappers (where the LM head and config live)."""
+    while hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def _apply_peft(model: PreTrainedModel, peft_config: Any, args: SFTConfig):
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+    return get_peft_model(model, peft_config)
+
+
+def _pack(examples: list[dict[str, list[int]]], capacity: int) -> list[dict[str, Any]]:
+    bins = pack_bins([len(e["input_ids"]) for e in examples], capacity)
+    rows = []
+    for b in bins:
+        ids, mask, lens = [], [], []
+        for i in sorted(b):
+            ids += examples[i]["input_ids"]
+            mask += examples[i]["completion_mask"]
+            lens.append(len(examples[i]["input_ids"]))
+        rows.append({"input_ids": ids, "completion_mask": mask, "seq_lens": lens})
+    return rows
