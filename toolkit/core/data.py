@@ -127,7 +127,8 @@ def normalize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _is_conversation(value: Any) -> bool:
-    return isinstance(value, list) and len(value) > 0 and all(isinstance(t, Mapping) for t in value)
+    # Any list counts: validation then names the turn that is not a {'role', 'content'} dict.
+    return isinstance(value, list)
 
 
 def _suggest(columns: Iterable[str]) -> str:
@@ -150,6 +151,10 @@ def detect_format(rows: list[dict[str, Any]]) -> DatasetFormat:
     if "text" in cols and "messages" in cols:
         raise DataError("dataset: it has both 'text' and 'messages' columns, so it is ambiguous. "
                         "Keep one of them (remove_columns) before training.")
+    if ("chosen" in cols) != ("rejected" in cols):
+        raise DataError(f"dataset: columns {columns} have '{'chosen' if 'chosen' in cols else 'rejected'}' but not "
+                        f"'{'rejected' if 'chosen' in cols else 'chosen'}'; preference data needs both 'chosen' "
+                        "and 'rejected' (and optionally 'prompt').")
     if {"chosen", "rejected"} <= cols:
         kind, used = "preference", [c for c in ("prompt", "chosen", "rejected") if c in cols]
         probe = rows[0]["chosen"]
@@ -175,7 +180,8 @@ def detect_format(rows: list[dict[str, Any]]) -> DatasetFormat:
             "'chosen'+'rejected' with optional 'prompt' (preference), 'prompt'+'completion'+'label' "
             "(unpaired preference). See docs/datasets.md."
         )
-    conversational = _is_conversation(probe)
+    # A 'messages' column is conversational by definition, whatever row 0 holds (validation names it).
+    conversational = used == ["messages"] or _is_conversation(probe)
     extras = tuple(c for c in columns if c not in used)
     return DatasetFormat(kind=kind, conversational=conversational, columns=tuple(used), extra_columns=extras)
 

@@ -88,6 +88,8 @@ class SFTConfig(TrainingArguments):
         default="float32", metadata={"help": "dtype to load the model in when it is given by name: float32 | bfloat16."})
 
     def __post_init__(self):
+        if not torch.cuda.is_available():
+            self.dataloader_pin_memory = False  # pinning without an accelerator only warns
         super().__post_init__()
         if self.max_length is not None and self.max_length < 2:
             raise ConfigError(f"max_length: must be at least 2 (or None), got {self.max_length}.")
@@ -201,6 +203,7 @@ class SFTTrainer(Trainer):
         self.model_accepts_loss_kwargs = True
         self.loss_is_scaled_for_ga = True
         self._window_tokens = 0
+        self._window_loss_tokens = 0
         self._window_start = time.perf_counter()
         self._total_tokens = 0
 
@@ -250,7 +253,9 @@ class SFTTrainer(Trainer):
                 "tokens are not finite. Lower the learning rate, check the data for extreme lengths, or use fp32."
             )
         if model.training:
-            self._window_tokens += logps.numel()
+            self._window_tokens += int(inputs["input_ids"].numel() if "attention_mask" not in inputs
+                                       else inputs["attention_mask"].sum())
+            self._window_loss_tokens += logps.numel()
         return (loss, {"logps": logps.detach()}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -263,12 +268,13 @@ class SFTTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.model.training:
             now = time.perf_counter()
-            self._total_tokens += self._window_tokens
+            self._total_tokens += self._window_loss_tokens
+            # Real (non-padding) tokens through the model per second, and loss tokens seen so far.
             logs["train_tokens_per_second"] = round(self._window_tokens / max(now - self._window_start, 1e-9), 1)
             logs["num_loss_tokens"] = self._total_tokens
             if logs["loss"] < 30:
                 logs["perplexity"] = round(math.exp(logs["loss"]), 3)
-            self._window_tokens, self._window_start = 0, now
+            self._window_tokens, self._window_loss_tokens, self._window_start = 0, 0, now
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):

@@ -1,0 +1,155 @@
+"""Each shared numeric function against a naive reference."""
+
+import pytest
+import torch
+
+from toolkit.core.numerics import aggregate, chunked_entropy, chunked_token_logps, kl_estimate, masked_mean, masked_sum
+
+
+def _naive_logps(hidden, weight, targets, bias=None, temperature=1.0):
+    logits = hidden.float() @ weight.float().t()
+    if bias is not None:
+        logits = logits + bias.float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_logps_match_naive_values_and_grads(chunk_size, temperature, with_bias):
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 37, 16, 101
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, v, (n,), generator=g)
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+
+    # fp64 inputs: the fp32 internals are compared at fp32 tolerance
+    ours = chunked_token_logps(hidden, weight, targets, bias=bias, temperature=temperature, chunk_size=chunk_size)
+    (ours.double() * upstream).sum().backward()
+    grads = [hidden.grad.clone(), weight.grad.clone()] + ([bias.grad.clone()] if with_bias else [])
+    for t in [hidden, weight] + ([bias] if with_bias else []):
+        t.grad = None
+    ref = _naive_logps(hidden, weight, targets, bias, temperature)
+    (ref.double() * upstream).sum().backward()
+    ref_grads = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
+
+    torch.testing.assert_close(ours.double(), ref.double(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_logps_bf16_upcasts_the_head():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, 8, generator=g).bfloat16()
+    weight = torch.randn(50, 8, generator=g).bfloat16()
+    targets = torch.randint(0, 50, (9,), generator=g)
+    ours = chunked_token_logps(hidden, weight, targets, chunk_size=4, upcast=True)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, _naive_logps(hidden.float(), weight.float(), targets), rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_logps_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"hidden \[N, H\]"):
+        chunked_token_logps(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        chunked_token_logps(torch.zeros(2, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long), temperature=0)
+
+
+def test_chunked_entropy_matches_naive():
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(23, 8, generator=g), torch.randn(40, 8, generator=g)
+    for temp in (1.0, 0.5):
+        p = torch.softmax(hidden @ weight.t() / temp, -1)
+        naive = -(p * p.log()).sum(-1)
+        torch.testing.assert_close(chunked_entropy(hidden, weight, temperature=temp, chunk_size=5), naive,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_masked_sum_and_mean():
+    v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert masked_sum(v, m).item() == 3.0
+    assert masked_mean(v, m).item() == 1.5
+    torch.testing.assert_close(masked_mean(v, m, dim=1), torch.tensor([1.5, 0.0]))  # empty row -> 0, not NaN
+    assert masked_mean(v, torch.zeros_like(m)).item() == 0.0
+
+
+def _naive_aggregate(per_token, mask, mode, constant=None, group_ids=None):
+    B, T = per_token.shape
+    if mode == "token":
+        s = n = 0.0
+        for b in range(B):
+            for t in range(T):
+                if mask[b, t]:
+                    s += per_token[b, t].item()
+                    n += 1
+        return s / n
+    if mode == "sequence":
+        out = []
+        for b in range(B):
+            vals = [per_token[b, t].item() for t in range(T) if mask[b, t]]
+            out.append(sum(vals) / max(len(vals), 1))
+        return sum(out) / B
+    if mode == "constant":
+        return sum(per_token[b, t].item() for b in range(B) for t in range(T) if mask[b, t]) / (B * constant)
+    if mode == "prompt":
+        groups = {}
+        for b in range(B):
+            groups.setdefault(int(group_ids[b]), []).extend(per_token[b, t].item() for t in range(T) if mask[b, t])
+        return sum(sum(v) / max(len(v), 1) for v in groups.values()) / len(groups)
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence", "constant", "prompt"])
+def test_aggregate_matches_naive(mode):
+    g = torch.Generator().manual_seed(3)
+    per_token = torch.randn(6, 5, generator=g)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).int()
+    mask[:, 0] = 1
+    group_ids = torch.tensor([0, 0, 1, 1, 2, 2])
+    ours = aggregate(per_token, mask, mode, constant=5, group_ids=group_ids)
+    assert ours.item() == pytest.approx(_naive_aggregate(per_token, mask, mode, 5, group_ids), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence", "constant", "prompt"])
+def test_aggregate_with_global_counts_is_split_invariant(mode):
+    """Micro-batches normalised by global counts add up to the full-batch value (8x1 == 4x2)."""
+    g = torch.Generator().manual_seed(4)
+    per_token = torch.randn(8, 5, generator=g)
+    mask = (torch.rand(8, 5, generator=g) > 0.3).int()
+    mask[:, 0] = 1
+    group_ids = torch.arange(8) // 2
+    full = aggregate(per_token, mask, mode, constant=5, group_ids=group_ids)
+    kw = {"num_items": mask.sum(), "num_sequences": 8 if mode != "prompt" else 4}
+    halves = sum(aggregate(per_token[s], mask[s], mode, constant=5, group_ids=group_ids[s], **kw)
+                 for s in (slice(0, 4), slice(4, 8)))
+    torch.testing.assert_close(halves, full)
+
+
+def test_aggregate_errors_are_explicit():
+    with pytest.raises(ValueError, match="constant > 0"):
+        aggregate(torch.zeros(2, 2), torch.ones(2, 2), "constant")
+    with pytest.raises(ValueError, match="group_ids"):
+        aggregate(torch.zeros(2, 2), torch.ones(2, 2), "prompt")
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        aggregate(torch.zeros(2, 2), torch.ones(2, 2), "mean")
+
+
+def test_kl_estimators_formulas_and_monte_carlo():
+    g = torch.Generator().manual_seed(5)
+    p_logits, q_logits = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    logp, logq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    true_kl = (logp.exp() * (logp - logq)).sum()
+    samples = torch.multinomial(logp.exp(), 200_000, replacement=True, generator=g)
+    lp, lq = logp[samples], logq[samples]
+    k1, k2, k3 = (kl_estimate(lp, lq, k) for k in ("k1", "k2", "k3"))
+    torch.testing.assert_close(k1, lp - lq)
+    torch.testing.assert_close(k2, 0.5 * (lq - lp) ** 2)
+    torch.testing.assert_close(k3, torch.exp(lq - lp) - (lq - lp) - 1)
+    assert (k3 >= 0).all()
+    # k1 and k3 are unbiased estimators of KL(p || q)
+    assert k1.mean().item() == pytest.approx(true_kl.item(), abs=0.02)
+    assert k3.mean().item() == pytest.approx(true_kl.item(), abs=0.02)
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        kl_estimate(lp, lq, "k4")

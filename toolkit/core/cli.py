@@ -1,0 +1,143 @@
+"""The `toolkit` command.
+
+    toolkit sft --config examples/sft_smollm2.toml [--field value ...]
+    toolkit sft --help                      # every key, with its help text
+    toolkit model-path                      # where the embedded SmolLM2 checkpoint is cached
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import RunArgs, build_configs, describe_fields, load_run_file, parse_overrides
+from .errors import ConfigError, ToolkitError
+
+logger = logging.getLogger("toolkit")
+
+
+def load_dataset_spec(spec: str, run: RunArgs, *, split: str) -> Any:
+    """`builtin:arithmetic`, a .json/.jsonl file, or a Hub dataset id (where a network exists)."""
+    if not spec:
+        return None
+    if spec.startswith("builtin:"):
+        name = spec.split(":", 1)[1]
+        if name != "arithmetic":
+            raise ConfigError(f"dataset: unknown builtin '{name}'; the builtin datasets are: arithmetic.")
+        from .tasks import arithmetic_splits
+
+        train, held_out = arithmetic_splits(run.dataset_size, run.eval_size)
+        return train if split == "train" else held_out
+    if Path(spec).suffix in (".json", ".jsonl"):
+        return spec  # the data layer reads files itself and names the line of a broken one
+    from datasets import load_dataset
+
+    return load_dataset(spec, split=split)
+
+
+def _peft_config(run: RunArgs):
+    if run.lora_r <= 0:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+                      target_modules=run.lora_target_modules, task_type="CAUSAL_LM")
+
+
+def _model_init_kwargs(run: RunArgs) -> dict[str, Any]:
+    if not run.load_in_4bit:
+        return {}
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_compute_dtype=torch.float32),
+            "device_map": "cpu"}
+
+
+def run_sft(argv: list[str]) -> int:
+    from .sft import SFTConfig, SFTTrainer
+
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        print(describe_fields(RunArgs, SFTConfig))
+        return 0
+    values: dict[str, Any] = {}
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ConfigError("--config: give the path of a run file, e.g. --config examples/sft_smollm2.toml.")
+        values.update(load_run_file(argv[i + 1]))
+        argv = argv[:i] + argv[i + 2:]
+    values.update(parse_overrides(argv))
+    run, cfg = build_configs(values, SFTConfig)
+    if not run.dataset:
+        raise ConfigError("dataset: no training data given; set `dataset = ...` in the run file or pass --dataset.")
+    train = load_dataset_spec(run.dataset, run, split="train")
+    held_out = load_dataset_spec(run.eval_dataset, run, split="test") if run.eval_dataset else None
+
+    started = time.perf_counter()
+    trainer = SFTTrainer(run.model, cfg, train_dataset=train, eval_dataset=held_out,
+                         peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+    summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset}
+    arithmetic_eval = run.report_accuracy and run.eval_dataset == "builtin:arithmetic"
+    if arithmetic_eval:
+        from .tasks import greedy_accuracy
+
+        summary["heldout_accuracy_before"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
+        logger.info("held-out greedy accuracy before training: %.3f", summary["heldout_accuracy_before"])
+    if held_out is not None:
+        summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+    trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if losses:
+        k = max(1, len(losses) // 4)
+        summary["train_loss_first_quarter"] = sum(losses[:k]) / k
+        summary["train_loss_last_quarter"] = sum(losses[-k:]) / k
+    if held_out is not None:
+        summary["eval_loss_after"] = trainer.evaluate()["eval_loss"]
+    if arithmetic_eval:
+        summary["heldout_accuracy_after"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
+    final_dir = Path(cfg.output_dir) / "final"
+    trainer.save_model(str(final_dir))
+    summary["saved_to"] = str(final_dir)
+    summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
+    (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("\n=== SFT summary ===")
+    for k, v in summary.items():
+        print(f"{k:>28}: {v:.4f}" if isinstance(v, float) else f"{k:>28}: {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    commands = {"sft": run_sft, "model-path": _model_path}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(__doc__)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown command '{argv[0]}'; commands: {', '.join(commands)}")
+            return 2
+        return 0
+    try:
+        return commands[argv[0]](argv[1:])
+    except ToolkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _model_path(argv: list[str]) -> int:
+    from .models import embedded_model_path
+
+    print(embedded_model_path())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Run files and command-line overrides, one convention for every trainer.
+
+A run file is flat TOML: run-level keys (`model`, `dataset`, LoRA settings, ...) and the trainer's
+config fields side by side. On the command line, `--field value` overrides a key; values are read as
+TOML literals (`--learning_rate 1e-5`, `--packing true`, `--lora_target_modules '["q_proj"]'`) and
+fall back to plain strings (`--output_dir runs/a`). Unknown keys fail with the closest valid name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from .errors import ConfigError
+from .models import DEFAULT_MODEL
+
+
+@dataclass
+class RunArgs:
+    """What a run needs besides the trainer config: which model and data, and adapters."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "Model: 'smollm2-135m-instruct' (embedded, offline), a local folder, or a Hub id."})
+    dataset: str = field(default="", metadata={
+        "help": "Training data: a .jsonl/.json file, 'builtin:arithmetic' (generated), or a Hub dataset id."})
+    eval_dataset: str = field(default="", metadata={"help": "Evaluation data, same forms as `dataset` (optional)."})
+    dataset_size: int = field(default=256, metadata={"help": "Rows to generate for builtin datasets."})
+    eval_size: int = field(default=64, metadata={"help": "Held-out rows to generate for builtin datasets."})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains the full model."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA path."})
+    lora_target_modules: Any = field(default="all-linear", metadata={
+        "help": "Modules to adapt: 'all-linear' or a list of names."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base model in 4-bit NF4 "
+                                                                "(bitsandbytes; needs lora_r > 0)."})
+    report_accuracy: bool = field(default=True, metadata={
+        "help": "For builtin:arithmetic, print held-out greedy accuracy before and after training."})
+
+    def __post_init__(self):
+        if self.load_in_4bit and self.lora_r <= 0:
+            raise ConfigError("load_in_4bit: 4-bit weights cannot be trained directly; set lora_r > 0 (QLoRA).")
+        if self.lora_r < 0:
+            raise ConfigError(f"lora_r: must be >= 0, got {self.lora_r}.")
+
+
+def field_names(*classes: type) -> dict[str, type]:
+    names: dict[str, type] = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if f.init and not f.name.startswith("_"):
+                names[f.name] = cls
+    return names
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
+    """`--key value` / `--key=value` pairs; `--flag` alone means true."""
+    out: dict[str, Any] = {}
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        tok = argv[i]
+        if not tok.startswith("--"):
+            raise ConfigError(f"command line: expected --field value, got '{tok}'.")
+        key = tok[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            out[key.replace("-", "_")] = parse_value(raw)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[key.replace("-", "_")] = parse_value(argv[i + 1])
+            i += 2
+        else:
+            out[key.replace("-", "_")] = True
+            i += 1
+    return out
+
+
+def load_run_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"--config: file '{path}' does not exist.")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config: '{path}' is not valid TOML: {e}") from None
+    nested = [k for k, v in data.items() if isinstance(v, dict) and k != "chat_template_kwargs"]
+    if nested:
+        raise ConfigError(f"--config: '{path}' has sections {nested}; run files are flat (key = value at the top).")
+    return data
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    """Reject values whose type cannot be what the field means (before any model loads)."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    text = text.replace("typing.", "").replace(" ", "")
+    if text in ("Any", ""):
+        return
+    allowed = set(text.replace("Optional[", "").replace("]", "").split("|"))
+    checks = {
+        "bool": lambda v: isinstance(v, bool),
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "None": lambda v: v is None,
+        "dict": lambda v: isinstance(v, dict),
+        "list": lambda v: isinstance(v, list),
+    }
+    known = [a for a in allowed if a in checks or a.startswith(("list", "dict"))]
+    if not known:
+        return
+    ok = any(checks.get(a.split("[")[0], lambda v: False)(value) for a in allowed)
+    if not ok:
+        raise ConfigError(f"{name}: expected {annotation}, got {value!r} ({type(value).__name__}).")
+
+
+def build_configs(values: dict[str, Any], config_cls: type) -> tuple[RunArgs, Any]:
+    """Split flat `values` into RunArgs and `config_cls`, checking names and types first."""
+    valid = field_names(RunArgs, config_cls)
+    for key in values:
+        if key not in valid:
+            close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown key '{key}'.{hint} `toolkit {_cli_name(config_cls)} --help` lists every key.")
+    hints = {}
+    for cls in (RunArgs, config_cls):
+        try:
+            hints.update(typing.get_type_hints(cls))
+        except Exception:  # noqa: BLE001 - some TrainingArguments hints reference optional packages
+            hints.update({f.name: f.type for f in dataclasses.fields(cls)})
+    for key, value in values.items():
+        _check_type(key, value, hints.get(key, "Any"))
+    run = RunArgs(**{k: v for k, v in values.items() if valid[k] is RunArgs})
+    cfg = config_cls(**{k: v for k, v in values.items() if valid[k] is config_cls})
+    return run, cfg
+
+
+def _cli_name(config_cls: type) -> str:
+    return config_cls.__name__.replace("Config", "").lower()
+
+
+def describe_fields(*classes: type) -> str:
+    lines = []
+    for cls in classes:
+        lines.append(f"\n{cls.__name__}:")
+        for f in dataclasses.fields(cls):
+            if not f.init or f.name.startswith("_"):
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else "(computed)"
+            help_text = f.metadata.get("help", "")
+            help_text = help_text.split("\n")[0][:110]
+            lines.append(f"  --{f.name} (default {default!r}): {help_text}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Small tasks the project generates itself, so examples and tests need no download.
+
+`arithmetic`: additions and subtractions of two or three numbers with a verifiable integer answer.
+The same generator feeds the SFT main job (prompt-completion rows) and, later, RL (prompt-only
+rows with an `answer` column). Splits are disjoint by construction (different seeds, and held-out
+problems are removed from the training set).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+import torch
+
+PROMPT_SUFFIX = "Answer with just the number."
+
+
+def _problem(rng: random.Random, max_value: int, max_terms: int) -> tuple[str, int]:
+    n_terms = rng.randint(2, max_terms)
+    terms = [rng.randint(1, max_value) for _ in range(n_terms)]
+    ops = [rng.choice("+-") for _ in range(n_terms - 1)]
+    expr, value = str(terms[0]), terms[0]
+    for op, t in zip(ops, terms[1:]):
+        expr += f" {op} {t}"
+        value = value + t if op == "+" else value - t
+    return expr, value
+
+
+def arithmetic(n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3, kind: str = "prompt_completion",
+               exclude: set[str] | None = None) -> list[dict[str, Any]]:
+    """`n` conversational rows. kind="prompt_completion" adds the answer as the completion; "prompt_only"
+    keeps it in an `answer` column for reward functions."""
+    if kind not in ("prompt_completion", "prompt_only"):
+        raise ValueError(f"kind must be 'prompt_completion' or 'prompt_only', got {kind!r}")
+    rng = random.Random(seed)
+    rows, seen = [], set(exclude or ())
+    attempts = 0
+    while len(rows) < n:
+        attempts += 1
+        if attempts > 100 * n:
+            raise ValueError(f"cannot draw {n} distinct problems with max_value={max_value}, max_terms={max_terms}")
+        expr, value = _problem(rng, max_value, max_terms)
+        if expr in seen:
+            continue
+        seen.add(expr)
+        prompt = [{"role": "user", "content": f"What is {expr}? {PROMPT_SUFFIX}"}]
+        row: dict[str, Any] = {"prompt": prompt, "answer": str(value)}
+        if kind == "prompt_completion":
+            row["completion"] = [{"role": "assistant", "content": str(value)}]
+        rows.append(row)
+    return rows
+
+
+def arithmetic_splits(n_train: int, n_eval: int, *, seed: int = 0, **kwargs: Any) -> tuple[list[dict], list[dict]]:
+    """Disjoint train and held-out sets."""
+    held_out = arithmetic(n_eval, seed=seed + 1_000_003, **kwargs)
+    exprs = {_expr_of(r) for r in held_out}
+    return arithmetic(n_train, seed=seed, exclude=exprs, **kwargs), held_out
+
+
+def _expr_of(row: dict[str, Any]) -> str:
+    text = row["prompt"][-1]["content"]
+    return text[len("What is "): text.index("?")]
+
+
+_NUMBER = re.compile(r"-?\d+")
+
+
+def first_integer(text: str) -> int | None:
+    m = _NUMBER.search(text)
+    return int(m.group()) if m else None
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, rows: list[dict[str, Any]], *, max_new_tokens: int = 8, batch_size: int = 16) -> float:
+    """Fraction of rows whose greedy answer's first integer equals `answer` (left-padded batched generation)."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start:start + batch_size]
+            texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in batch]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            for r, seq in zip(batch, out[:, enc["input_ids"].shape[1]:]):
+                if first_integer(tokenizer.decode(seq, skip_special_tokens=True)) == int(r["answer"]):
+                    correct += 1
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return correct / max(len(rows), 1)
