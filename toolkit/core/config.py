@@ -128,7 +128,7 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
         return
     ok = any(checks.get(a.split("[")[0], lambda v: False)(value) for a in allowed)
     if not ok:
-        raise ConfigError(f"{name}: expected {annotation}, got {value!r} ({type(value).__name__}).")
+        raise ConfigError(f"{name}: expected {text}, got {value!r} ({type(value).__name__}).")
 
 
 def build_configs(values: dict[str, Any], config_cls: type) -> tuple[RunArgs, Any]:

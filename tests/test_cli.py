@@ -1,0 +1,95 @@
+"""Run files and the `toolkit` command."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from toolkit.core.cli import main
+from toolkit.core.config import RunArgs, build_configs, load_run_file, parse_overrides
+from toolkit.core.errors import ConfigError
+from toolkit.core.sft import SFTConfig
+
+EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
+
+
+def test_there_are_shipped_run_files():
+    assert EXAMPLES
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_shipped_run_file_loads_and_says_how_to_run_it(path):
+    first = path.read_text().splitlines()[0]
+    assert first == f"# Run: toolkit sft --config examples/{path.name}"
+    run, config = build_configs(load_run_file(path), SFTConfig)
+    assert isinstance(run, RunArgs) and isinstance(config, SFTConfig)
+
+
+def test_overrides_are_toml_literals_with_string_fallback():
+    assert parse_overrides(["--learning_rate", "1e-5", "--packing", "true", "--output_dir", "runs/a",
+                            "--lora_target_modules", '["q_proj"]', "--max-steps=3", "--padding_free"]) == {
+        "learning_rate": 1e-5, "packing": True, "output_dir": "runs/a", "lora_target_modules": ["q_proj"],
+        "max_steps": 3, "padding_free": True}
+
+
+def test_unknown_key_suggests_the_closest_name():
+    with pytest.raises(ConfigError, match="unknown key 'learning_rat'. Did you mean 'learning_rate'?"):
+        build_configs({"learning_rat": 1e-5}, SFTConfig)
+    with pytest.raises(ConfigError, match="unknown key 'paking'. Did you mean 'packing'?"):
+        build_configs({"paking": True}, SFTConfig)
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigError, match="max_steps: expected int"):
+        build_configs({"max_steps": "ten"}, SFTConfig)
+    with pytest.raises(ConfigError, match="packing: expected bool"):
+        build_configs({"packing": "yes"}, SFTConfig)
+
+
+def test_qlora_needs_lora():
+    with pytest.raises(ConfigError, match="load_in_4bit: .* set lora_r > 0"):
+        build_configs({"load_in_4bit": True}, SFTConfig)
+
+
+def test_sectioned_run_file_is_refused(tmp_path):
+    p = tmp_path / "r.toml"
+    p.write_text("[training]\nlearning_rate = 1e-5\n")
+    with pytest.raises(ConfigError, match="run files are flat"):
+        load_run_file(p)
+
+
+def test_cli_runs_sft_end_to_end_on_a_local_model(tmp_path, capsys):
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"What is {i}+1? ", "completion": str(i + 1)}) for i in range(16)))
+    rc = main(["sft", "--model", str(tmp_path / "m"), "--dataset", str(data), "--max_steps", "3",
+               "--output_dir", str(tmp_path / "out"), "--learning_rate", "1e-3", "--logging_steps", "1",
+               "--save_strategy", "no", "--disable_tqdm", "true"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (tmp_path / "out" / "final" / "model.safetensors").exists()
+    assert summary["train_loss_last_quarter"] < summary["train_loss_first_quarter"]
+    assert "SFT summary" in capsys.readouterr().out
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
+    assert main(["sft", "--dataset", "x.jsonl", "--learnin_rate", "1"]) == 2
+    assert "Did you mean 'learning_rate'?" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"\n')
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    assert main(["sft", "--model", str(tmp_path / "m"), "--dataset", str(bad)]) == 2
+    assert "line 2 of" in capsys.readouterr().err
+
+
+def test_help_lists_every_key(capsys):
+    assert main(["sft", "--help"]) == 0
+    out = capsys.readouterr().out
+    for key in ("--packing", "--assistant_only_loss", "--lora_r", "--learning_rate", "--model"):
+        assert key in out
