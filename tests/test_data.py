@@ -237,3 +237,18 @@ def test_pack_bins_respects_capacity_and_keeps_every_example():
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
     assert len(bins) == 5  # total 45 tokens -> at least 5 bins of 10
     assert pack_bins(lengths, 10) == bins  # deterministic
+
+
+def test_template_whose_prompt_is_not_a_text_prefix(tok):
+    """Like templates that open a <think> block in the generation prompt but not in rendered history."""
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\nthink: ' }}{% endif %}"
+    )
+    rows = conv_pc(2)
+    out, report = _tok(rows, tok)
+    assert report.non_prefix_rows == 2
+    for r, ex in zip(rows, out):
+        learned = tok.decode([t for t, m in zip(ex["input_ids"], ex["completion_mask"]) if m])
+        # the boundary is the longest common token prefix: the answer and its end are learned, the prompt is not
+        assert r["completion"][0]["content"] in learned and "What is" not in learned

@@ -59,7 +59,7 @@ def test_padded_equals_padding_free_equals_packed(tmp_path):
     """Same data, three layouts: identical per-token log-probs and gradients (no cross-example attention)."""
     rows = conv_pc(6) + text_rows(0)
     results = {}
-    for name, kw in {"padded": {}, "padding_free": {"padding_free": True}, "packed": {"packing": True,
+    for name, kw in {"padded": {"padding_free": False}, "padding_free": {"padding_free": True}, "packed": {"packing": True,
                                                                                       "max_length": 512}}.items():
         t = SFTTrainer(tiny_model(), cfg(tmp_path, **kw), train_dataset=rows, processing_class=tiny_tokenizer())
         data = [t.train_dataset[i] for i in range(len(t.train_dataset))]
@@ -78,7 +78,7 @@ def test_padded_equals_padding_free_equals_packed(tmp_path):
 
 def test_packed_loss_equals_unpacked_loss_in_training(tmp_path):
     rows = conv_pc(8)
-    a = SFTTrainer(tiny_model(), cfg(tmp_path, max_steps=1, per_device_train_batch_size=8),
+    a = SFTTrainer(tiny_model(), cfg(tmp_path, max_steps=1, per_device_train_batch_size=8, padding_free=False),
                    train_dataset=rows, processing_class=tiny_tokenizer())
     a.train()
     b = SFTTrainer(tiny_model(), cfg(tmp_path, max_steps=1, per_device_train_batch_size=8, padding_free=True),
@@ -231,6 +231,15 @@ def test_nan_loss_stops_with_the_step_named(tmp_path):
     t = SFTTrainer(model, cfg(tmp_path), train_dataset=conv_pc(4), processing_class=tiny_tokenizer())
     with pytest.raises(TrainingHealthError, match="SFT loss is nan at step 0"):
         t.train()
+
+
+def test_padding_free_is_automatic_where_attention_supports_it(tmp_path):
+    t = SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=conv_pc(4), processing_class=tiny_tokenizer())
+    assert t.padding_free and t.model.config._attn_implementation == "toolkit_varlen"
+    assert t.args.gradient_checkpointing  # default on CPU
+    t = SFTTrainer(tiny_model(attn_implementation="flex_attention"), cfg(tmp_path), train_dataset=conv_pc(4),
+                   processing_class=tiny_tokenizer())
+    assert not t.padding_free
 
 
 def test_packing_refuses_attention_that_would_leak(tmp_path):

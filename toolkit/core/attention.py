@@ -53,10 +53,19 @@ def varlen_kwargs(cu_seq_lens: torch.Tensor) -> dict[str, torch.Tensor | int]:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def use_varlen_attention(model) -> bool:
-    """Switch a model from sdpa/eager to `toolkit_varlen`; leave flash-attention and others alone. Returns True if switched."""
+_SWITCHABLE = ("sdpa", "eager", None)
+_NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3", VARLEN_ATTENTION)
+
+
+def supports_varlen(model) -> bool:
+    """Whether packed rows can run through `model` with each example attending only to itself."""
+    return getattr(model.config, "_attn_implementation", None) in _SWITCHABLE + _NATIVE_VARLEN
+
+
+def use_varlen_attention(model) -> None:
+    """Switch a model from sdpa/eager to `toolkit_varlen`; flash-attention handles varlen natively and stays."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl in ("sdpa", "eager", None):
+    if impl in _SWITCHABLE:
         model.set_attn_implementation(VARLEN_ATTENTION)
-        return True
-    return impl == VARLEN_ATTENTION
+    elif impl not in _NATIVE_VARLEN:
+        raise ValueError(f"attention implementation '{impl}' cannot run packed rows")

@@ -92,8 +92,8 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 dz.div_(ctx.temperature)
             if need_h:
                 grad_h[start:end] = (dz.to(w32.dtype) @ w32).to(hidden.dtype)
-            if need_w:
-                grad_w.add_(dz.t() @ h.to(torch.float32))
+            if need_w:  # accumulate in place: no [V, H] temporary per chunk
+                grad_w.addmm_(dz.t(), h.to(torch.float32))
             if need_b:
                 grad_b.add_(dz.sum(0))
             del z, dz
@@ -236,3 +236,96 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, kind: Literal["k1"
     if kind == "k3":
         return torch.exp(log_ratio) - log_ratio - 1.0
     raise ValueError(f"unknown KL estimator '{kind}'; choose k1, k2 or k3")
+
+
+# --------------------------------------------------------------------------------------------------
+# RL numerics: advantages, policy losses, importance weights
+# --------------------------------------------------------------------------------------------------
+
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages (GRPO, DeepSeekMath eq. 3; Dr. GRPO and ScaleRL for the scaling variants).
+
+    Args:
+        rewards: [B] rewards, B = groups x `group_size`, rows of one group contiguous. NaN marks a
+            row without a reward: it is left out of its group's statistics and gets advantage 0.
+        scale: "group": (r - mean_g) / (std_g + eps); "batch": (r - mean_g) / (std over the batch
+            of the centred rewards + eps) (ScaleRL's batch-level normalisation); "none": r - mean_g
+            (Dr. GRPO: no std division, which biases towards easy/hard prompts otherwise).
+
+    Returns:
+        (advantages [B], zero_std [B] bool): zero_std marks rows whose group has fewer than two
+        rewarded rows or all-equal rewards, i.e. no learning signal (zero-variance filtering).
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be [groups * {group_size}], got {tuple(rewards.shape)}")
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale!r}")
+    r = rewards.view(-1, group_size).float()
+    valid = ~torch.isnan(r)
+    count = valid.sum(-1, keepdim=True)
+    r0 = torch.where(valid, r, torch.zeros_like(r))
+    mean = r0.sum(-1, keepdim=True) / count.clamp(min=1)
+    centred = torch.where(valid, r - mean, torch.zeros_like(r))
+    # unbiased std within the group, as torch.std (and TRL) compute it
+    var = centred.pow(2).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
+    std = var.sqrt()
+    zero_std = (count < 2) | (std < 1e-8)
+    if scale == "group":
+        adv = centred / (std + eps)
+    elif scale == "batch":
+        flat = centred[valid]
+        batch_std = flat.std() if flat.numel() > 1 else torch.zeros((), dtype=flat.dtype)
+        adv = centred / (batch_std + eps)
+    else:
+        adv = centred
+    adv = torch.where(valid & ~zero_std, adv, torch.zeros_like(adv))
+    return adv.reshape(-1), zero_std.expand_as(r).reshape(-1)
+
+
+def clipped_surrogate(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO clipped surrogate loss, -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
+
+    logps, old_logps: [B, T]; advantages: [B] (broadcast over tokens). Returns (loss [B, T], info)
+    where info holds per-token bool masks `clipped_low` / `clipped_high` (the clip was active and
+    bound the objective) and the ratio rho, for metrics.
+    """
+    ratio = torch.exp(logps - old_logps)
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
+    loss = -torch.min(unclipped, clipped)
+    info = {
+        "ratio": ratio.detach(),
+        "clipped_low": ((ratio < 1 - epsilon_low) & (adv < 0)).detach(),
+        "clipped_high": ((ratio > 1 + epsilon_high) & (adv > 0)).detach(),
+    }
+    return loss, info
+
+
+def truncated_importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, cap: float,
+                                 *, level: str = "token", mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Truncated importance sampling (TIS) weights min(pi_trainer / pi_sampler, cap), no gradient.
+
+    Corrects the mismatch between the engine that sampled (its log-probs) and the trainer's own
+    log-probs of the same tokens (different kernels, stale weights). level="sequence" uses the
+    product of token ratios over each sequence (exp of the masked sum of log-ratios).
+    """
+    log_ratio = (trainer_logps - sampler_logps).detach()
+    if level == "sequence":
+        m = mask.to(log_ratio.dtype) if mask is not None else torch.ones_like(log_ratio)
+        log_ratio = (log_ratio * m).sum(-1, keepdim=True).expand_as(log_ratio)
+    elif level != "token":
+        raise ValueError(f"importance level must be 'token' or 'sequence', got {level!r}")
+    return torch.exp(log_ratio).clamp(max=cap)

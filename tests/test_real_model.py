@@ -1,0 +1,59 @@
+"""The embedded SmolLM2-135M-Instruct, for real (marker: real_model; CI runs these in their own stage)."""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from toolkit import embedded_model_path, load_model, load_tokenizer
+
+    path = embedded_model_path()
+    return path, load_model("smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct")
+
+
+def test_embedded_model_is_cached_and_reloads_identically(smollm):
+    from toolkit import embedded_model_path, load_model
+
+    path, model, tok = smollm
+    assert embedded_model_path() == path and (path / "model.safetensors").exists()
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    again = load_model(str(path))
+    x = torch.tensor([tok("What is 12 + 7?").input_ids])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, again(x).logits)
+    for name in ("smollm2", "default", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert load_model(name).config.vocab_size == 49152
+    assert tok.pad_token_id == tok.eos_token_id and tok.chat_template  # the pad == eos case, for real
+
+
+def test_chunked_logps_equal_full_logits_on_the_real_model(smollm):
+    from toolkit import chunked_token_logps
+
+    _, model, tok = smollm
+    ids = torch.tensor([tok("The capital of France is Paris. The capital of Italy is Rome.").input_ids])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        ref = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        ours = chunked_token_logps(out.hidden_states[-1][0, :-1], model.lm_head.weight, ids[0, 1:], chunk_size=5)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_sft_lowers_the_loss_on_the_real_model(tmp_path, smollm):
+    from toolkit import SFTConfig, SFTTrainer
+    from toolkit.core.tasks import arithmetic
+
+    _, model, tok = smollm
+    rows = arithmetic(16, seed=3)
+    t = SFTTrainer(model, SFTConfig(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=8,
+                                    learning_rate=5e-5, logging_steps=1, save_strategy="no", padding_free=True,
+                                    disable_tqdm=True),
+                   train_dataset=rows, processing_class=tok)
+    t.train()
+    losses = [h["loss"] for h in t.state.log_history if "loss" in h]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]

@@ -1,0 +1,223 @@
+"""Generation backends: prompt token ids in, completion token ids and their sampling log-probs out.
+
+`GenerationBackend` is the seam every RL trainer generates through. This module ships the
+default backend on transformers (`TransformersBackend`); the vLLM backend and an async variant
+plug into the same protocol.
+
+Sampling semantics, identical in every backend (field note 8: a temperature applied on one side
+only doubles the importance ratio):
+    z = logits / temperature; optional top-k, then top-p (nucleus), then min-p truncation;
+    sample from softmax of the truncated z.
+The returned log-prob of each sampled token is log softmax(z)[token] over the *untruncated*
+temperature-scaled distribution: exactly what the trainer computes with `chunked_token_logps(...,
+temperature=T)`, so sampler and trainer log-probs are comparable token by token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. `max_tokens` bounds each completion; `stop_token_ids` end it (the stop token is kept)."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens (max_completion_length): must be >= 1, got {self.max_tokens}.")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature: must be > 0 (use a small value for near-greedy), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k: must be >= 0 (0 = off), got {self.top_k}.")
+        if not 0 <= self.min_p < 1:
+            raise ConfigError(f"min_p: must be in [0, 1), got {self.min_p}.")
+
+
+@dataclass
+class Completion:
+    """One sampled completion. `logprobs[i]` is the sampler's log-prob of `token_ids[i]`."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token was sampled) or "length" (max_tokens reached)
+
+
+@dataclass
+class GenerationStats:
+    seconds: float = 0.0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What a generation backend must do. Implementations do not inherit behaviour from anything.
+
+    generate: for each prompt (a list of token ids), `n` completions, returned grouped by prompt:
+        result[i][j] is completion j of prompt i. `seed` makes sampling reproducible.
+    sync_weights: make the backend sample from `model`'s current weights (a no-op for backends
+        that sample with the training model itself).
+    """
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
+                 seed: int | None = None) -> list[list[Completion]]: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling transforms (pure functions)
+# ------------------------------------------------------------------------------------------------
+
+
+def truncate_logits(z: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """[B, V] temperature-scaled logits -> same with excluded tokens set to -inf (top-k, then top-p, then min-p)."""
+    if top_k and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it is kept)
+        drop_sorted = probs.cumsum(-1) - probs > top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(z, dim=-1)
+        z = z.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return z
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] raw logits -> (tokens [B], log-probs [B] under the untruncated temperature-scaled softmax)."""
+    z = logits.float() / params.temperature
+    logp = torch.log_softmax(z, dim=-1)
+    truncated = truncate_logits(z, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+    probs = torch.softmax(truncated, dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The transformers backend
+# ------------------------------------------------------------------------------------------------
+
+
+class TransformersBackend:
+    """Batched, KV-cached sampling with the training model itself (so weights never need syncing).
+
+    Efficient on CPU: each prompt is prefilled once and its KV cache shared by its `n` samples
+    (GRPO's G generations of one prompt differ only after the prompt); all sequences then decode
+    together, one forward per token, computing the LM head for the last position only; finished
+    sequences stop counting and the loop ends when all are done.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, max_batch_size: int = 256):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.last_stats = GenerationStats()
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
+                 seed: int | None = None) -> list[list[Completion]]:
+        started = time.perf_counter()
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+        per_call = max(1, self.max_batch_size // n)
+        results: list[list[Completion]] = []
+        for start in range(0, len(prompts), per_call):
+            results += self._generate_chunk([list(p) for p in prompts[start:start + per_call]], params, n, generator)
+        self.last_stats = GenerationStats(
+            seconds=time.perf_counter() - started,
+            generated_tokens=sum(len(c.token_ids) for group in results for c in group),
+            prompt_tokens=sum(len(p) for p in prompts),
+        )
+        return results
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                        generator: torch.Generator) -> list[list[Completion]]:
+        from transformers import DynamicCache
+
+        model = self.model
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        try:
+            b = len(prompts)
+            longest = max(len(p) for p in prompts)
+            ids = torch.full((b, longest), self.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((b, longest), dtype=torch.long)
+            for i, p in enumerate(prompts):  # left padding: every prompt ends at the last column
+                ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+                mask[i, longest - len(p):] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            # Share each prompt's cache with its n samples: repeat_interleave the batch dimension.
+            cache = out.past_key_values
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+            mask = mask.repeat_interleave(n, dim=0)
+            last_pos = positions[:, -1].repeat_interleave(n, dim=0)
+            logits = out.logits[:, -1].repeat_interleave(n, dim=0)
+            total = b * n
+            stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
+            done = torch.zeros(total, dtype=torch.bool, device=device)
+            tokens_out = torch.full((total, params.max_tokens), self.pad_token_id, dtype=torch.long)
+            logps_out = torch.zeros((total, params.max_tokens), dtype=torch.float32)
+            lengths = torch.zeros(total, dtype=torch.long)
+            for step in range(params.max_tokens):
+                tok, lp = sample_tokens(logits, params, generator)
+                tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
+                active = ~done
+                tokens_out[:, step] = tok.cpu()
+                logps_out[:, step] = torch.where(active, lp, torch.zeros_like(lp)).cpu()
+                lengths += active.long().cpu()
+                if stop.numel():
+                    done = done | (active & torch.isin(tok, stop))
+                if bool(done.all()) or step == params.max_tokens - 1:
+                    break
+                mask = torch.cat([mask, (~done).long()[:, None] | active.long()[:, None]], dim=1)
+                last_pos = last_pos + 1
+                out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                            past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits = out.logits[:, -1]
+        finally:
+            model.train(was_training)
+        results: list[list[Completion]] = []
+        stop_set = set(params.stop_token_ids)
+        for i in range(b):
+            group = []
+            for j in range(n):
+                r = i * n + j
+                k = int(lengths[r])
+                toks = tokens_out[r, :k].tolist()
+                reason = "stop" if toks and toks[-1] in stop_set else "length"
+                group.append(Completion(token_ids=toks, logprobs=logps_out[r, :k].tolist(), finish_reason=reason))
+            results.append(group)
+        return results
