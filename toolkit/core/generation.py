@@ -121,6 +121,14 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
 # ------------------------------------------------------------------------------------------------
 
 
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5.2x renamed `past_key_values` to `cache` (old name deprecated until 5.40)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class TransformersBackend:
     """Batched, KV-cached sampling with the training model itself (so weights never need syncing).
 
@@ -175,10 +183,9 @@ class TransformersBackend:
             ids, mask = ids.to(device), mask.to(device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             cache = DynamicCache(config=model.config)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        **{_cache_kwarg(model): cache})
             # Share each prompt's cache with its n samples: repeat_interleave the batch dimension.
-            cache = out.past_key_values
             if n > 1:
                 cache.batch_repeat_interleave(n)
             mask = mask.repeat_interleave(n, dim=0)
@@ -201,11 +208,11 @@ class TransformersBackend:
                     done = done | (active & torch.isin(tok, stop))
                 if bool(done.all()) or step == params.max_tokens - 1:
                     break
-                mask = torch.cat([mask, (~done).long()[:, None] | active.long()[:, None]], dim=1)
+                # the token just sampled is real for every row that was active at this step
+                mask = torch.cat([mask, active.long()[:, None]], dim=1)
                 last_pos = last_pos + 1
                 out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                            past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                            use_cache=True, **{_cache_kwarg(model): cache})
                 logits = out.logits[:, -1]
         finally:
             model.train(was_training)

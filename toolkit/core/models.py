@@ -135,6 +135,33 @@ def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) ->
     return AutoTokenizer.from_pretrained(resolve_model_path(str(model)), **kwargs)
 
 
+def unwrap_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model under DDP / PEFT wrappers (where the LM head and config live)."""
+    while hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def apply_cpu_training_defaults(args: Any) -> None:
+    """Defaults every trainer config shares, resolved before TrainingArguments.__post_init__.
+
+    Activation checkpointing is on by default without a GPU: on CPU it saves memory *and* time,
+    because touching freshly allocated memory (page faults) costs more than recomputing a layer.
+    Measured on SmolLM2-135M, 4 rows of 100-500 tokens: 7.0 s/step and 2.7 GB peak with it,
+    7.8 s and 4.7 GB without. Pinned memory only warns without an accelerator.
+    """
+    if not torch.cuda.is_available():
+        args.dataloader_pin_memory = False
+    # transformers >= 5.2x renamed gradient_checkpointing to activation_checkpointing (old name kept as alias)
+    name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    if getattr(args, name) is None and getattr(args, "gradient_checkpointing", None) is None:
+        setattr(args, name, not torch.cuda.is_available())
+    if getattr(args, name + "_kwargs") is None:
+        setattr(args, name + "_kwargs", {"use_reentrant": False})
+
+
 def _parse_dtype(name: str) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}

@@ -42,7 +42,7 @@ from .data import (
     validate,
 )
 from .errors import ConfigError, TrainingHealthError
-from .models import DEFAULT_MODEL, load_model, load_tokenizer
+from .models import DEFAULT_MODEL, apply_cpu_training_defaults, load_model, load_tokenizer, unwrap_model
 from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
 
 logger = logging.getLogger(__name__)
@@ -92,16 +92,7 @@ class SFTConfig(TrainingArguments):
         default="float32", metadata={"help": "dtype to load the model in when it is given by name: float32 | bfloat16."})
 
     def __post_init__(self):
-        if not torch.cuda.is_available():
-            self.dataloader_pin_memory = False  # pinning without an accelerator only warns
-        # Activation checkpointing defaults to on without a GPU: on CPU it saves memory *and* time, because
-        # touching freshly allocated memory (page faults) costs more than recomputing a layer. Measured on
-        # SmolLM2-135M, 4 rows of 100-500 tokens: 7.0 s/step and 2.7 GB peak with it, 7.8 s and 4.7 GB without.
-        name = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
-        if getattr(self, name) is None and getattr(self, "gradient_checkpointing", None) is None:
-            setattr(self, name, not torch.cuda.is_available())
-        if getattr(self, name + "_kwargs") is None:
-            setattr(self, name + "_kwargs", {"use_reentrant": False})
+        apply_cpu_training_defaults(self)
         super().__post_init__()
         if self.max_length is not None and self.max_length < 2:
             raise ConfigError(f"max_length: must be at least 2 (or None), got {self.max_length}.")
@@ -183,17 +174,17 @@ class SFTTrainer(Trainer):
         model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
         if peft_config is not None:
             model = _apply_peft(model, peft_config, args)
-        varlen_ok = supports_varlen(_base_model(model))
+        varlen_ok = supports_varlen(unwrap_model(model))
         if (args.packing or args.padding_free) and not varlen_ok:
             raise ConfigError(
-                f"packing/padding_free: attention implementation '{_base_model(model).config._attn_implementation}' "
+                f"packing/padding_free: attention implementation '{unwrap_model(model).config._attn_implementation}' "
                 "cannot keep packed examples apart. Load the model with attn_implementation='sdpa' (or "
                 "flash_attention_2 on GPU), or set packing=False, padding_free=False."
             )
         packed = args.packing or (args.padding_free if args.padding_free is not None else varlen_ok)
         self.padding_free = packed
         if packed:
-            use_varlen_attention(_base_model(model))
+            use_varlen_attention(unwrap_model(model))
 
         # 3. Datasets of token ids (packing groups whole examples into rows of at most max_length).
         if args.packing:
@@ -244,7 +235,7 @@ class SFTTrainer(Trainer):
         labels = inputs["labels"]
         shifted = labels[:, 1:]
         selected = shifted != -100  # [B, T-1]
-        head = _base_model(model).get_output_embeddings()
+        head = unwrap_model(model).get_output_embeddings()
         logps = chunked_token_logps(
             hidden[:, :-1][selected], head.weight, shifted[selected], bias=getattr(head, "bias", None),
             chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head,
@@ -300,15 +291,6 @@ class SFTTrainer(Trainer):
             logger.info("Resuming from %s", path)
         self._window_start = time.perf_counter()
         return super().train(resume_from_checkpoint=path, **kwargs)
-
-
-def _base_model(model: torch.nn.Module) -> PreTrainedModel:
-    """The transformers model under PEFT / accelerate wrappers (where the LM head and config live)."""
-    while hasattr(model, "module"):
-        model = model.module
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return model
 
 
 def _apply_peft(model: PreTrainedModel, peft_config: Any, args: SFTConfig):

@@ -1,0 +1,79 @@
+"""The transformers generation backend and the sampling transforms."""
+
+import pytest
+import torch
+
+from toolkit.core.errors import ConfigError
+from toolkit.core.generation import GenerationBackend, SamplingParams, TransformersBackend, truncate_logits
+from toolkit.core.numerics import chunked_token_logps
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+
+def _prompts(tok):
+    texts = ["What is 1 + 2?", "The quick brown fox", "Hello world! This is"]
+    return [tok(t).input_ids for t in texts]
+
+
+def test_backend_satisfies_the_protocol():
+    tok = tiny_tokenizer()
+    assert isinstance(TransformersBackend(tiny_model(), pad_token_id=tok.pad_token_id), GenerationBackend)
+
+
+def test_greedy_matches_transformers_generate():
+    tok, model = tiny_tokenizer(), tiny_model()
+    model.eval()
+    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id)
+    out = backend.generate(_prompts(tok), SamplingParams(max_tokens=12, top_k=1), n=1, seed=0)
+    for p, group in zip(_prompts(tok), out):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        assert group[0].token_ids == ref
+        assert group[0].finish_reason == "length"
+
+
+def test_sampler_logprobs_equal_trainer_logprobs_of_the_same_ids():
+    """Token ids end to end: the trainer's log-prob of each sampled id equals the sampler's (same temperature)."""
+    tok, model = tiny_tokenizer(), tiny_model()
+    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id)
+    params = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9)
+    groups = backend.generate(_prompts(tok), params, n=3, seed=1)
+    for p, group in zip(_prompts(tok), groups):
+        assert len(group) == 3
+        for c in group:
+            ids = torch.tensor([p + c.token_ids])
+            with torch.no_grad():
+                hidden = model(ids, output_hidden_states=True).hidden_states[-1][0]
+            lp = chunked_token_logps(hidden[len(p) - 1:-1], model.lm_head.weight, torch.tensor(c.token_ids),
+                                     temperature=0.7)
+            torch.testing.assert_close(lp, torch.tensor(c.logprobs), rtol=1e-4, atol=1e-4)
+
+
+def test_stop_tokens_end_completions_and_seed_reproduces():
+    tok, model = tiny_tokenizer(), tiny_model()
+    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id)
+    # make token 5 overwhelmingly likely so it gets sampled early, then stop on it
+    with torch.no_grad():
+        model.lm_head.weight[5] = model.model.norm.weight * 0 + 3.0
+    params = SamplingParams(max_tokens=16, stop_token_ids=(5,))
+    a = backend.generate(_prompts(tok), params, n=4, seed=7)
+    b = backend.generate(_prompts(tok), params, n=4, seed=7)
+    assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
+    stopped = [c for g in a for c in g if c.finish_reason == "stop"]
+    assert stopped and all(c.token_ids[-1] == 5 and 5 not in c.token_ids[:-1] for c in stopped)
+
+
+def test_truncate_logits_top_k_top_p_min_p():
+    z = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(truncate_logits(z, top_k=2)[0, 2:]).all() and torch.isfinite(truncate_logits(z, top_k=2)[0, :2]).all()
+    kept = torch.isfinite(truncate_logits(z, top_p=0.7)[0]).tolist()
+    assert kept == [True, True, False, False]  # 0.5 < 0.7, 0.5 + 0.3 reaches it
+    kept = torch.isfinite(truncate_logits(z, min_p=0.5)[0]).tolist()
+    assert kept == [True, True, False, False]  # 0.15 < 0.5 * 0.5
+
+
+@pytest.mark.parametrize("kw, field", [({"temperature": 0}, "temperature"), ({"top_p": 0}, "top_p"),
+                                       ({"max_tokens": 0}, "max_tokens"), ({"top_k": -1}, "top_k"),
+                                       ({"min_p": 1.0}, "min_p")])
+def test_sampling_params_name_the_bad_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        SamplingParams(**kw)

@@ -1,0 +1,242 @@
+"""GRPOTrainer on tiny models: every loss type, KL, iterations, rewards (weights, None, failing, async), resume."""
+
+import asyncio
+import logging
+import math
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from toolkit import ConfigError, DataError, TrainingHealthError
+from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+
+def prompts(n=16):
+    return [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(n)]
+
+
+def length_reward(prompts, completions, completion_ids, **kw):
+    """Dense and varied even for a random model: prefers low token ids (and short completions)."""
+    return [-sum(ids) / (len(ids) * 384.0) - len(ids) / 100.0 for ids in completion_ids]
+
+
+def cfg(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                max_completion_length=8, learning_rate=1e-2, logging_steps=1, save_strategy="no", seed=0,
+                disable_tqdm=True, report_to="none")
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def make(tmp_path, rewards=(length_reward,), rows=None, model=None, **kw):
+    return GRPOTrainer(model if model is not None else tiny_model(), list(rewards), cfg(tmp_path, **kw),
+                       train_dataset=rows if rows is not None else prompts(), processing_class=tiny_tokenizer())
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "prompt"])
+def test_each_loss_type_trains(tmp_path, loss_type):
+    t = make(tmp_path, loss_type=loss_type)
+    before = {k: v.clone() for k, v in t.model.named_parameters()}
+    t.train()
+    assert all(math.isfinite(x) for x in logged(t, "loss"))
+    assert any(not torch.equal(v, before[k]) for k, v in t.model.named_parameters())
+    for key in ("reward", "frac_reward_zero_std", "entropy", "completions/mean_length", "clip_ratio/region_mean",
+                "importance_ratio/mean", "time/generation_s", "generation_tokens_per_s", "train_tokens_per_s"):
+        assert logged(t, key), key
+
+
+def test_kl_to_reference(tmp_path):
+    t = make(tmp_path, beta=0.1, max_steps=3)
+    t.train()
+    kl = logged(t, "kl")
+    assert len(kl) == 3 and kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 0
+    assert t.ref_model is not None and not any(p.requires_grad for p in t.ref_model.parameters())
+
+
+def test_kl_with_peft_uses_the_adapter_free_base(tmp_path):
+    from peft import LoraConfig
+
+    t = GRPOTrainer(tiny_model(), [length_reward], cfg(tmp_path, beta=0.1, max_steps=2),
+                    train_dataset=prompts(), processing_class=tiny_tokenizer(),
+                    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert t.ref_model is None
+    t.train()
+    assert len(logged(t, "kl")) == 2
+
+
+def test_num_iterations_reuses_rollouts_with_old_logps(tmp_path):
+    calls = []
+    t = make(tmp_path, num_iterations=2, max_steps=4)
+    original = t.generate_rollout
+
+    def counting(rows):
+        calls.append(list(rows))
+        return original(rows)
+
+    t.generate_rollout = counting
+    t.train()
+    assert len(calls) == 2  # 4 steps, 2 per rollout
+    ratios = logged(t, "clip_ratio/region_mean")
+    assert len(ratios) == 4
+
+
+def test_multiple_rewards_with_weights_and_none(tmp_path):
+    def only_even(prompts, completions, completion_ids, **kw):
+        return [1.0 if i % 2 == 0 else None for i in range(len(completions))]
+
+    t = make(tmp_path, rewards=(length_reward, only_even), reward_weights=[1.0, 0.5])
+    rollout = t.generate_rollout(list(range(2)))
+    per_func = rollout.rewards_per_func
+    assert torch.isnan(per_func[1, 1::2]).all()
+    expected = per_func[0] + 0.5 * torch.nan_to_num(per_func[1], nan=0.0)
+    torch.testing.assert_close(rollout.rewards, expected)
+
+
+def test_a_row_no_function_judges_is_excluded(tmp_path):
+    def judge_none(prompts, completions, completion_ids, **kw):
+        return [None] * len(completions)
+
+    t = make(tmp_path, rewards=(judge_none,))
+    rollout = t.generate_rollout([0, 1])
+    assert torch.isnan(rollout.rewards).all() and not rollout.included.any()
+
+
+def test_failing_reward_is_counted_logged_once_and_does_not_stop_the_run(tmp_path, caplog):
+    def broken(prompts, completions, completion_ids, **kw):
+        raise RuntimeError("reward server unreachable")
+
+    t = make(tmp_path, rewards=(length_reward, broken), max_steps=3)
+    with caplog.at_level(logging.ERROR, logger="toolkit.core.rewards"):
+        t.train()
+    assert logged(t, "rewards/broken/failures")[-1] == 3
+    errors = [r for r in caplog.records if "reward function 'broken' failed" in r.getMessage()]
+    assert len(errors) == 1 and "reward server unreachable" in errors[0].getMessage()
+    assert all(math.isfinite(x) for x in logged(t, "loss"))
+
+
+def test_async_rewards_run_concurrently_and_time_out(tmp_path):
+    async def slow_ok(prompts, completions, completion_ids, **kw):
+        await asyncio.sleep(0.3)
+        return [1.0 if len(ids) % 2 else 0.0 for ids in completion_ids]
+
+    async def slow_too(prompts, completions, completion_ids, **kw):
+        await asyncio.sleep(0.3)
+        return [0.5] * len(completions)
+
+    async def hangs(prompts, completions, completion_ids, **kw):
+        await asyncio.sleep(30)
+
+    import time
+
+    t = make(tmp_path, rewards=(slow_ok, slow_too, hangs), reward_timeout=1.0)
+    start = time.perf_counter()
+    rollout = t.generate_rollout([0, 1])
+    assert time.perf_counter() - start < 5  # concurrent, and the hanging one is cut at 1 s
+    assert torch.isnan(rollout.rewards_per_func[2]).all()
+    assert not torch.isnan(rollout.rewards_per_func[0]).any()
+    assert t.reward_runner.failures["hangs"] == 1
+
+
+def test_numeric_match_reward_reads_the_answer_column(tmp_path):
+    t = make(tmp_path, rewards=("numeric_match",))
+    rollout = t.generate_rollout([0, 1])
+    assert set(rollout.rewards.tolist()) <= {0.0, 1.0}
+
+
+def test_zero_variance_groups_are_dropped_and_reported(tmp_path):
+    def constant(prompts, completions, completion_ids, **kw):
+        return [1.0] * len(completions)
+
+    t = make(tmp_path, rewards=(constant,), max_steps=1)
+    t.train()
+    assert logged(t, "frac_reward_zero_std") == [1.0]
+    assert logged(t, "frac_rows_in_loss") == [0.0]
+    assert logged(t, "loss") == [0.0]
+
+
+def test_no_learning_signal_is_said_loudly(tmp_path, caplog):
+    def constant(prompts, completions, completion_ids, **kw):
+        return [0.0] * len(completions)
+
+    t = make(tmp_path, rewards=(constant,), max_steps=3, no_signal_warn_steps=2)
+    with caplog.at_level(logging.WARNING, logger="toolkit.core.grpo"):
+        t.train()
+    assert any("NO LEARNING SIGNAL" in r.getMessage() for r in caplog.records)
+
+
+def test_mask_truncated_completions(tmp_path):
+    t = make(tmp_path, mask_truncated_completions=True, max_completion_length=2)
+    rollout = t.generate_rollout([0, 1])
+    assert not (rollout.included & rollout.truncated).any()
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_exact_resume_equals_uninterrupted(tmp_path):
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    straight = make(tmp_path / "a", **kw)
+    straight.train()
+    first = GRPOTrainer(tiny_model(), [length_reward], cfg(tmp_path / "b", **kw), train_dataset=prompts(),
+                        processing_class=tiny_tokenizer(), callbacks=[StopAt(2)])
+    first.train()
+    second = make(tmp_path / "b", model=tiny_model(seed=99), **kw)
+    second.train(resume_from_checkpoint=True)
+    for key in ("loss", "reward", "completions/mean_length"):
+        assert logged(second, key)[2:] == pytest.approx(logged(straight, key)[2:], rel=1e-5), key
+
+
+def test_skip_solved_prompts(tmp_path):
+    def always_right(prompts, completions, completion_ids, **kw):
+        return [1.0] * len(completions)
+
+    t = make(tmp_path, rewards=(always_right,), skip_solved_threshold=0.9, max_steps=2)
+    t.train()
+    assert len(t.solved) == 4  # 2 steps x 2 prompts, all solved, never drawn again this run
+    order = t._round_sampler._order()
+    assert not set(order) & t.solved
+
+
+def test_nan_reward_stops_with_the_tensor_named(tmp_path):
+    def inf_reward(prompts, completions, completion_ids, **kw):
+        return [float("inf")] + [0.0] * (len(completions) - 1)
+
+    t = make(tmp_path, rewards=(inf_reward,), max_steps=1)
+    with pytest.raises(TrainingHealthError, match="reward function 'inf_reward' returned inf for 1 rows"):
+        t.train()
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="per_device_train_batch_size: counts completions"):
+        cfg(tmp_path, per_device_train_batch_size=6)
+    with pytest.raises(ConfigError, match="loss_type: 'ppo'"):
+        cfg(tmp_path, loss_type="ppo")
+    with pytest.raises(ConfigError, match="num_generations: must be >= 2"):
+        cfg(tmp_path, num_generations=1, per_device_train_batch_size=1)
+    with pytest.raises(ConfigError, match="save_steps: with num_iterations=2"):
+        cfg(tmp_path, num_iterations=2, save_strategy="steps", save_steps=3)
+    with pytest.raises(ConfigError, match="reward_weights: 2 weights for 1 reward"):
+        make(tmp_path, reward_weights=[1.0, 2.0])
+    with pytest.raises(ConfigError, match="unknown reward 'exact'"):
+        make(tmp_path, rewards=("exact",))
+
+
+def test_data_errors_before_the_model_loads(tmp_path):
+    with pytest.raises(DataError, match="GRPO needs a 'prompt' column"):
+        GRPOTrainer("no-such/model", [length_reward], cfg(tmp_path), train_dataset=[{"text": "hi"}],
+                    processing_class=tiny_tokenizer())
+    with pytest.raises(DataError, match="the prompt ends with an assistant turn"):
+        GRPOTrainer("no-such/model", [length_reward], cfg(tmp_path), processing_class=tiny_tokenizer(),
+                    train_dataset=[{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}])

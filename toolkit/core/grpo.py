@@ -1,0 +1,782 @@
+"""Group Relative Policy Optimization (GRPO) with verifiable rewards.
+
+`GRPOTrainer` is a `transformers.Trainer`. One optimizer step, top to bottom:
+
+1. Rollout (once per round of `gradient_accumulation_steps x num_iterations` micro-steps):
+   the round's prompts (token ids rendered once, at start-up) go to the generation backend,
+   which returns `num_generations` completions per prompt as token ids plus the sampler's
+   log-probs. Decoded text is only for rewards and logs.
+2. Scoring: every reward function (sync or async) on every completion; failures and timeouts
+   exclude rows instead of killing the run; weighted sum; group-relative advantages.
+3. Loss on exactly the sampled ids: clipped surrogate (or a registered policy loss), optional
+   truncated importance sampling between sampler and trainer log-probs, optional KL (k3) to the
+   reference, aggregated by `loss_type`. Zero-variance groups, rows without a reward and (if
+   asked) truncated completions are dropped from the loss.
+
+Follows DeepSeekMath (GRPO) with the field's later fixes: DAPO clip-higher and token-level
+aggregation (default `loss_type="dapo"`), Dr. GRPO's constant normaliser and no-std advantages
+(`loss_type="dr_grpo"`, `scale_rewards="none"`), ScaleRL's prompt-level averaging (`loss_type=
+"prompt"`), batch-level advantage scaling and no-positive-resampling (`skip_solved_threshold`).
+Departs from TRL: prompts are prefilled once per group (not G times), logits are never
+materialised, generation is seeded per step (exact resume), and a run without learning signal
+says so.
+
+Public seams for wrappers (override in a subclass): `generate_rollout`, `compute_rewards`,
+`compute_advantages`, `compute_token_logps`, `compute_policy_loss`; policy losses by name in
+`POLICY_LOSSES`; any object implementing `GenerationBackend` as `generation_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+
+from .attention import supports_varlen, use_varlen_attention, varlen_kwargs
+from .checkpoint import CompleteCheckpointCallback, resolve_resume, write_atomic
+from .data import DatasetFormat, as_rows, detect_format, normalize_rows, validate
+from .errors import ConfigError, DataError, TrainingHealthError
+from .generation import GenerationBackend, SamplingParams, TransformersBackend
+from .models import DEFAULT_MODEL, apply_cpu_training_defaults, load_model, load_tokenizer, unwrap_model
+from .numerics import (
+    DEFAULT_CHUNK_SIZE,
+    SCALE_REWARDS,
+    aggregate,
+    chunked_entropy,
+    chunked_token_logps,
+    clipped_surrogate,
+    group_advantages,
+    kl_estimate,
+    truncated_importance_weights,
+)
+from .rewards import RewardRunner
+
+logger = logging.getLogger(__name__)
+
+#: loss_type -> aggregation of the per-token loss (see numerics.AGGREGATIONS).
+LOSS_AGGREGATION = {"grpo": "sequence", "bnpo": "token", "dr_grpo": "constant", "dapo": "token", "prompt": "prompt"}
+
+
+def clipped_policy_loss(logps, old_logps, advantages, *, config, **_):
+    """The default per-token policy loss: PPO's clipped surrogate with DAPO's asymmetric clip."""
+    return clipped_surrogate(logps, old_logps, advantages, epsilon_low=config.epsilon,
+                             epsilon_high=config.epsilon_high)
+
+
+#: Policy losses by name: fn(logps [B,T], old_logps [B,T], advantages [B], *, config, mask) ->
+#: (per-token loss [B,T], info dict). Plugins add entries (the plugin issue registers "cispo").
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
+    name: clipped_policy_loss for name in LOSS_AGGREGATION
+}
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    """Settings of `GRPOTrainer`: every `TrainingArguments` field plus the ones below (TRL's names).
+
+    `per_device_train_batch_size` counts completions per micro-batch and must be a multiple of
+    `num_generations`; each optimizer step sees `gradient_accumulation_steps` such micro-batches.
+    """
+
+    output_dir: str | None = field(default="outputs/grpo", metadata={"help": "Checkpoints, final model, report."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak AdamW learning rate."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
+    report_to: Any = field(default="none", metadata={"help": "Integrations to report to."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Kept False (rows are looked up by index)."})
+    optim: str = field(default="adamw_torch_fused", metadata={"help": "Optimizer (TrainingArguments names)."})
+
+    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (the group size G)."})
+    max_prompt_length: int | None = field(default=512, metadata={
+        "help": "Prompts longer than this many tokens are cut from the left, and the count reported."})
+    max_completion_length: int = field(default=64, metadata={"help": "Most tokens sampled per completion."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; the trainer's log-probs use "
+                                                              "the same temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (1.0 = off)."})
+    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens (0 = off)."})
+    min_p: float = field(default=0.0, metadata={"help": "Drop tokens below min_p x the top probability (0 = off)."})
+    stop_token_ids: list[int] | None = field(default=None, metadata={
+        "help": "Tokens that end a completion; default: the tokenizer's EOS."})
+    generation_batch_size: int = field(default=256, metadata={
+        "help": "Most sequences the transformers backend decodes at once."})
+
+    loss_type: str = field(default="dapo", metadata={
+        "help": "grpo (sequence mean) | bnpo (token mean per micro-batch) | dr_grpo (constant normaliser) | "
+                "dapo (token mean over the whole step) | prompt (ScaleRL prompt-level mean) | a registered loss."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the importance ratio."})
+    epsilon_high: float | None = field(default=None, metadata={
+        "help": "Upper clip range (DAPO clip-higher); default: epsilon."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (k3 estimator). "
+                                                       "0 loads no reference model."})
+    num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu in the GRPO paper); "
+                                                             ">1 stores old log-probs."})
+    scale_rewards: str = field(default="group", metadata={"help": "Advantage scaling: group | batch | none."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function."})
+    reward_timeout: float = field(default=60.0, metadata={"help": "Seconds a reward function may take per batch."})
+    importance_sampling_cap: float | None = field(default=2.0, metadata={
+        "help": "Truncated importance sampling between sampler and trainer log-probs: weights min(ratio, cap). "
+                "None turns the correction off."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO-style)."})
+    zero_variance_filter: bool = field(default=True, metadata={
+        "help": "Drop groups whose rewards are all equal from the loss (they carry no signal)."})
+    mask_truncated_completions: bool = field(default=False, metadata={
+        "help": "Exclude completions that hit max_completion_length without a stop token from the loss."})
+    skip_solved_threshold: float | None = field(default=None, metadata={
+        "help": "Stop resampling prompts whose pass rate reached this (e.g. 0.9); see solved_reward."})
+    solved_reward: float = field(default=1.0, metadata={"help": "A completion counts as passing at this total reward."})
+    logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
+    fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
+    model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
+    chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
+
+    no_signal_warn_steps: int = field(default=3, metadata={
+        "help": "Warn when every group had equal rewards for this many steps in a row."})
+    warn_every: int = field(default=10, metadata={"help": "Repeat a warning of the same cause at most every N steps."})
+    entropy_floor: float = field(default=0.05, metadata={"help": "Warn when mean entropy falls below this."})
+    kl_ceiling: float = field(default=1.0, metadata={"help": "Warn when mean KL to the reference exceeds this."})
+
+    def __post_init__(self):
+        apply_cpu_training_defaults(self)
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations: must be >= 2 (advantages are relative to the group), got "
+                              f"{self.num_generations}.")
+        if self.per_device_train_batch_size % self.num_generations:
+            raise ConfigError(
+                f"per_device_train_batch_size: counts completions and must be a multiple of num_generations="
+                f"{self.num_generations}; got {self.per_device_train_batch_size}. Try "
+                f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}.")
+        if self.loss_type not in POLICY_LOSSES:
+            raise ConfigError(f"loss_type: '{self.loss_type}' is not one of {sorted(POLICY_LOSSES)}.")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError(f"scale_rewards: '{self.scale_rewards}' is not one of {list(SCALE_REWARDS)}.")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ConfigError(f"importance_sampling_level: '{self.importance_sampling_level}' is not token | sequence.")
+        if self.num_iterations < 1:
+            raise ConfigError(f"num_iterations: must be >= 1, got {self.num_iterations}.")
+        if self.num_iterations > 1 and self.save_strategy == "steps" and self.save_steps % self.num_iterations:
+            raise ConfigError(
+                f"save_steps: with num_iterations={self.num_iterations} a checkpoint must fall on a rollout boundary "
+                f"for exact resume; use a multiple of {self.num_iterations} (got {self.save_steps}).")
+        if self.beta < 0:
+            raise ConfigError(f"beta: must be >= 0, got {self.beta}.")
+        if self.importance_sampling_cap is not None and self.importance_sampling_cap <= 0:
+            raise ConfigError(f"importance_sampling_cap: must be > 0 or None, got {self.importance_sampling_cap}.")
+        if self.skip_solved_threshold is not None and not 0 < self.skip_solved_threshold <= 1:
+            raise ConfigError(f"skip_solved_threshold: must be in (0, 1], got {self.skip_solved_threshold}.")
+        SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
+
+
+@dataclass
+class Rollout:
+    """One round of generations, scored. Rows are prompt-major: row i*G+j is completion j of prompt i."""
+
+    prompt_ids: list[list[int]]          # per row
+    completion_ids: list[list[int]]      # per row
+    sampler_logps: list[list[float]]     # per row
+    rewards: torch.Tensor                # [R] total reward (NaN: none)
+    rewards_per_func: torch.Tensor       # [F, R]
+    advantages: torch.Tensor             # [R]
+    included: torch.Tensor               # [R] bool: the row counts in the loss
+    group_ids: torch.Tensor              # [R] global prompt index within the round
+    truncated: torch.Tensor              # [R] bool
+    old_logps: list[torch.Tensor] | None = None   # per row [L] when num_iterations > 1
+    ref_logps: list[torch.Tensor] | None = None   # per row [L] when beta > 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RoundSampler:
+    """Yields each round's prompt indices `repeat` times (once per micro-step of the round).
+
+    Rounds draw `prompts_per_round` prompt indices per process from a permutation seeded by
+    (seed, epoch), skipping prompts marked solved. Deterministic, so a resumed run sees the same
+    order; with several processes, consecutive batches go to consecutive ranks.
+    """
+
+    def __init__(self, n_rows: int, prompts_per_round: int, repeat: int, *, seed: int, num_processes: int = 1,
+                 solved: set[int] | None = None):
+        self.n_rows, self.per_round, self.repeat = n_rows, prompts_per_round, repeat
+        self.seed, self.num_processes = seed, num_processes
+        self.solved = solved if solved is not None else set()
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _order(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return [i for i in torch.randperm(self.n_rows, generator=g).tolist() if i not in self.solved]
+
+    def __iter__(self):
+        order = self._order()
+        per_step = self.per_round * self.num_processes
+        for start in range(0, len(order) - per_step + 1, per_step):
+            chunk = order[start:start + per_step]
+            parts = [chunk[p * self.per_round:(p + 1) * self.per_round] for p in range(self.num_processes)]
+            for _ in range(self.repeat):
+                yield from parts
+
+    def __len__(self) -> int:
+        # Counts every prompt (solved ones included) so Trainer's step arithmetic stays fixed.
+        return (self.n_rows // (self.per_round * self.num_processes)) * self.repeat * self.num_processes
+
+
+class _StateCallback(TrainerCallback):
+    """Saves the trainer's own state (solved prompts, rollout counter) into each checkpoint."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if args.should_save and folder.is_dir():
+            write_atomic(folder / "grpo_state.json", json.dumps({"solved": sorted(self.trainer.solved)}))
+
+
+class GRPOTrainer(Trainer):
+    """GRPO on prompt-only (or prompt-completion; the completion is ignored) data with reward functions.
+
+    See the module docstring for the step; docs/grpo.md for every option.
+    """
+
+    _tag_names = ["toolkit", "grpo"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = DEFAULT_MODEL,
+        reward_funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any] = (),
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        generation_backend: GenerationBackend | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        model_init_kwargs: dict | None = None,
+        ref_model: PreTrainedModel | None = None,
+    ):
+        args = args if args is not None else GRPOConfig()
+        if not isinstance(args, GRPOConfig):
+            raise ConfigError(f"args: GRPOTrainer needs a GRPOConfig, got {type(args).__name__}.")
+        if train_dataset is None:
+            raise ConfigError("train_dataset: GRPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
+        if callable(reward_funcs) or isinstance(reward_funcs, str):
+            reward_funcs = [reward_funcs]
+        self.reward_runner = RewardRunner(list(reward_funcs), timeout=args.reward_timeout)
+        weights = args.reward_weights or [1.0] * len(self.reward_runner.funcs)
+        if len(weights) != len(self.reward_runner.funcs):
+            raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.reward_runner.funcs)} reward "
+                              f"functions ({', '.join(self.reward_runner.names)}); give one weight per function.")
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+
+        # 1. Data, before any model work.
+        tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        rows = normalize_rows(as_rows(train_dataset))
+        fmt = detect_format(rows)
+        if "prompt" not in fmt.columns:
+            raise DataError(f"GRPO needs a 'prompt' column; this dataset is {fmt.describe()}. Rename the column that "
+                            "holds the prompts to 'prompt' (other columns are passed to reward functions).")
+        prompt_fmt = DatasetFormat("prompt_only", fmt.conversational, ("prompt",),
+                                   tuple(c for c in rows[0] if c != "prompt"))
+        validate(rows, prompt_fmt, tokenizer=tokenizer)
+        self.rows, self.dataset_format = rows, prompt_fmt
+        self.prompt_ids, n_cut = self._tokenize_prompts(rows, tokenizer, args)
+        logger.info("GRPO data: %s, %d prompts, longest prompt %d tokens%s.", prompt_fmt.describe(), len(rows),
+                    max(len(p) for p in self.prompt_ids),
+                    f"; {n_cut} prompts cut to max_prompt_length={args.max_prompt_length}" if n_cut else "")
+        if n_cut:
+            logger.warning("GRPO: %d of %d prompts were longer than max_prompt_length=%s and were cut from the left.",
+                           n_cut, len(rows), args.max_prompt_length)
+        prompts_per_micro = args.per_device_train_batch_size // args.num_generations
+        self.prompts_per_round = prompts_per_micro * args.gradient_accumulation_steps
+        if len(rows) < self.prompts_per_round:
+            raise ConfigError(f"train_dataset: {len(rows)} prompts, fewer than one step needs "
+                              f"({self.prompts_per_round} = per_device_train_batch_size / num_generations x "
+                              "gradient_accumulation_steps).")
+
+        # 2. Models.
+        init_kwargs = dict(model_init_kwargs or {})
+        model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
+        self.ref_model = None
+        if peft_config is not None:
+            from peft import get_peft_model, prepare_model_for_kbit_training
+
+            if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+                model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+            model = get_peft_model(model, peft_config)
+        elif args.beta > 0:
+            # With PEFT the reference is the base model with adapters disabled: no second copy.
+            self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
+            self.ref_model.eval().requires_grad_(False)
+        base = unwrap_model(model)
+        self.padding_free = supports_varlen(base)
+        if self.padding_free:
+            use_varlen_attention(base)
+            if self.ref_model is not None:
+                use_varlen_attention(self.ref_model)
+        self.sampling = SamplingParams(
+            max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p,
+            stop_token_ids=tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id]),
+        )
+        self.generation_backend = generation_backend if generation_backend is not None else TransformersBackend(
+            model, pad_token_id=tokenizer.pad_token_id, max_batch_size=args.generation_batch_size)
+        logger.info(
+            "GRPO loss settings: loss_type=%s (aggregation %s) epsilon=%s epsilon_high=%s beta=%s num_iterations=%d "
+            "scale_rewards=%s importance_sampling_cap=%s zero_variance_filter=%s mask_truncated_completions=%s; "
+            "G=%d, %d prompts x %d completions per step; rewards %s with weights %s.",
+            args.loss_type, LOSS_AGGREGATION.get(args.loss_type, "token"), args.epsilon, args.epsilon_high, args.beta,
+            args.num_iterations, args.scale_rewards, args.importance_sampling_cap, args.zero_variance_filter,
+            args.mask_truncated_completions, args.num_generations, self.prompts_per_round, args.num_generations,
+            self.reward_runner.names, weights,
+        )
+
+        callbacks = list(callbacks or []) + [CompleteCheckpointCallback(), _StateCallback(self)]
+        super().__init__(model=model, args=args, data_collator=_index_collator,
+                         train_dataset=Dataset.from_list([{"row_index": i} for i in range(len(rows))]),
+                         processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
+        self.loss_is_scaled_for_ga = True
+        self.solved: set[int] = set()
+        self._micro = 0
+        self._rollout: Rollout | None = None
+        self._micro_batches: list[dict[str, Any]] = []
+        self._step_metrics: dict[str, list[float]] = defaultdict(list)
+        self._health = _Health(args)
+
+    # ------------------------------------------------------------------------------ data plumbing
+
+    @staticmethod
+    def _tokenize_prompts(rows, tokenizer, args) -> tuple[list[list[int]], int]:
+        out, cut = [], 0
+        for r in rows:
+            if isinstance(r["prompt"], list):
+                text = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True,
+                                                     **(args.chat_template_kwargs or {}))
+                ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                ids = list(tokenizer(r["prompt"], add_special_tokens=True)["input_ids"])
+            if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:
+                ids, cut = ids[-args.max_prompt_length:], cut + 1
+            out.append(ids)
+        return out, cut
+
+    def get_train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        sampler = RoundSampler(
+            len(self.rows), self.prompts_per_round, self.args.gradient_accumulation_steps * self.args.num_iterations,
+            seed=self.args.seed, num_processes=self.accelerator.num_processes, solved=self.solved)
+        self._round_sampler = sampler
+        loader = DataLoader(self.train_dataset, batch_size=self.prompts_per_round, sampler=_Flat(sampler),
+                            collate_fn=self.data_collator, num_workers=0)
+        return self.accelerator.prepare(loader)
+
+    # ----------------------------------------------------------------------------------- rollout
+
+    @torch.no_grad()
+    def generate_rollout(self, row_indices: Sequence[int]) -> Rollout:
+        """Generate G completions for each prompt of the round and score them. Override to change the sampler."""
+        args, G = self.args, self.args.num_generations
+        t0 = time.perf_counter()
+        prompt_ids = [self.prompt_ids[i] for i in row_indices]
+        seed = (args.seed * 1_000_003 + self.state.global_step * 7919 + self.accelerator.process_index) % (2**63)
+        self.generation_backend.sync_weights(self.model)
+        groups = self.generation_backend.generate(prompt_ids, self.sampling, n=G, seed=seed)
+        t_gen = time.perf_counter() - t0
+        completion_ids = [c.token_ids for g in groups for c in g]
+        sampler_logps = [c.logprobs for g in groups for c in g]
+        truncated = torch.tensor([c.finish_reason == "length" for g in groups for c in g])
+        rows = [self.rows[i] for i in row_indices for _ in range(G)]
+
+        t1 = time.perf_counter()
+        rewards_per_func = self.compute_rewards(rows, completion_ids)
+        t_score = time.perf_counter() - t1
+        for name, values in zip(self.reward_runner.names, rewards_per_func):
+            if torch.isinf(values).any():
+                raise TrainingHealthError(
+                    f"GRPO step {self.state.global_step}: reward function '{name}' returned inf for "
+                    f"{int(torch.isinf(values).sum())} rows. Return a finite number, or None to exclude a row.")
+        total = _weighted_total(rewards_per_func, self.reward_weights)
+        advantages, zero_std = self.compute_advantages(total)
+        included = ~torch.isnan(total)
+        if args.zero_variance_filter:
+            included &= ~zero_std
+        if args.mask_truncated_completions:
+            included &= ~truncated
+        group_ids = torch.arange(len(row_indices)).repeat_interleave(G)
+        rollout = Rollout(
+            prompt_ids=[p for p in prompt_ids for _ in range(G)], completion_ids=completion_ids,
+            sampler_logps=sampler_logps, rewards=total, rewards_per_func=rewards_per_func, advantages=advantages,
+            included=included, group_ids=group_ids, truncated=truncated,
+        )
+        t2 = time.perf_counter()
+        if args.num_iterations > 1:
+            rollout.old_logps = self._score_rows(self.model, rollout)
+        if args.beta > 0:
+            rollout.ref_logps = self._score_rows(None, rollout)
+        t_extra = time.perf_counter() - t2
+        if args.skip_solved_threshold is not None:
+            passed = (total >= args.solved_reward).float().view(-1, G).mean(-1)
+            for idx, rate in zip(row_indices, passed.tolist()):
+                if rate >= args.skip_solved_threshold:
+                    self.solved.add(int(idx))
+        rollout.metrics = self._rollout_metrics(rollout, zero_std, t_gen, t_score, t_extra)
+        return rollout
+
+    def compute_rewards(self, rows: list[dict[str, Any]], completion_ids: list[list[int]]) -> torch.Tensor:
+        """[F, R] rewards of each function for each row (NaN = excluded). Override to add a reward model."""
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = self.dataset_format.conversational
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {c: [r[c] for r in rows] for c in self.dataset_format.extra_columns}
+        outcome = self.reward_runner([r["prompt"] for r in rows], completions, completion_ids, columns)
+        self._last_texts = texts
+        self._reward_failures = outcome.failures
+        return torch.tensor(outcome.rewards, dtype=torch.float32)
+
+    def compute_advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages [R], zero_std [R]) from total rewards; override for another estimator."""
+        return group_advantages(rewards, self.args.num_generations, scale=self.args.scale_rewards)
+
+    def _score_rows(self, model: torch.nn.Module | None, rollout: Rollout) -> list[torch.Tensor]:
+        """Per-row completion log-probs under `model` (None: the reference) without gradients."""
+        out: list[torch.Tensor] = []
+        B = self.args.per_device_train_batch_size
+        for start in range(0, len(rollout.completion_ids), B):
+            batch = self._pack(rollout, range(start, min(start + B, len(rollout.completion_ids))), with_targets=False)
+            if model is None and self.ref_model is None:
+                ctx = self.accelerator.unwrap_model(self.model).disable_adapter()
+                scorer = self.model
+            else:
+                ctx = contextlib.nullcontext()
+                scorer = model if model is not None else self.ref_model
+            was = scorer.training
+            scorer.eval()
+            with ctx:
+                flat = self.compute_token_logps(scorer, batch)
+            scorer.train(was)
+            out += list(flat.split(batch["completion_lengths"].tolist()))
+        return out
+
+    # ------------------------------------------------------------------------------- batching
+
+    def _pack(self, rollout: Rollout, rows: Sequence[int], *, with_targets: bool = True) -> dict[str, Any]:
+        """Rows -> one padding-free row: prompt+completion of each, positions restarting, per-row boundaries."""
+        ids, pos, cu, completion_positions, lengths = [], [], [0], [], []
+        for r in rows:
+            p, c = rollout.prompt_ids[r], rollout.completion_ids[r]
+            offset = len(ids)
+            ids += p + c
+            pos += list(range(len(p) + len(c)))
+            cu.append(len(ids))
+            # hidden state at position t predicts token t+1: the completion's tokens are predicted
+            # from the last prompt token onwards
+            completion_positions += list(range(offset + len(p) - 1, offset + len(p) + len(c) - 1))
+            lengths.append(len(c))
+        targets = [t for r in rows for t in rollout.completion_ids[r]]
+        batch = {
+            "input_ids": torch.tensor([ids], dtype=torch.long),
+            "position_ids": torch.tensor([pos], dtype=torch.long),
+            "cu_seq_lens": torch.tensor(cu, dtype=torch.int32),
+            "completion_positions": torch.tensor(completion_positions, dtype=torch.long),
+            "completion_targets": torch.tensor(targets, dtype=torch.long),
+            "completion_lengths": torch.tensor(lengths, dtype=torch.long),
+        }
+        if not self.padding_free:  # right-padded fallback for attention that cannot run packed rows
+            batch = _to_padded(batch, self.processing_class.pad_token_id)
+        return batch
+
+    def _micro_batch(self, rollout: Rollout, rows: Sequence[int], step_counts: dict[str, float]) -> dict[str, Any]:
+        batch = self._pack(rollout, rows)
+        lengths = batch["completion_lengths"]
+        L = max(int(lengths.max()), 1)
+        mask = torch.arange(L)[None, :] < lengths[:, None]
+        batch["completion_mask"] = mask
+        batch["loss_mask"] = mask & rollout.included[list(rows)][:, None]
+        batch["advantages"] = rollout.advantages[list(rows)]
+        batch["group_ids"] = rollout.group_ids[list(rows)]
+        batch["sampler_logps"] = _pad_rows([torch.tensor(rollout.sampler_logps[r]) for r in rows], L)
+        if rollout.old_logps is not None:
+            batch["old_logps"] = _pad_rows([rollout.old_logps[r] for r in rows], L)
+        if rollout.ref_logps is not None:
+            batch["ref_logps"] = _pad_rows([rollout.ref_logps[r] for r in rows], L)
+        for k, v in step_counts.items():
+            batch[k] = torch.tensor(v)
+        return batch
+
+    def _split(self, rollout: Rollout) -> list[dict[str, Any]]:
+        B, GA = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
+        included_tokens = sum(len(rollout.completion_ids[r]) for r in range(len(rollout.completion_ids))
+                              if rollout.included[r])
+        counts = {
+            "step_tokens": float(max(included_tokens, 1)),
+            "step_sequences": float(max(int(rollout.included.sum()), 1)),
+            "step_prompts": float(max(len(set(rollout.group_ids[rollout.included].tolist())), 1)),
+            "step_rows": float(len(rollout.completion_ids)),
+        }
+        return [self._micro_batch(rollout, range(k * B, (k + 1) * B), counts) for k in range(GA)]
+
+    # -------------------------------------------------------------------------------- the loss
+
+    def compute_token_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam)."""
+        kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, "output_hidden_states": True,
+                                  "logits_to_keep": 1}
+        if "cu_seq_lens" in batch:
+            kwargs["position_ids"] = batch["position_ids"]
+            kwargs.update(varlen_kwargs(batch["cu_seq_lens"]))
+        else:
+            kwargs["attention_mask"] = batch["attention_mask"]
+        hidden = model(**kwargs).hidden_states[-1].reshape(-1, self._hidden_size(model))
+        hidden = hidden[batch["completion_positions"]]
+        head = unwrap_model(model).get_output_embeddings()
+        self._last_hidden = hidden.detach()
+        return chunked_token_logps(hidden, head.weight, batch["completion_targets"], bias=getattr(head, "bias", None),
+                                   temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
+                                   upcast=self.args.fp32_lm_head)
+
+    def compute_policy_loss(self, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                            mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token policy loss [B, T] and metric info; dispatches on `loss_type` through POLICY_LOSSES."""
+        return POLICY_LOSSES[self.args.loss_type](logps, old_logps, advantages, config=self.args, mask=mask)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        flat = self.compute_token_logps(model, inputs)
+        mask = inputs["completion_mask"]
+        loss_mask = inputs["loss_mask"]
+        logps = torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
+        old = inputs.get("old_logps")
+        old = logps.detach() if old is None else old
+        per_token, info = self.compute_policy_loss(logps, old, inputs["advantages"], loss_mask)
+        tis = None
+        if args.importance_sampling_cap is not None:
+            tis = truncated_importance_weights(old, inputs["sampler_logps"], args.importance_sampling_cap,
+                                               level=args.importance_sampling_level, mask=mask)
+            per_token = per_token * tis
+        kl = None
+        if args.beta > 0:
+            kl = kl_estimate(logps, inputs["ref_logps"], "k3")
+            per_token = per_token + args.beta * kl
+        mode = LOSS_AGGREGATION.get(args.loss_type, "token")
+        GA = self.current_gradient_accumulation_steps if model.training else 1
+        if mode == "token" and args.loss_type == "bnpo":  # TRL's bnpo: token mean per micro-batch
+            loss = aggregate(per_token, loss_mask, "token") / GA
+        else:
+            loss = aggregate(per_token, loss_mask, mode, constant=args.max_completion_length,
+                             group_ids=inputs["group_ids"], num_items=inputs["step_tokens"],
+                             num_sequences=inputs["step_prompts"] if mode == "prompt" else inputs["step_sequences"])
+        self._health.check_finite(self.state.global_step, loss=loss, logps=flat, advantages=inputs["advantages"])
+        self._record_loss_metrics(logps.detach(), old, info, tis, kl, mask, loss_mask)
+        return (loss, {"logps": flat.detach()}) if return_outputs else loss
+
+    # ------------------------------------------------------------------------------ the step
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Generate and score at the first micro-step of a round; then a normal Trainer step on a micro-batch."""
+        round_len = self.args.gradient_accumulation_steps * self.args.num_iterations
+        k = self._micro % round_len
+        if k == 0 or self._rollout is None:
+            rows = inputs["row_index"].tolist()
+            self._rollout = self.generate_rollout(rows)
+            self._micro_batches = self._split(self._rollout)
+            for name, value in self._rollout.metrics.items():
+                self._step_metrics[name].append(value)
+        self._micro += 1
+        micro = self._micro_batches[k % self.args.gradient_accumulation_steps]
+        t = time.perf_counter()
+        loss = super().training_step(model, micro, num_items_in_batch=None)
+        self._step_metrics["time/train_s"].append(time.perf_counter() - t)
+        self._step_metrics["train_tokens_per_s"].append(
+            float(micro["input_ids"].numel()) / max(time.perf_counter() - t, 1e-9))
+        return loss
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """As Trainer.train; `resume_from_checkpoint=True` picks the newest complete checkpoint."""
+        path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if path is not None:
+            state_file = Path(path) / "grpo_state.json"
+            if state_file.exists():
+                self.solved.clear()
+                self.solved.update(json.loads(state_file.read_text())["solved"])
+        self._micro = 0
+        self._rollout = None
+        return super().train(resume_from_checkpoint=path, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._step_metrics:
+            for name, values in self._step_metrics.items():
+                values = [v for v in values if not math.isnan(v)]
+                if values:
+                    logs[name] = round(max(values) if name.endswith("_max") else sum(values) / len(values), 6)
+            self._step_metrics = defaultdict(list)
+            self._health.observe(self.state.global_step, logs)
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------------------ metrics
+
+    def _rollout_metrics(self, r: Rollout, zero_std: torch.Tensor, t_gen: float, t_score: float,
+                         t_extra: float) -> dict[str, float]:
+        lengths = torch.tensor([len(c) for c in r.completion_ids], dtype=torch.float32)
+        m: dict[str, float] = {
+            "reward": _nanmean(r.rewards), "reward_std": _nanstd(r.rewards),
+            "frac_reward_zero_std": float(zero_std.view(-1, self.args.num_generations)[:, 0].float().mean()),
+            "frac_rows_in_loss": float(r.included.float().mean()),
+            "completions/mean_length": float(lengths.mean()), "completions/max_length_max": float(lengths.max()),
+            "completions/clipped_ratio": float(r.truncated.float().mean()),
+            "time/generation_s": t_gen, "time/scoring_s": t_score, "time/scoring_forward_s": t_extra,
+            "generation_tokens_per_s": float(lengths.sum()) / max(t_gen, 1e-9),
+            "solved_prompts": float(len(self.solved)),
+        }
+        for name, row in zip(self.reward_runner.names, r.rewards_per_func):
+            m[f"rewards/{name}/mean"] = _nanmean(row)
+            m[f"rewards/{name}/std"] = _nanstd(row)
+            m[f"rewards/{name}/failures"] = float(self._reward_failures.get(name, 0))
+        return m
+
+    def _record_loss_metrics(self, logps, old, info, tis, kl, mask, loss_mask) -> None:
+        s = self._step_metrics
+        denom = max(int(loss_mask.sum()), 1)
+        lm = loss_mask
+        if "clipped_low" in info:
+            s["clip_ratio/low_mean"].append(float((info["clipped_low"] & lm).sum()) / denom)
+            s["clip_ratio/high_mean"].append(float((info["clipped_high"] & lm).sum()) / denom)
+            s["clip_ratio/region_mean"].append(float(((info["clipped_low"] | info["clipped_high"]) & lm).sum()) / denom)
+        if tis is not None:
+            sel = tis[mask]
+            s["importance_ratio/mean"].append(float(sel.mean()) if sel.numel() else 1.0)
+            s["importance_ratio/min"].append(float(sel.min()) if sel.numel() else 1.0)
+            s["importance_ratio/max_max"].append(float(sel.max()) if sel.numel() else 1.0)
+        if kl is not None:
+            s["kl"].append(float((kl.detach() * mask).sum() / max(int(mask.sum()), 1)))
+        head = unwrap_model(self.model).get_output_embeddings()
+        ent = chunked_entropy(self._last_hidden, head.weight.detach(), temperature=self.args.temperature,
+                              chunk_size=self.args.logps_chunk_size)
+        s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)
+
+    def _hidden_size(self, model) -> int:
+        return unwrap_model(model).config.hidden_size
+
+
+class _Health:
+    """Warnings a person can act on, at most once per cause per `warn_every` steps; NaN/inf stops the run."""
+
+    def __init__(self, args: GRPOConfig):
+        self.args = args
+        self.last: dict[str, int] = {}
+        self.no_signal_run = 0
+
+    def _warn(self, step: int, cause: str, message: str) -> None:
+        if step - self.last.get(cause, -10**9) >= self.args.warn_every:
+            self.last[cause] = step
+            logger.warning("step %d: %s", step, message)
+
+    def check_finite(self, step: int, **tensors: torch.Tensor) -> None:
+        for name, t in tensors.items():
+            if not torch.isfinite(t).all():
+                raise TrainingHealthError(
+                    f"GRPO step {step}: '{name}' holds NaN or inf ({int((~torch.isfinite(t)).sum())} values). "
+                    "Lower the learning rate, check the reward functions for inf, or lower importance_sampling_cap.")
+
+    def observe(self, step: int, logs: dict[str, float]) -> None:
+        if logs.get("frac_reward_zero_std", 0.0) >= 1.0:
+            self.no_signal_run += 1
+            if self.no_signal_run >= self.args.no_signal_warn_steps:
+                self._warn(step, "no_signal",
+                           f"NO LEARNING SIGNAL: every group had identical rewards for {self.no_signal_run} steps "
+                           f"(mean reward {logs.get('reward', float('nan')):.3f}), so the loss is zero. Make the task "
+                           "easier or the reward denser, raise num_generations or temperature.")
+        else:
+            self.no_signal_run = 0
+        if logs.get("completions/clipped_ratio", 0.0) >= 1.0:
+            self._warn(step, "truncated", "every completion hit max_completion_length without a stop token; raise "
+                                          "max_completion_length or check the stop tokens.")
+        if "entropy" in logs and logs["entropy"] < self.args.entropy_floor:
+            self._warn(step, "entropy", f"entropy collapsed to {logs['entropy']:.4f} (< entropy_floor="
+                                        f"{self.args.entropy_floor}); the policy is nearly deterministic and will "
+                                        "stop exploring. Lower the learning rate or raise the temperature.")
+        if "kl" in logs and logs["kl"] > self.args.kl_ceiling:
+            self._warn(step, "kl", f"KL to the reference is {logs['kl']:.3f} (> kl_ceiling={self.args.kl_ceiling}); "
+                                   "raise beta or lower the learning rate.")
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+class _Flat(torch.utils.data.Sampler):
+    """A sampler over the flat index stream of a RoundSampler (DataLoader batches it per round)."""
+
+    def __init__(self, rounds: RoundSampler):
+        self.rounds = rounds
+
+    def set_epoch(self, epoch: int) -> None:
+        self.rounds.set_epoch(epoch)
+
+    def __iter__(self):
+        for batch in self.rounds:
+            yield from batch
+
+    def __len__(self) -> int:
+        return len(self.rounds) * self.rounds.per_round
+
+
+def _index_collator(features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
+    return {"row_index": torch.tensor([f["row_index"] for f in features], dtype=torch.long)}
+
+
+def _weighted_total(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sum of weight x reward over the functions that judged each row; NaN where none did."""
+    judged = ~torch.isnan(rewards_per_func)
+    total = (torch.where(judged, rewards_per_func, torch.zeros_like(rewards_per_func)) * weights[:, None]).sum(0)
+    return torch.where(judged.any(0), total, torch.full_like(total, float("nan")))
+
+
+def _pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), length, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r.float()
+    return out
+
+
+def _to_padded(batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+    cu = batch["cu_seq_lens"].tolist()
+    flat = batch["input_ids"][0]
+    seqs = [flat[a:b] for a, b in zip(cu[:-1], cu[1:])]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    am = torch.zeros((len(seqs), T), dtype=torch.long)
+    remap = torch.empty(len(flat), dtype=torch.long)
+    for i, (s, a) in enumerate(zip(seqs, cu[:-1])):
+        ids[i, : len(s)] = s
+        am[i, : len(s)] = 1
+        remap[a:a + len(s)] = torch.arange(len(s)) + i * T
+    out = dict(batch)
+    del out["cu_seq_lens"], out["position_ids"]
+    out.update(input_ids=ids, attention_mask=am, completion_positions=remap[batch["completion_positions"]])
+    return out
+
+
+def _nanmean(t: torch.Tensor) -> float:
+    t = t[~torch.isnan(t)]
+    return float(t.mean()) if t.numel() else float("nan")
+
+
+def _nanstd(t: torch.Tensor) -> float:
+    t = t[~torch.isnan(t)]
+    return float(t.std()) if t.numel() > 1 else 0.0
