@@ -19,10 +19,14 @@ def test_there_are_shipped_run_files():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_shipped_run_file_loads_and_says_how_to_run_it(path):
+    from toolkit.core.grpo import GRPOConfig
+
     first = path.read_text().splitlines()[0]
-    assert first == f"# Run: toolkit sft --config examples/{path.name}"
-    run, config = build_configs(load_run_file(path), SFTConfig)
-    assert isinstance(run, RunArgs) and isinstance(config, SFTConfig)
+    command = first.split()[3] if first.startswith("# Run: toolkit ") else None
+    assert first == f"# Run: toolkit {command} --config examples/{path.name}"
+    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig}[command]
+    run, config = build_configs(load_run_file(path), config_cls)
+    assert isinstance(run, RunArgs) and isinstance(config, config_cls)
 
 
 def test_overrides_are_toml_literals_with_string_fallback():
@@ -93,3 +97,23 @@ def test_help_lists_every_key(capsys):
     out = capsys.readouterr().out
     for key in ("--packing", "--assistant_only_loss", "--lora_r", "--learning_rate", "--model"):
         assert key in out
+
+
+def test_cli_runs_grpo_end_to_end_with_report(tmp_path, capsys):
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    rc = main(["grpo", "--model", str(tmp_path / "m"), "--dataset", "builtin:arithmetic", "--eval_dataset",
+               "builtin:arithmetic", "--dataset_size", "32", "--eval_size", "8", "--max_steps", "2",
+               "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "6",
+               "--output_dir", str(tmp_path / "out"), "--save_strategy", "no", "--disable_tqdm", "true",
+               "--eval_every", "1", "--learning_rate", "1e-3"])
+    assert rc == 0
+    report = tmp_path / "out" / "report"
+    summary = json.loads((report / "summary.json").read_text())
+    assert {"heldout_accuracy_before", "heldout_accuracy_after"} <= set(summary)
+    assert [s for s, _ in summary["accuracy_history"]] == [0, 1, 2]
+    assert (report / "report.png").stat().st_size > 1000
+    assert len((report / "metrics.jsonl").read_text().splitlines()) >= 2
+    assert "GRPO summary" in capsys.readouterr().out

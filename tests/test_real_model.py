@@ -57,3 +57,20 @@ def test_sft_lowers_the_loss_on_the_real_model(tmp_path, smollm):
     losses = [h["loss"] for h in t.state.log_history if "loss" in h]
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
+
+
+def test_grpo_steps_on_the_real_model(tmp_path, smollm):
+    from toolkit import GRPOConfig, GRPOTrainer
+    from toolkit.core.tasks import arithmetic
+
+    _, model, tok = smollm
+    t = GRPOTrainer(model, ["numeric_match"],
+                    GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                               max_completion_length=8, temperature=0.7, learning_rate=1e-5, logging_steps=1,
+                               save_strategy="no", disable_tqdm=True),
+                    train_dataset=arithmetic(8, seed=1, kind="prompt_only"), processing_class=tok)
+    t.train()
+    hist = [h for h in t.state.log_history if "reward" in h]
+    assert len(hist) == 2 and all(math.isfinite(h["loss"]) for h in hist)
+    assert all(0.0 <= h["reward"] <= 1.0 for h in hist)
+    assert hist[0]["importance_ratio/mean"] == pytest.approx(1.0, abs=0.05)  # sampler and trainer agree

@@ -4,12 +4,39 @@ from . import attention as _attention  # noqa: F401  (registers the `toolkit_var
 from .checkpoint import latest_complete_checkpoint
 from .data import DatasetFormat, SFTCollator, as_rows, detect_format, normalize_rows, tokenize_for_sft, validate
 from .errors import ConfigError, DataError, ToolkitError, TrainingHealthError
+from .generation import Completion, GenerationBackend, SamplingParams, TransformersBackend
+from .grpo import POLICY_LOSSES, GRPOConfig, GRPOTrainer
+from .rewards import format_reward, length_penalty, numeric_match, parse_number
 from .models import DEFAULT_MODEL, embedded_model_path, load_model, load_tokenizer
-from .numerics import aggregate, chunked_entropy, chunked_token_logps, kl_estimate, masked_mean, masked_sum
+from .numerics import (
+    aggregate,
+    chunked_entropy,
+    chunked_token_logps,
+    clipped_surrogate,
+    group_advantages,
+    kl_estimate,
+    masked_mean,
+    masked_sum,
+    truncated_importance_weights,
+)
 from .sft import SFTConfig, SFTTrainer
 
 __all__ = [
     "DEFAULT_MODEL",
+    "POLICY_LOSSES",
+    "Completion",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "GenerationBackend",
+    "SamplingParams",
+    "TransformersBackend",
+    "clipped_surrogate",
+    "format_reward",
+    "group_advantages",
+    "length_penalty",
+    "numeric_match",
+    "parse_number",
+    "truncated_importance_weights",
     "ConfigError",
     "DataError",
     "DatasetFormat",

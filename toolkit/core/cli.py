@@ -1,7 +1,8 @@
 """The `toolkit` command.
 
     toolkit sft --config examples/sft_smollm2.toml [--field value ...]
-    toolkit sft --help                      # every key, with its help text
+    toolkit grpo --config examples/grpo_arithmetic.toml [--field value ...]
+    toolkit sft --help                      # every key, with its help text (likewise grpo)
     toolkit model-path                      # where the embedded SmolLM2 checkpoint is cached
 """
 
@@ -20,7 +21,7 @@ from .errors import ConfigError, ToolkitError
 logger = logging.getLogger("toolkit")
 
 
-def load_dataset_spec(spec: str, run: RunArgs, *, split: str) -> Any:
+def load_dataset_spec(spec: str, run: RunArgs, *, split: str, kind: str = "prompt_completion") -> Any:
     """`builtin:arithmetic`, a .json/.jsonl file, or a Hub dataset id (where a network exists)."""
     if not spec:
         return None
@@ -30,7 +31,8 @@ def load_dataset_spec(spec: str, run: RunArgs, *, split: str) -> Any:
             raise ConfigError(f"dataset: unknown builtin '{name}'; the builtin datasets are: arithmetic.")
         from .tasks import arithmetic_splits
 
-        train, held_out = arithmetic_splits(run.dataset_size, run.eval_size)
+        train, held_out = arithmetic_splits(run.dataset_size, run.eval_size, max_value=run.task_max_value,
+                                            max_terms=run.task_max_terms, kind=kind)
         return train if split == "train" else held_out
     if Path(spec).suffix in (".json", ".jsonl"):
         return spec  # the data layer reads files itself and names the line of a broken one
@@ -59,13 +61,12 @@ def _model_init_kwargs(run: RunArgs) -> dict[str, Any]:
             "device_map": "cpu"}
 
 
-def run_sft(argv: list[str]) -> int:
-    from .sft import SFTConfig, SFTTrainer
-
+def _parse(argv: list[str], config_cls: type) -> tuple[RunArgs, Any] | None:
+    """Run file + overrides -> (RunArgs, config), or None after printing --help."""
     if "--help" in argv or "-h" in argv:
         print(__doc__)
-        print(describe_fields(RunArgs, SFTConfig))
-        return 0
+        print(describe_fields(RunArgs, config_cls))
+        return None
     values: dict[str, Any] = {}
     if "--config" in argv:
         i = argv.index("--config")
@@ -74,7 +75,16 @@ def run_sft(argv: list[str]) -> int:
         values.update(load_run_file(argv[i + 1]))
         argv = argv[:i] + argv[i + 2:]
     values.update(parse_overrides(argv))
-    run, cfg = build_configs(values, SFTConfig)
+    return build_configs(values, config_cls)
+
+
+def run_sft(argv: list[str]) -> int:
+    from .sft import SFTConfig, SFTTrainer
+
+    parsed = _parse(argv, SFTConfig)
+    if parsed is None:
+        return 0
+    run, cfg = parsed
     if not run.dataset:
         raise ConfigError("dataset: no training data given; set `dataset = ...` in the run file or pass --dataset.")
     train = load_dataset_spec(run.dataset, run, split="train")
@@ -113,12 +123,50 @@ def run_sft(argv: list[str]) -> int:
     return 0
 
 
+def run_grpo(argv: list[str]) -> int:
+    from .grpo import GRPOConfig, GRPOTrainer
+    from .report import AccuracyCallback, write_report
+
+    parsed = _parse(argv, GRPOConfig)
+    if parsed is None:
+        return 0
+    run, cfg = parsed
+    if not run.dataset:
+        raise ConfigError("dataset: no prompts given; set `dataset = ...` in the run file or pass --dataset.")
+    train = load_dataset_spec(run.dataset, run, split="train", kind="prompt_only")
+    held_out = load_dataset_spec(run.eval_dataset, run, split="test", kind="prompt_only") if run.eval_dataset else None
+    started = time.perf_counter()
+    callbacks = []
+    accuracy = None
+    if held_out is not None and run.report_accuracy:
+        accuracy = AccuracyCallback(held_out, every=run.eval_every, max_new_tokens=cfg.max_completion_length)
+        callbacks.append(accuracy)
+    trainer = GRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=_peft_config(run),
+                          model_init_kwargs=_model_init_kwargs(run), callbacks=callbacks)
+    summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset, "reward_funcs": list(run.reward_funcs)}
+    if accuracy is not None:
+        summary["heldout_accuracy_before"] = accuracy.measure(trainer, step=0)
+        logger.info("held-out greedy accuracy before training: %.3f", summary["heldout_accuracy_before"])
+    trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+    if accuracy is not None:
+        summary["heldout_accuracy_after"] = accuracy.measure(trainer, step=trainer.state.global_step)
+    final_dir = Path(cfg.output_dir) / "final"
+    trainer.save_model(str(final_dir))
+    summary["saved_to"] = str(final_dir)
+    summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
+    summary.update(write_report(trainer, Path(cfg.output_dir), accuracy.history if accuracy else [], summary))
+    print("\n=== GRPO summary ===")
+    for k, v in summary.items():
+        print(f"{k:>28}: {v:.4f}" if isinstance(v, float) else f"{k:>28}: {v}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    commands = {"sft": run_sft, "model-path": _model_path}
+    commands = {"sft": run_sft, "grpo": run_grpo, "model-path": _model_path}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):

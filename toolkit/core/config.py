@@ -46,6 +46,12 @@ class RunArgs:
                                                                 "(bitsandbytes; needs lora_r > 0)."})
     report_accuracy: bool = field(default=True, metadata={
         "help": "For builtin:arithmetic, print held-out greedy accuracy before and after training."})
+    task_max_value: int = field(default=20, metadata={"help": "builtin:arithmetic: largest number in a problem."})
+    task_max_terms: int = field(default=2, metadata={"help": "builtin:arithmetic: most numbers in a problem (2 or 3)."})
+    reward_funcs: list = field(default_factory=lambda: ["numeric_match"], metadata={
+        "help": "RL only: reward functions by name ('numeric_match', 'format:<regex>')."})
+    eval_every: int = field(default=0, metadata={
+        "help": "RL on builtin:arithmetic: held-out greedy accuracy every this many steps (0 = before/after only)."})
 
     def __post_init__(self):
         if self.load_in_4bit and self.lora_r <= 0:

@@ -119,6 +119,9 @@ class GRPOConfig(TrainingArguments):
         "help": "Upper clip range (DAPO clip-higher); default: epsilon."})
     beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (k3 estimator). "
                                                        "0 loads no reference model."})
+    kl_bias_correction: bool = field(default=True, metadata={
+        "help": "Multiply the KL term by the importance ratio pi/pi_old: the completions were sampled from pi_old, "
+                "so this makes the k3 estimate (and its gradient) that of KL(pi || ref). TRL's default too."})
     num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu in the GRPO paper); "
                                                              ">1 stores old log-probs."})
     scale_rewards: str = field(default="group", metadata={"help": "Advantage scaling: group | batch | none."})
@@ -573,7 +576,8 @@ class GRPOTrainer(Trainer):
         kl = None
         if args.beta > 0:
             kl = kl_estimate(logps, inputs["ref_logps"], "k3")
-            per_token = per_token + args.beta * kl
+            kl_term = kl * torch.exp(logps - old) if args.kl_bias_correction else kl
+            per_token = per_token + args.beta * kl_term
         mode = LOSS_AGGREGATION.get(args.loss_type, "token")
         GA = self.current_gradient_accumulation_steps if model.training else 1
         if mode == "token" and args.loss_type == "bnpo":  # TRL's bnpo: token mean per micro-batch

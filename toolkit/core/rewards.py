@@ -52,17 +52,17 @@ _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*-?\d+(?:\.\d+)?)?")
 
 
 def parse_number(text: str) -> Fraction | None:
-    """The answer a completion gives: the last `\\boxed{...}` if any, else the first number.
+    """The answer a completion gives: the last `\\boxed{...}` if any, else the last number in the text.
 
     Integers, decimals (`2.50`), thousands separators (`1,234`) and fractions (`3/4`) are read
     exactly as `Fraction`s, so `0.5`, `1/2` and `\\boxed{2/4}` are all equal.
     """
     boxed = _BOXED.findall(text)
     source = boxed[-1] if boxed else text
-    m = _NUMBER.search(source)
-    if not m:
+    found = _NUMBER.findall(source)
+    if not found:
         return None
-    token = m.group().replace(",", "").replace(" ", "")
+    token = found[-1].replace(",", "").replace(" ", "")
     try:
         if "/" in token:
             num, den = token.split("/")

@@ -9,10 +9,11 @@ problems are removed from the training set).
 from __future__ import annotations
 
 import random
-import re
 from typing import Any
 
 import torch
+
+from .errors import ConfigError
 
 PROMPT_SUFFIX = "Answer with just the number."
 
@@ -33,14 +34,16 @@ def arithmetic(n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3
     """`n` conversational rows. kind="prompt_completion" adds the answer as the completion; "prompt_only"
     keeps it in an `answer` column for reward functions."""
     if kind not in ("prompt_completion", "prompt_only"):
-        raise ValueError(f"kind must be 'prompt_completion' or 'prompt_only', got {kind!r}")
+        raise ConfigError(f"kind must be 'prompt_completion' or 'prompt_only', got {kind!r}")
     rng = random.Random(seed)
     rows, seen = [], set(exclude or ())
     attempts = 0
     while len(rows) < n:
         attempts += 1
         if attempts > 100 * n:
-            raise ValueError(f"cannot draw {n} distinct problems with max_value={max_value}, max_terms={max_terms}")
+            raise ConfigError(f"dataset_size: cannot draw {n} distinct problems with task_max_value={max_value} and "
+                              f"task_max_terms={max_terms} (about {len(seen)} exist outside the held-out set); "
+                              "lower dataset_size or raise task_max_value.")
         expr, value = _problem(rng, max_value, max_terms)
         if expr in seen:
             continue
@@ -65,33 +68,20 @@ def _expr_of(row: dict[str, Any]) -> str:
     return text[len("What is "): text.index("?")]
 
 
-_NUMBER = re.compile(r"-?\d+")
-
-
-def first_integer(text: str) -> int | None:
-    m = _NUMBER.search(text)
-    return int(m.group()) if m else None
-
-
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: list[dict[str, Any]], *, max_new_tokens: int = 8, batch_size: int = 16) -> float:
-    """Fraction of rows whose greedy answer's first integer equals `answer` (left-padded batched generation)."""
-    was_training = model.training
-    model.eval()
+def greedy_accuracy(model, tokenizer, rows: list[dict[str, Any]], *, max_new_tokens: int = 16,
+                    batch_size: int = 64) -> float:
+    """Fraction of rows whose greedy completion holds the right number (parsed as the reward parses it)."""
+    from .generation import SamplingParams, TransformersBackend
+    from .rewards import parse_number
+
+    backend = TransformersBackend(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=batch_size)
+    params = SamplingParams(max_tokens=max_new_tokens, top_k=1, stop_token_ids=(tokenizer.eos_token_id,))
+    prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"] for r in rows]
+    groups = backend.generate(prompts, params, n=1, seed=0)
     correct = 0
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        for start in range(0, len(rows), batch_size):
-            batch = rows[start:start + batch_size]
-            texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in batch]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            for r, seq in zip(batch, out[:, enc["input_ids"].shape[1]:]):
-                if first_integer(tokenizer.decode(seq, skip_special_tokens=True)) == int(r["answer"]):
-                    correct += 1
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
+    for r, group in zip(rows, groups):
+        got = parse_number(tokenizer.decode(group[0].token_ids, skip_special_tokens=True))
+        correct += int(got is not None and got == parse_number(str(r["answer"])))
     return correct / max(len(rows), 1)

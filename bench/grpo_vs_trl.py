@@ -1,0 +1,121 @@
+"""Benchmark: our GRPOTrainer against TRL's GRPOTrainer (its default transformers generation), one run.
+
+    python bench/grpo_vs_trl.py              # about 10 minutes on 2 CPU cores
+    python bench/grpo_vs_trl.py --steps 6    # more steps, less noise
+
+Same model (the embedded SmolLM2-135M-Instruct), same prompts (generated arithmetic, conversational),
+same num_generations (8), prompts per step (4), max completion length (16), temperature (0.7),
+learning rate, loss (dapo), no KL, same reward (numeric match). Each trainer runs in its own process
+(peak RSS is per process). Printed: seconds per step over the steps after the first, the split
+into generation and training where the trainer reports it, peak RSS, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
+
+
+def _timer():
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_step_end(self, args, state, control, **kw):
+            self.ends.append(time.perf_counter())
+
+    return StepTimer()
+
+
+def worker(kind: str, steps: int) -> dict:
+    import torch
+
+    from toolkit import embedded_model_path
+    from toolkit.core.rewards import numeric_match
+    from toolkit.core.tasks import arithmetic
+
+    torch.manual_seed(0)
+    path = str(embedded_model_path())
+    rows = arithmetic(64, seed=0, max_value=20, max_terms=2, kind="prompt_only")
+    s = SETTINGS
+    common = dict(output_dir=f"/tmp/bench-grpo-{kind}", max_steps=steps, learning_rate=s["lr"], logging_steps=1,
+                  save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+                  per_device_train_batch_size=s["prompts_per_step"] * s["num_generations"],
+                  num_generations=s["num_generations"], max_completion_length=s["max_completion_length"],
+                  temperature=s["temperature"], beta=0.0, loss_type="dapo")
+    timer = _timer()
+    if kind == "toolkit":
+        from toolkit import GRPOConfig, GRPOTrainer
+
+        trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common), train_dataset=rows, callbacks=[timer])
+    else:
+        from datasets import Dataset
+        from trl import GRPOConfig as TRLConfig
+        from trl import GRPOTrainer as TRLTrainer
+
+        def reward(prompts, completions, completion_ids=None, **kw):  # TRL passes extra kwargs
+            return numeric_match(prompts, completions, completion_ids, answer=kw["answer"])
+
+        trainer = TRLTrainer(model=path, reward_funcs=reward, processing_class=None,
+                             args=TRLConfig(**common, use_cpu=True, bf16=False,
+                                            model_init_kwargs={"dtype": torch.float32}),
+                             train_dataset=Dataset.from_list(rows), callbacks=[timer])
+    trainer.train()
+    ends = timer.ends
+    per_step = (ends[-1] - ends[0]) / max(len(ends) - 1, 1)
+    hist = [h for h in trainer.state.log_history if "loss" in h][1:]
+    gen = [h.get("time/generation_s") for h in hist if h.get("time/generation_s") is not None]
+    rewards = [h.get("reward") for h in hist if h.get("reward") is not None]
+    return {"kind": kind, "sec_per_step": per_step, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "generation_s_per_step": sum(gen) / len(gen) if gen else None,
+            "mean_reward": sum(rewards) / len(rewards) if rewards else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
+        return
+    results = {}
+    for kind in ("toolkit", "trl"):
+        print(f"running {kind} ...", flush=True)
+        proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--worker", kind],
+                              capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stdout[-3000:], proc.stderr[-6000:])
+            raise SystemExit(f"{kind} failed")
+        results[kind] = json.loads(line[7:])
+        r = results[kind]
+        print(f"  {r['sec_per_step']:.1f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+    o, t = results["toolkit"], results["trl"]
+    s = SETTINGS
+    print(f"\nGRPO, SmolLM2-135M-Instruct, {s['prompts_per_step']} prompts x {s['num_generations']} completions per step, "
+          f"max {s['max_completion_length']} new tokens, {args.steps} steps (first excluded from timing)")
+    print("| | ours | TRL | ratio (ours/TRL) |")
+    print("|---|---|---|---|")
+    print(f"| seconds per step | {o['sec_per_step']:.1f} | {t['sec_per_step']:.1f} | "
+          f"{o['sec_per_step'] / t['sec_per_step']:.2f} (speed-up {t['sec_per_step'] / o['sec_per_step']:.2f}x) |")
+    print(f"| peak RSS MB | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | {o['peak_rss_mb'] / t['peak_rss_mb']:.2f} |")
+    if o["generation_s_per_step"] is not None:
+        print(f"| ours: generation s/step | {o['generation_s_per_step']:.1f} | | |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": s, "steps": args.steps, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
