@@ -20,20 +20,10 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import step_timer  # noqa: E402
+
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
-
-
-def _timer():
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.ends = []
-
-        def on_step_end(self, args, state, control, **kw):
-            self.ends.append(time.perf_counter())
-
-    return StepTimer()
 
 
 def worker(kind: str, steps: int) -> dict:
@@ -52,7 +42,7 @@ def worker(kind: str, steps: int) -> dict:
                   per_device_train_batch_size=s["prompts_per_step"] * s["num_generations"],
                   num_generations=s["num_generations"], max_completion_length=s["max_completion_length"],
                   temperature=s["temperature"], beta=0.0, loss_type="dapo")
-    timer = _timer()
+    timer = step_timer()
     if kind == "toolkit":
         from toolkit import GRPOConfig, GRPOTrainer
 

@@ -21,6 +21,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import step_timer  # noqa: E402
+
 DEFAULTS = dict(batch_size=4, max_length=1024, min_len=64, rows=96, lr=1e-5)
 
 
@@ -51,19 +54,6 @@ class TokenCounter:
         return batch
 
 
-def _step_timer():
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.ends = []
-
-        def on_step_end(self, args, state, control, **kw):
-            self.ends.append(time.perf_counter())
-
-    return StepTimer()
-
-
 def worker(kind: str, packing: bool, steps: int, p: dict) -> dict:
     import torch
 
@@ -75,7 +65,7 @@ def worker(kind: str, packing: bool, steps: int, p: dict) -> dict:
     common = dict(output_dir=f"/tmp/bench-sft-{kind}", max_steps=steps, per_device_train_batch_size=p["batch_size"],
                   learning_rate=p["lr"], logging_steps=1, save_strategy="no", report_to="none", seed=0,
                   disable_tqdm=True, dataloader_pin_memory=False, optim="adamw_torch_fused")
-    timer = _step_timer()
+    timer = step_timer()
     if kind == "dense":
         from transformers import AutoModelForCausalLM
 

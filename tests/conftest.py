@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 # Tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,3 +45,14 @@ def messages_rows(n=16):
 
 def text_rows(n=16):
     return [{"text": ("The quick brown fox jumps over the lazy dog. " * (1 + i % 4)).strip()} for i in range(n)]
+
+
+class StopAt(TrainerCallback):
+    """Stops training after `step` optimizer steps, as an interrupted run would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
+from conftest import StopAt
 from toolkit import ConfigError, DataError, TrainingHealthError
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer
 from toolkit.testing import tiny_model, tiny_tokenizer
@@ -176,15 +176,6 @@ def test_mask_truncated_completions(tmp_path):
     assert not (rollout.included & rollout.truncated).any()
 
 
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 def test_exact_resume_equals_uninterrupted(tmp_path):
     kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
     straight = make(tmp_path / "a", **kw)
@@ -240,3 +231,15 @@ def test_data_errors_before_the_model_loads(tmp_path):
     with pytest.raises(DataError, match="the prompt ends with an assistant turn"):
         GRPOTrainer("no-such/model", [length_reward], cfg(tmp_path), processing_class=tiny_tokenizer(),
                     train_dataset=[{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}])
+
+
+def test_padded_fallback_gives_the_same_logps_as_packed_rows(tmp_path):
+    """Attention that cannot run packed rows gets right-padded batches; the log-probs must not change."""
+    packed = make(tmp_path)
+    padded = make(tmp_path, model=tiny_model(attn_implementation="eager"))
+    padded.padding_free = False
+    rollout = packed.generate_rollout([0, 1])
+    a = packed.compute_token_logps(packed.model, packed._split(rollout)[0])
+    b = padded.compute_token_logps(padded.model, padded._split(rollout)[0])
+    assert "attention_mask" in padded._split(rollout)[0]
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

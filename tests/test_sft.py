@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
-from conftest import conv_pc, messages_rows, plain_pc, text_rows
+from conftest import StopAt, conv_pc, messages_rows, plain_pc, text_rows
 from toolkit import ConfigError, DataError, SFTConfig, SFTTrainer, TrainingHealthError
 from toolkit.core.checkpoint import COMPLETE_MARKER
 from toolkit.testing import tiny_model, tiny_tokenizer
@@ -105,15 +104,6 @@ def test_batch_8x1_equals_4x2_with_accumulation(tmp_path):
     assert logged[0] == pytest.approx(logged[1], rel=1e-5)
     for (k, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def test_exact_resume_equals_uninterrupted(tmp_path):

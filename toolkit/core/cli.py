@@ -78,6 +78,20 @@ def _parse(argv: list[str], config_cls: type) -> tuple[RunArgs, Any] | None:
     return build_configs(values, config_cls)
 
 
+def _datasets(run: RunArgs, kind: str) -> tuple[Any, Any]:
+    if not run.dataset:
+        raise ConfigError("dataset: no training data given; set `dataset = ...` in the run file or pass --dataset.")
+    train = load_dataset_spec(run.dataset, run, split="train", kind=kind)
+    held_out = load_dataset_spec(run.eval_dataset, run, split="test", kind=kind) if run.eval_dataset else None
+    return train, held_out
+
+
+def _print_summary(title: str, summary: dict[str, Any]) -> None:
+    print(f"\n=== {title} summary ===")
+    for k, v in summary.items():
+        print(f"{k:>28}: {v:.4f}" if isinstance(v, float) else f"{k:>28}: {v}")
+
+
 def run_sft(argv: list[str]) -> int:
     from .sft import SFTConfig, SFTTrainer
 
@@ -85,10 +99,7 @@ def run_sft(argv: list[str]) -> int:
     if parsed is None:
         return 0
     run, cfg = parsed
-    if not run.dataset:
-        raise ConfigError("dataset: no training data given; set `dataset = ...` in the run file or pass --dataset.")
-    train = load_dataset_spec(run.dataset, run, split="train")
-    held_out = load_dataset_spec(run.eval_dataset, run, split="test") if run.eval_dataset else None
+    train, held_out = _datasets(run, "prompt_completion")
 
     started = time.perf_counter()
     trainer = SFTTrainer(run.model, cfg, train_dataset=train, eval_dataset=held_out,
@@ -117,9 +128,7 @@ def run_sft(argv: list[str]) -> int:
     summary["saved_to"] = str(final_dir)
     summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
     (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("\n=== SFT summary ===")
-    for k, v in summary.items():
-        print(f"{k:>28}: {v:.4f}" if isinstance(v, float) else f"{k:>28}: {v}")
+    _print_summary("SFT", summary)
     return 0
 
 
@@ -131,10 +140,7 @@ def run_grpo(argv: list[str]) -> int:
     if parsed is None:
         return 0
     run, cfg = parsed
-    if not run.dataset:
-        raise ConfigError("dataset: no prompts given; set `dataset = ...` in the run file or pass --dataset.")
-    train = load_dataset_spec(run.dataset, run, split="train", kind="prompt_only")
-    held_out = load_dataset_spec(run.eval_dataset, run, split="test", kind="prompt_only") if run.eval_dataset else None
+    train, held_out = _datasets(run, "prompt_only")
     started = time.perf_counter()
     callbacks = []
     accuracy = None
@@ -155,9 +161,7 @@ def run_grpo(argv: list[str]) -> int:
     summary["saved_to"] = str(final_dir)
     summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
     summary.update(write_report(trainer, Path(cfg.output_dir), accuracy.history if accuracy else [], summary))
-    print("\n=== GRPO summary ===")
-    for k, v in summary.items():
-        print(f"{k:>28}: {v:.4f}" if isinstance(v, float) else f"{k:>28}: {v}")
+    _print_summary("GRPO", summary)
     return 0
 
 
