@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import conv_pc, messages_rows, plain_pc, text_rows
+
 from toolkit.core.data import (
     SFTCollator,
     as_rows,

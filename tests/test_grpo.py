@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import StopAt
+
 from toolkit import ConfigError, DataError, TrainingHealthError
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer
 from toolkit.testing import tiny_model, tiny_tokenizer

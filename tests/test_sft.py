@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import StopAt, conv_pc, messages_rows, plain_pc, text_rows
+
 from toolkit import ConfigError, DataError, SFTConfig, SFTTrainer, TrainingHealthError
 from toolkit.core.checkpoint import COMPLETE_MARKER
 from toolkit.testing import tiny_model, tiny_tokenizer

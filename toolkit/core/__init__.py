@@ -6,7 +6,6 @@ from .data import DatasetFormat, SFTCollator, as_rows, detect_format, normalize_
 from .errors import ConfigError, DataError, ToolkitError, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams, TransformersBackend
 from .grpo import POLICY_LOSSES, GRPOConfig, GRPOTrainer
-from .rewards import format_reward, length_penalty, numeric_match, parse_number
 from .models import DEFAULT_MODEL, embedded_model_path, load_model, load_tokenizer
 from .numerics import (
     aggregate,
@@ -19,6 +18,7 @@ from .numerics import (
     masked_sum,
     truncated_importance_weights,
 )
+from .rewards import format_reward, length_penalty, numeric_match, parse_number
 from .sft import SFTConfig, SFTTrainer
 
 __all__ = [

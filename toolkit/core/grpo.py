@@ -44,7 +44,7 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
-from .attention import supports_varlen, use_varlen_attention, varlen_kwargs
+from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import CompleteCheckpointCallback, resolve_resume, write_atomic
 from .data import DatasetFormat, as_rows, detect_format, normalize_rows, validate
 from .errors import ConfigError, DataError, TrainingHealthError
@@ -55,12 +55,12 @@ from .numerics import (
     SCALE_REWARDS,
     aggregate,
     chunked_entropy,
-    chunked_token_logps,
     clipped_surrogate,
     group_advantages,
     kl_estimate,
     truncated_importance_weights,
 )
+from .packing import completion_hidden, completion_logps, pack_completions
 from .rewards import RewardRunner
 
 logger = logging.getLogger(__name__)
@@ -462,7 +462,7 @@ class GRPOTrainer(Trainer):
         out: list[torch.Tensor] = []
         B = self.args.per_device_train_batch_size
         for start in range(0, len(rollout.completion_ids), B):
-            batch = self._pack(rollout, range(start, min(start + B, len(rollout.completion_ids))), with_targets=False)
+            batch = self._pack(rollout, range(start, min(start + B, len(rollout.completion_ids))))
             if model is None and self.ref_model is None:
                 ctx = self.accelerator.unwrap_model(self.model).disable_adapter()
                 scorer = self.model
@@ -479,31 +479,9 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------------- batching
 
-    def _pack(self, rollout: Rollout, rows: Sequence[int], *, with_targets: bool = True) -> dict[str, Any]:
-        """Rows -> one padding-free row: prompt+completion of each, positions restarting, per-row boundaries."""
-        ids, pos, cu, completion_positions, lengths = [], [], [0], [], []
-        for r in rows:
-            p, c = rollout.prompt_ids[r], rollout.completion_ids[r]
-            offset = len(ids)
-            ids += p + c
-            pos += list(range(len(p) + len(c)))
-            cu.append(len(ids))
-            # hidden state at position t predicts token t+1: the completion's tokens are predicted
-            # from the last prompt token onwards
-            completion_positions += list(range(offset + len(p) - 1, offset + len(p) + len(c) - 1))
-            lengths.append(len(c))
-        targets = [t for r in rows for t in rollout.completion_ids[r]]
-        batch = {
-            "input_ids": torch.tensor([ids], dtype=torch.long),
-            "position_ids": torch.tensor([pos], dtype=torch.long),
-            "cu_seq_lens": torch.tensor(cu, dtype=torch.int32),
-            "completion_positions": torch.tensor(completion_positions, dtype=torch.long),
-            "completion_targets": torch.tensor(targets, dtype=torch.long),
-            "completion_lengths": torch.tensor(lengths, dtype=torch.long),
-        }
-        if not self.padding_free:  # right-padded fallback for attention that cannot run packed rows
-            batch = _to_padded(batch, self.processing_class.pad_token_id)
-        return batch
+    def _pack(self, rollout: Rollout, rows: Sequence[int]) -> dict[str, Any]:
+        return pack_completions([rollout.prompt_ids[r] for r in rows], [rollout.completion_ids[r] for r in rows],
+                                pad_token_id=self.processing_class.pad_token_id, padding_free=self.padding_free)
 
     def _micro_batch(self, rollout: Rollout, rows: Sequence[int], step_counts: dict[str, float]) -> dict[str, Any]:
         batch = self._pack(rollout, rows)
@@ -539,20 +517,10 @@ class GRPOTrainer(Trainer):
 
     def compute_token_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam)."""
-        kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, "output_hidden_states": True,
-                                  "logits_to_keep": 1}
-        if "cu_seq_lens" in batch:
-            kwargs["position_ids"] = batch["position_ids"]
-            kwargs.update(varlen_kwargs(batch["cu_seq_lens"]))
-        else:
-            kwargs["attention_mask"] = batch["attention_mask"]
-        hidden = model(**kwargs).hidden_states[-1].reshape(-1, self._hidden_size(model))
-        hidden = hidden[batch["completion_positions"]]
-        head = unwrap_model(model).get_output_embeddings()
+        hidden = completion_hidden(model, batch)
         self._last_hidden = hidden.detach()
-        return chunked_token_logps(hidden, head.weight, batch["completion_targets"], bias=getattr(head, "bias", None),
-                                   temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
-                                   upcast=self.args.fp32_lm_head)
+        return completion_logps(model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
+                                upcast=self.args.fp32_lm_head, hidden=hidden)
 
     def compute_policy_loss(self, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
                             mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -674,9 +642,6 @@ class GRPOTrainer(Trainer):
                               chunk_size=self.args.logps_chunk_size)
         s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)
 
-    def _hidden_size(self, model) -> int:
-        return unwrap_model(model).config.hidden_size
-
 
 class _Health:
     """Warnings a person can act on, at most once per cause per `warn_every` steps; NaN/inf stops the run."""
@@ -755,24 +720,6 @@ def _pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     out = torch.zeros(len(rows), length, dtype=torch.float32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r.float()
-    return out
-
-
-def _to_padded(batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
-    cu = batch["cu_seq_lens"].tolist()
-    flat = batch["input_ids"][0]
-    seqs = [flat[a:b] for a, b in zip(cu[:-1], cu[1:])]
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    am = torch.zeros((len(seqs), T), dtype=torch.long)
-    remap = torch.empty(len(flat), dtype=torch.long)
-    for i, (s, a) in enumerate(zip(seqs, cu[:-1])):
-        ids[i, : len(s)] = s
-        am[i, : len(s)] = 1
-        remap[a:a + len(s)] = torch.arange(len(s)) + i * T
-    out = dict(batch)
-    del out["cu_seq_lens"], out["position_ids"]
-    out.update(input_ids=ids, attention_mask=am, completion_positions=remap[batch["completion_positions"]])
     return out
 
 

@@ -1,0 +1,99 @@
+"""Prompt + completion sequences as one padding-free row, and their completion log-probs.
+
+Every trainer that scores completions (GRPO, DPO, PPO) runs the same forward: sequences packed
+into one row (positions restart per sequence, attention stays inside each sequence through
+`toolkit_varlen`), hidden states gathered at the positions that predict completion tokens, and the
+shared chunked LM-head function on those positions only. Models whose attention cannot run packed
+rows get a right-padded batch instead; the log-probs are the same (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .attention import varlen_kwargs
+from .models import unwrap_model
+from .numerics import chunked_token_logps
+
+
+def pack_completions(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_token_id: int,
+                     padding_free: bool = True) -> dict[str, torch.Tensor]:
+    """Sequences prompt_i + completion_i -> a batch for `completion_logps`.
+
+    Keys: input_ids, position_ids and cu_seq_lens (packed) or attention_mask (padded);
+    completion_positions [N] (flat index of the hidden state predicting each completion token),
+    completion_targets [N], completion_lengths [B].
+    """
+    ids: list[int] = []
+    pos: list[int] = []
+    cu = [0]
+    positions: list[int] = []
+    lengths: list[int] = []
+    for p, c in zip(prompts, completions):
+        offset = len(ids)
+        ids += list(p) + list(c)
+        pos += list(range(len(p) + len(c)))
+        cu.append(len(ids))
+        # the hidden state at t predicts token t+1: completion tokens are predicted from the last prompt token on
+        positions += range(offset + len(p) - 1, offset + len(p) + len(c) - 1)
+        lengths.append(len(c))
+    batch = {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": torch.tensor([pos], dtype=torch.long),
+        "cu_seq_lens": torch.tensor(cu, dtype=torch.int32),
+        "completion_positions": torch.tensor(positions, dtype=torch.long),
+        "completion_targets": torch.tensor([t for c in completions for t in c], dtype=torch.long),
+        "completion_lengths": torch.tensor(lengths, dtype=torch.long),
+    }
+    return batch if padding_free else to_padded(batch, pad_token_id)
+
+
+def to_padded(batch: dict[str, torch.Tensor], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The same sequences right-padded to [B, T] with an attention mask; completion positions remapped."""
+    cu = batch["cu_seq_lens"].tolist()
+    flat = batch["input_ids"][0]
+    seqs = [flat[a:b] for a, b in zip(cu[:-1], cu[1:])]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    remap = torch.empty(len(flat), dtype=torch.long)
+    for i, (s, a) in enumerate(zip(seqs, cu[:-1])):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+        remap[a:a + len(s)] = torch.arange(len(s)) + i * T
+    out = {k: v for k, v in batch.items() if k not in ("cu_seq_lens", "position_ids")}
+    out.update(input_ids=ids, attention_mask=mask, completion_positions=remap[batch["completion_positions"]])
+    return out
+
+
+def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[N, H] final hidden states at the completion-predicting positions (`logits_to_keep=1`: no full logits)."""
+    kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, "output_hidden_states": True,
+                              "logits_to_keep": 1}
+    if "cu_seq_lens" in batch:
+        kwargs["position_ids"] = batch["position_ids"]
+        kwargs.update(varlen_kwargs(batch["cu_seq_lens"]))
+    else:
+        kwargs["attention_mask"] = batch["attention_mask"]
+    hidden = model(**kwargs).hidden_states[-1]
+    return hidden.reshape(-1, hidden.shape[-1])[batch["completion_positions"]]
+
+
+def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
+                     chunk_size: int = 512, upcast: bool = True,
+                     hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat [N] log-probs of the completion tokens under `model` (pass `hidden` to reuse a forward)."""
+    if hidden is None:
+        hidden = completion_hidden(model, batch)
+    head = unwrap_model(model).get_output_embeddings()
+    return chunked_token_logps(hidden, head.weight, batch["completion_targets"], bias=getattr(head, "bias", None),
+                               temperature=temperature, chunk_size=chunk_size, upcast=upcast)
+
+
+def sequence_sums(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sum a flat per-token tensor within each sequence: [N] + lengths [B] -> [B]."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=flat.device), lengths.to(flat.device))
+    return torch.zeros(len(lengths), dtype=flat.dtype, device=flat.device).index_add(0, seq, flat)
