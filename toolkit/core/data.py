@@ -577,3 +577,111 @@ def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
             bins[best].append(i)
             space[best] -= n
     return bins
+
+
+# --------------------------------------------------------------------------------------------------
+# Preference data (DPO)
+# --------------------------------------------------------------------------------------------------
+
+
+def split_preference(row: dict[str, Any], fmt: DatasetFormat, i: int) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected) of a preference row; an implicit prompt is taken from the shared start.
+
+    Conversational rows without a 'prompt' column must differ only in their last (assistant) turn;
+    otherwise the two sides answer different conversations, which is a data error, not a preference.
+    """
+    if "prompt" in fmt.columns:
+        return row["prompt"], row["chosen"], row["rejected"]
+    chosen, rejected = row["chosen"], row["rejected"]
+    if fmt.conversational:
+        if chosen[:-1] != rejected[:-1]:
+            at = next(j for j, (a, b) in enumerate(zip(chosen, rejected)) if a != b) if any(
+                a != b for a, b in zip(chosen[:-1], rejected[:-1])) else min(len(chosen), len(rejected)) - 1
+            raise DataError(
+                f"row {i}: 'chosen' and 'rejected' have different prompts (they differ at turn {at}, before the last "
+                "turn). Both must be the same conversation up to the final assistant turn; or give an explicit "
+                "'prompt' column.")
+        if chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
+            raise DataError(f"row {i}: the last turn of 'chosen' and 'rejected' must be the assistant's answer.")
+        return chosen[:-1], [chosen[-1]], [rejected[-1]]
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    cut = chosen.rfind(" ", 0, n) + 1 if n < len(chosen) or n < len(rejected) else n  # back to a word boundary
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def tokenize_for_preference(
+    rows: list[dict[str, Any]],
+    fmt: DatasetFormat,
+    tokenizer: Any,
+    *,
+    max_length: int | None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[dict[str, Any]], TokenizationReport, list[int]]:
+    """Preference rows -> {prompt_ids, chosen_ids, rejected_ids} (completion ids after the shared prompt).
+
+    Returns (examples, report, identical_rows): identical_rows lists rows whose chosen equals their
+    rejected (no preference to learn; the caller warns). Truncation keeps the prompt and cuts the
+    completions' ends, and is reported.
+    """
+    if fmt.kind != "preference":
+        raise DataError(f"DPO needs preference data ('chosen' and 'rejected', optional 'prompt'); this dataset is "
+                        f"{fmt.describe()}.")
+    eos = tokenizer.eos_token_id
+    report = TokenizationReport(rows=len(rows))
+    out, identical = [], []
+    for i, r in enumerate(rows):
+        prompt, chosen, rejected = split_preference(r, fmt, i)
+        if chosen == rejected:
+            identical.append(i)
+        sides = []
+        if fmt.conversational:
+            prompt_text = _render(tokenizer, prompt, add_generation_prompt=True, template_kwargs=template_kwargs) \
+                if prompt else ""
+            prompt_ids = _ids(tokenizer, prompt_text, special=False) if prompt_text else []
+            for completion in (chosen, rejected):
+                full_text = _render(tokenizer, list(prompt) + list(completion), add_generation_prompt=False,
+                                    template_kwargs=template_kwargs)
+                if not full_text.startswith(prompt_text):
+                    raise DataError(f"row {i}: the chat template does not render the prompt as a prefix of "
+                                    "prompt + answer; give plain-text rows or a template that renders incrementally.")
+                full_ids = _ids(tokenizer, full_text, special=False)
+                rest = full_text[len(prompt_text):]
+                ids, start, prefix = _join_prompt_completion(prompt_ids, full_ids,
+                                                             lambda rest=rest: _ids(tokenizer, rest, special=False))
+                report.non_prefix_rows += 0 if prefix else 1
+                sides.append(ids[start:])
+        else:
+            prompt_ids = _ids(tokenizer, prompt, special=True) if prompt else (
+                [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else [])
+            for completion in (chosen, rejected):
+                full_ids = _ids(tokenizer, prompt + completion, special=True)
+                ids, start, prefix = _join_prompt_completion(
+                    prompt_ids, full_ids, lambda completion=completion: _ids(tokenizer, completion, special=False))
+                report.non_prefix_rows += 0 if prefix else 1
+                comp = ids[start:]
+                if eos is not None and (not comp or comp[-1] != eos):
+                    comp = comp + [eos]
+                sides.append(comp)
+        if not prompt_ids:
+            raise DataError(f"row {i}: the prompt is empty, so the first completion token has no context; give a "
+                            "'prompt' column or rows whose chosen and rejected share a beginning.")
+        longest = len(prompt_ids) + max(len(s) for s in sides)
+        report.longest = max(report.longest, longest)
+        if max_length is not None and longest > max_length:
+            report.truncated_rows += 1
+            room = max_length - len(prompt_ids)
+            if room < 1:
+                report.empty_mask_rows.append(i)
+                room = 1
+            sides = [s[:room] for s in sides]
+        report.tokens += 2 * len(prompt_ids) + sum(len(s) for s in sides)
+        report.loss_tokens += sum(len(s) for s in sides)
+        out.append({"prompt_ids": prompt_ids, "chosen_ids": sides[0], "rejected_ids": sides[1]})
+    if report.empty_mask_rows:
+        rws = report.empty_mask_rows
+        raise DataError(f"dataset: {len(rws)} rows have prompts of max_length={max_length} tokens or more (rows "
+                        f"{', '.join(map(str, rws[:_MAX_ROWS_IN_MESSAGE]))}), leaving no room for the answers. Raise "
+                        "max_length or shorten those prompts.")
+    return out, report, identical

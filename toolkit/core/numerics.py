@@ -329,3 +329,45 @@ def truncated_importance_weights(trainer_logps: torch.Tensor, sampler_logps: tor
     elif level != "token":
         raise ValueError(f"importance level must be 'token' or 'sequence', got {level!r}")
     return torch.exp(log_ratio).clamp(max=cap)
+
+
+# --------------------------------------------------------------------------------------------------
+# Preference losses (DPO family)
+# --------------------------------------------------------------------------------------------------
+
+
+def preference_loss(
+    kind: str,
+    chosen_logratios: torch.Tensor,
+    rejected_logratios: torch.Tensor,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-example preference loss from policy-minus-reference log-ratios ([B] each, summed over tokens).
+
+    - "sigmoid": DPO (Rafailov et al. 2023, eq. 7), with conservative label smoothing (cDPO) when
+      label_smoothing > 0: -(1-ls) log s(b d) - ls log s(-b d), d = chosen - rejected log-ratio.
+    - "robust": rDPO (Chowdhury et al. 2024, eq. 21): unbiased under label noise ls.
+    - "hinge": SLiC (Zhao et al. 2023): relu(1 - b d).
+    - "ipo": IPO (Azar et al. 2023, eq. 17) on *per-token average* log-ratios (as TRL, confirmed by the
+      IPO authors): (d_avg - 1/(2 b))^2; needs the completion lengths.
+    """
+    d = chosen_logratios - rejected_logratios
+    logsig = torch.nn.functional.logsigmoid
+    if kind == "sigmoid":
+        return -(1 - label_smoothing) * logsig(beta * d) - label_smoothing * logsig(-beta * d)
+    if kind == "robust":
+        if not 0 <= label_smoothing < 0.5:
+            raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
+        return (-(1 - label_smoothing) * logsig(beta * d) + label_smoothing * logsig(-beta * d)) / (1 - 2 * label_smoothing)
+    if kind == "hinge":
+        return torch.relu(1 - beta * d)
+    if kind == "ipo":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError("ipo needs chosen_lengths and rejected_lengths (per-token averaging)")
+        d_avg = chosen_logratios / chosen_lengths.clamp(min=1) - rejected_logratios / rejected_lengths.clamp(min=1)
+        return (d_avg - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown preference loss '{kind}'; built-in: sigmoid, robust, hinge, ipo")

@@ -1,0 +1,331 @@
+"""Direct Preference Optimization and its loss family.
+
+`DPOTrainer` is a `transformers.Trainer`. One step, top to bottom:
+
+1. Data (once, before any model loads): preference rows in any format the data layer detects
+   (plain or conversational, explicit or implicit prompt) are validated and tokenized into
+   prompt ids + chosen ids + rejected ids. Identical chosen/rejected rows are reported.
+2. One forward for the whole micro-batch: every prompt+chosen and prompt+rejected sequence packed
+   into one padding-free row (examples never attend to each other); per-token log-probs from the
+   shared chunked LM-head function at the completion positions only, summed per sequence. The
+   [2B, seq, vocab] logits tensor never exists.
+3. Reference log-probs: a frozen copy, the PEFT base with adapters disabled (no second copy),
+   precomputed once before training (`precompute_ref_log_probs`, then no reference is held), or
+   none (`reference_free`).
+4. Loss: `loss_type` (one name or a list, with `loss_weights`) through `preference_loss`, or any
+   function registered in `PREFERENCE_LOSSES`.
+
+Follows Rafailov et al. (2023); loss variants cite their papers in `numerics.preference_loss`.
+Loss and reward metrics equal TRL's DPOTrainer on the same batch (tests/test_dpo.py).
+Seams: `compute_sequence_logps`, `compute_reference_logps`, `compute_preference_loss`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+from .attention import supports_varlen, use_varlen_attention
+from .checkpoint import CompleteCheckpointCallback, resolve_resume
+from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
+from .errors import ConfigError, TrainingHealthError
+from .models import DEFAULT_MODEL, apply_cpu_training_defaults, load_model, load_tokenizer, unwrap_model
+from .numerics import DEFAULT_CHUNK_SIZE, preference_loss
+from .packing import completion_logps, pack_completions, sequence_sums
+
+logger = logging.getLogger(__name__)
+
+
+def _builtin(kind: str) -> Callable[..., torch.Tensor]:
+    def loss(chosen_logratios, rejected_logratios, *, config, chosen_lengths, rejected_lengths):
+        return preference_loss(kind, chosen_logratios, rejected_logratios, beta=config.beta,
+                               label_smoothing=config.label_smoothing, chosen_lengths=chosen_lengths,
+                               rejected_lengths=rejected_lengths)
+
+    loss.__name__ = kind
+    return loss
+
+
+#: Preference losses by name: fn(chosen_logratios [B], rejected_logratios [B], *, config, chosen_lengths,
+#: rejected_lengths) -> per-example loss [B]. Plugins add entries.
+PREFERENCE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {k: _builtin(k) for k in ("sigmoid", "robust", "hinge",
+                                                                                       "ipo")}
+
+
+@dataclass
+class DPOConfig(TrainingArguments):
+    """Settings of `DPOTrainer`: every `TrainingArguments` field plus the ones below (TRL's names)."""
+
+    output_dir: str | None = field(default="outputs/dpo", metadata={"help": "Checkpoints and the final model."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak AdamW learning rate."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every this many optimizer steps."})
+    report_to: Any = field(default="none", metadata={"help": "Integrations to report to."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Kept False (tokenized columns are ours)."})
+    optim: str = field(default="adamw_torch_fused", metadata={"help": "Optimizer (TrainingArguments names)."})
+
+    beta: float = field(default=0.1, metadata={"help": "Strength of the implicit KL to the reference (tau for ipo)."})
+    loss_type: Any = field(default="sigmoid", metadata={
+        "help": "sigmoid | robust | hinge | ipo | a registered loss, or a list of them (see loss_weights)."})
+    loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss type."})
+    label_smoothing: float = field(default=0.0, metadata={"help": "Assumed label-noise rate (cDPO/robust)."})
+    max_length: int | None = field(default=1024, metadata={
+        "help": "Longest prompt + answer; answers are cut at the end, and the count reported."})
+    precompute_ref_log_probs: bool = field(default=False, metadata={
+        "help": "Compute reference log-probs once before training and hold no reference model while training."})
+    reference_free: bool = field(default=False, metadata={"help": "Use no reference (its log-probs are 0)."})
+    chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
+    logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
+    fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
+    model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
+    flat_warn_steps: int = field(default=20, metadata={
+        "help": "Warn when reward accuracy and margin have not moved for this many logged steps."})
+
+    def __post_init__(self):
+        apply_cpu_training_defaults(self)
+        super().__post_init__()
+        types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+        unknown = [t for t in types if t not in PREFERENCE_LOSSES]
+        if unknown:
+            raise ConfigError(f"loss_type: {unknown} not among {sorted(PREFERENCE_LOSSES)}.")
+        if self.loss_weights is not None and len(self.loss_weights) != len(types):
+            raise ConfigError(f"loss_weights: {len(self.loss_weights)} weights for {len(types)} loss types {types}.")
+        if self.beta <= 0:
+            raise ConfigError(f"beta: must be > 0, got {self.beta}.")
+        if "robust" in types and not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"label_smoothing: robust DPO needs [0, 0.5), got {self.label_smoothing}.")
+        if self.reference_free and self.precompute_ref_log_probs:
+            raise ConfigError("precompute_ref_log_probs: there is nothing to precompute with reference_free=True.")
+        self.loss_types = types
+        self.loss_weight_values = list(self.loss_weights) if self.loss_weights is not None else [1.0] * len(types)
+
+
+class DPOTrainer(Trainer):
+    """DPO and variants on preference data; see the module docstring and docs/dpo.md."""
+
+    _tag_names = ["toolkit", "dpo"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = DEFAULT_MODEL,
+        ref_model: str | PreTrainedModel | None = None,
+        args: DPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        model_init_kwargs: dict | None = None,
+    ):
+        args = args if args is not None else DPOConfig()
+        if not isinstance(args, DPOConfig):
+            raise ConfigError(f"args: DPOTrainer needs a DPOConfig, got {type(args).__name__}.")
+        if train_dataset is None:
+            raise ConfigError("train_dataset: DPOTrainer needs preference data (chosen/rejected).")
+
+        # 1. Data before any model.
+        tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        train_tok = self._prepare(train_dataset, tokenizer, args, "train")
+        eval_tok = self._prepare(eval_dataset, tokenizer, args, "eval") if eval_dataset is not None else None
+
+        # 2. Models.
+        init_kwargs = dict(model_init_kwargs or {})
+        dtype = init_kwargs.pop("dtype", args.model_dtype)
+        model = load_model(model, dtype=dtype, **init_kwargs)
+        self.ref_model = None
+        if peft_config is not None:
+            from peft import get_peft_model, prepare_model_for_kbit_training
+
+            if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+                model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+            model = get_peft_model(model, peft_config)
+        elif not args.reference_free:
+            self.ref_model = load_model(ref_model, dtype=dtype) if ref_model is not None else copy.deepcopy(model)
+            self.ref_model.eval().requires_grad_(False)
+        self.padding_free = supports_varlen(unwrap_model(model))
+        for m in (unwrap_model(model), self.ref_model):
+            if m is not None and self.padding_free:
+                use_varlen_attention(m)
+        logger.info("DPO loss settings: loss_type=%s weights=%s beta=%s label_smoothing=%s reference=%s; "
+                    "max_length=%s.", args.loss_types, args.loss_weight_values, args.beta, args.label_smoothing,
+                    "none" if args.reference_free else "precomputed" if args.precompute_ref_log_probs else
+                    "PEFT base (adapters off)" if peft_config is not None else "frozen copy", args.max_length)
+
+        super().__init__(model=model, args=args, data_collator=_PreferenceCollator(),
+                         train_dataset=Dataset.from_list(train_tok),
+                         eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
+                         processing_class=tokenizer, callbacks=list(callbacks or []) + [CompleteCheckpointCallback()],
+                         optimizers=optimizers)
+        self.loss_is_scaled_for_ga = False  # mean over examples per micro-batch; Trainer divides by accumulation
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._flat: list[tuple[float, float]] = []
+        if args.precompute_ref_log_probs:
+            self._precompute_reference()
+
+    # ----------------------------------------------------------------------------------- data
+
+    def _prepare(self, data: Any, tokenizer: Any, args: DPOConfig, split: str) -> list[dict[str, Any]]:
+        rows = normalize_rows(as_rows(data))
+        fmt = detect_format(rows)
+        validate(rows, fmt, tokenizer=tokenizer)
+        examples, report, identical = tokenize_for_preference(rows, fmt, tokenizer, max_length=args.max_length,
+                                                              template_kwargs=args.chat_template_kwargs)
+        logger.info("DPO %s data: %s: %s", split, fmt.describe(), report.summary(args.max_length))
+        if report.truncated_rows:
+            logger.warning("DPO: %d of %d %s rows were truncated to max_length=%s (longest %d tokens).",
+                           report.truncated_rows, report.rows, split, args.max_length, report.longest)
+        if identical:
+            logger.warning("DPO: %d of %d %s rows have chosen == rejected (rows %s%s); they carry no preference and "
+                           "only add noise. Drop them.", len(identical), len(rows), split,
+                           ", ".join(map(str, identical[:5])), " ..." if len(identical) > 5 else "")
+        self.identical_rows = identical
+        for e in examples:
+            e["ref_chosen_logps"] = e["ref_rejected_logps"] = float("nan")
+        return examples
+
+    @torch.no_grad()
+    def _precompute_reference(self) -> None:
+        """One pass over the datasets storing reference log-probs, then release the reference model."""
+        for name in ("train_dataset", "eval_dataset"):
+            ds = getattr(self, name)
+            if ds is None:
+                continue
+            chosen, rejected = [], []
+            for start in range(0, len(ds), self.args.per_device_train_batch_size):
+                batch = self.data_collator([ds[i] for i in range(start, min(start + self.args.per_device_train_batch_size,
+                                                                                 len(ds)))])
+                c, r = self.compute_reference_logps(batch)
+                chosen += c.tolist()
+                rejected += r.tolist()
+            ds = ds.remove_columns(["ref_chosen_logps", "ref_rejected_logps"])
+            ds = ds.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
+            setattr(self, name, ds)
+        self.ref_model = None  # nothing of the reference stays in memory while training
+
+    # --------------------------------------------------------------------------------- seams
+
+    def _batch(self, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        prompts = inputs["prompt_ids"] + inputs["prompt_ids"]
+        completions = inputs["chosen_ids"] + inputs["rejected_ids"]  # [chosen..., rejected...]
+        return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
+                                padding_free=self.padding_free)
+
+    def compute_sequence_logps(self, model: torch.nn.Module, inputs: dict[str, Any]
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen [B], rejected [B], completion lengths [2B]): summed log-probs from one packed forward."""
+        batch = self._batch(inputs)
+        batch = {k: v.to(self.args.device) for k, v in batch.items()}
+        flat = completion_logps(model, batch, chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
+        sums = sequence_sums(flat, batch["completion_lengths"])
+        chosen, rejected = sums.chunk(2)
+        return chosen, rejected, batch["completion_lengths"]
+
+    @torch.no_grad()
+    def compute_reference_logps(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.args.reference_free:
+            n = len(inputs["prompt_ids"])
+            return torch.zeros(n), torch.zeros(n)
+        if "ref_chosen_logps" in inputs and not torch.isnan(inputs["ref_chosen_logps"]).any():
+            return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+        if self.ref_model is None:  # PEFT: the base model with adapters disabled
+            model = self.accelerator.unwrap_model(self.model)
+            ctx = model.disable_adapter()
+        else:
+            model, ctx = self.ref_model, contextlib.nullcontext()
+        was = model.training
+        model.eval()
+        with ctx:
+            chosen, rejected, _ = self.compute_sequence_logps(model, inputs)
+        model.train(was)
+        return chosen, rejected
+
+    def compute_preference_loss(self, chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor,
+                                lengths: torch.Tensor) -> torch.Tensor:
+        """Weighted sum over `loss_type`s of the mean per-example loss."""
+        chosen_len, rejected_len = lengths.chunk(2)
+        loss = chosen_logratios.new_zeros(())
+        for kind, weight in zip(self.args.loss_types, self.args.loss_weight_values):
+            per_example = PREFERENCE_LOSSES[kind](chosen_logratios, rejected_logratios, config=self.args,
+                                                  chosen_lengths=chosen_len.float(), rejected_lengths=rejected_len.float())
+            loss = loss + weight * per_example.mean()
+        return loss
+
+    # ----------------------------------------------------------------------------- Trainer hooks
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        chosen, rejected, lengths = self.compute_sequence_logps(model, inputs)
+        ref_chosen, ref_rejected = self.compute_reference_logps(inputs)
+        ref_chosen, ref_rejected = ref_chosen.to(chosen.device), ref_rejected.to(chosen.device)
+        chosen_logratios, rejected_logratios = chosen - ref_chosen, rejected - ref_rejected
+        loss = self.compute_preference_loss(chosen_logratios, rejected_logratios, lengths)
+        if not torch.isfinite(loss):
+            raise TrainingHealthError(f"DPO loss is {loss.item()} at step {self.state.global_step}; check for extreme "
+                                      "sequence lengths or lower the learning rate.")
+        mode = "train" if model.training else "eval"
+        with torch.no_grad():
+            chosen_rewards = self.args.beta * chosen_logratios.detach()
+            rejected_rewards = self.args.beta * rejected_logratios.detach()
+            m = self._metrics
+            m[f"{mode}/rewards/chosen"].append(chosen_rewards.mean().item())
+            m[f"{mode}/rewards/rejected"].append(rejected_rewards.mean().item())
+            m[f"{mode}/rewards/accuracies"].append((chosen_rewards > rejected_rewards).float().mean().item())
+            m[f"{mode}/rewards/margins"].append((chosen_rewards - rejected_rewards).mean().item())
+            m[f"{mode}/logps/chosen"].append(chosen.detach().mean().item())
+            m[f"{mode}/logps/rejected"].append(rejected.detach().mean().item())
+        return (loss, {"chosen": chosen.detach()}) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
+        prefix = "eval_" if mode == "eval" else ""
+        for key, values in list(self._metrics.items()):
+            if key.startswith(mode + "/") and values:
+                logs[prefix + key[len(mode) + 1:]] = round(sum(values) / len(values), 6)
+                self._metrics[key] = []
+        if mode == "train" and "rewards/accuracies" in logs:
+            self._watch_flat(logs)
+        super().log(logs, start_time)
+
+    def _watch_flat(self, logs: dict[str, float]) -> None:
+        self._flat.append((logs["rewards/accuracies"], logs["rewards/margins"]))
+        k = self.args.flat_warn_steps
+        if len(self._flat) >= k and len(self._flat) % k == 0:
+            window = self._flat[-k:]
+            if max(abs(m) for _, m in window) < 1e-3 and max(a for a, _ in window) - min(a for a, _ in window) < 1e-6:
+                logger.warning(
+                    "DPO step %d: reward margins stayed at ~0 and accuracies flat for %d logged steps: the policy is "
+                    "not moving away from the reference. Raise the learning rate or beta, and check that chosen and "
+                    "rejected really differ.", self.state.global_step, k)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint=path, **kwargs)
+
+
+class _PreferenceCollator:
+    """Keeps token-id lists as lists (packing happens in the trainer); reference log-probs as tensors."""
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "prompt_ids": [list(e["prompt_ids"]) for e in examples],
+            "chosen_ids": [list(e["chosen_ids"]) for e in examples],
+            "rejected_ids": [list(e["rejected_ids"]) for e in examples],
+            "ref_chosen_logps": torch.tensor([e["ref_chosen_logps"] for e in examples], dtype=torch.float32),
+            "ref_rejected_logps": torch.tensor([e["ref_rejected_logps"] for e in examples], dtype=torch.float32),
+        }
