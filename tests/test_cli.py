@@ -19,12 +19,13 @@ def test_there_are_shipped_run_files():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_shipped_run_file_loads_and_says_how_to_run_it(path):
+    from toolkit.core.dpo import DPOConfig
     from toolkit.core.grpo import GRPOConfig
 
     first = path.read_text().splitlines()[0]
     command = first.split()[3] if first.startswith("# Run: toolkit ") else None
     assert first == f"# Run: toolkit {command} --config examples/{path.name}"
-    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig}[command]
+    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig}[command]
     run, config = build_configs(load_run_file(path), config_cls)
     assert isinstance(run, RunArgs) and isinstance(config, config_cls)
 
@@ -117,3 +118,21 @@ def test_cli_runs_grpo_end_to_end_with_report(tmp_path, capsys):
     assert (report / "report.png").stat().st_size > 1000
     assert len((report / "metrics.jsonl").read_text().splitlines()) >= 2
     assert "GRPO summary" in capsys.readouterr().out
+
+
+def test_cli_runs_dpo_end_to_end(tmp_path, capsys):
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    rc = main(["dpo", "--model", str(tmp_path / "m"), "--dataset", "builtin:arithmetic", "--eval_dataset",
+               "builtin:arithmetic", "--dataset_size", "16", "--eval_size", "8", "--max_steps", "3",
+               "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "out"), "--save_strategy", "no",
+               "--disable_tqdm", "true", "--learning_rate", "1e-3", "--logging_steps", "1"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["eval_loss_before"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference before training
+    assert summary["eval_loss_after"] != summary["eval_loss_before"]
+    assert 0.0 <= summary["eval_reward_accuracy_after"] <= 1.0
+    assert (tmp_path / "out" / "final" / "model.safetensors").exists()
+    assert "DPO summary" in capsys.readouterr().out

@@ -4,6 +4,7 @@ from . import attention as _attention  # noqa: F401  (registers the `toolkit_var
 from .checkpoint import latest_complete_checkpoint
 from .data import DatasetFormat, SFTCollator, as_rows, detect_format, normalize_rows, tokenize_for_sft, validate
 from .errors import ConfigError, DataError, ToolkitError, TrainingHealthError
+from .dpo import PREFERENCE_LOSSES, DPOConfig, DPOTrainer
 from .generation import Completion, GenerationBackend, SamplingParams, TransformersBackend
 from .grpo import POLICY_LOSSES, GRPOConfig, GRPOTrainer
 from .models import DEFAULT_MODEL, embedded_model_path, load_model, load_tokenizer
@@ -16,6 +17,7 @@ from .numerics import (
     kl_estimate,
     masked_mean,
     masked_sum,
+    preference_loss,
     truncated_importance_weights,
 )
 from .rewards import format_reward, length_penalty, numeric_match, parse_number
@@ -24,6 +26,10 @@ from .sft import SFTConfig, SFTTrainer
 __all__ = [
     "DEFAULT_MODEL",
     "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
+    "DPOConfig",
+    "DPOTrainer",
+    "preference_loss",
     "Completion",
     "GRPOConfig",
     "GRPOTrainer",

@@ -2,6 +2,7 @@
 
     toolkit sft --config examples/sft_smollm2.toml [--field value ...]
     toolkit grpo --config examples/grpo_arithmetic.toml [--field value ...]
+    toolkit dpo --config examples/dpo_arithmetic.toml [--field value ...]
     toolkit sft --help                      # every key, with its help text (likewise grpo)
     toolkit model-path                      # where the embedded SmolLM2 checkpoint is cached
 """
@@ -132,6 +133,43 @@ def run_sft(argv: list[str]) -> int:
     return 0
 
 
+def run_dpo(argv: list[str]) -> int:
+    from .dpo import DPOConfig, DPOTrainer
+
+    parsed = _parse(argv, DPOConfig)
+    if parsed is None:
+        return 0
+    run, cfg = parsed
+    train, held_out = _datasets(run, "preference")
+    started = time.perf_counter()
+    trainer = DPOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
+                         peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+    summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset}
+    arithmetic_eval = run.report_accuracy and run.eval_dataset == "builtin:arithmetic"
+    if arithmetic_eval:
+        from .tasks import greedy_accuracy
+
+        summary["heldout_accuracy_before"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
+    if held_out is not None:
+        before = trainer.evaluate()
+        summary["eval_loss_before"] = before["eval_loss"]
+    trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+    if held_out is not None:
+        after = trainer.evaluate()
+        summary["eval_loss_after"] = after["eval_loss"]
+        summary["eval_reward_accuracy_after"] = after.get("eval_rewards/accuracies")
+        summary["eval_reward_margin_after"] = after.get("eval_rewards/margins")
+    if arithmetic_eval:
+        summary["heldout_accuracy_after"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
+    final_dir = Path(cfg.output_dir) / "final"
+    trainer.save_model(str(final_dir))
+    summary["saved_to"] = str(final_dir)
+    summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
+    (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_summary("DPO", summary)
+    return 0
+
+
 def run_grpo(argv: list[str]) -> int:
     from .grpo import GRPOConfig, GRPOTrainer
     from .report import AccuracyCallback, write_report
@@ -170,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    commands = {"sft": run_sft, "grpo": run_grpo, "model-path": _model_path}
+    commands = {"sft": run_sft, "grpo": run_grpo, "dpo": run_dpo, "model-path": _model_path}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):

@@ -32,9 +32,9 @@ def _problem(rng: random.Random, max_value: int, max_terms: int) -> tuple[str, i
 def arithmetic(n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3, kind: str = "prompt_completion",
                exclude: set[str] | None = None) -> list[dict[str, Any]]:
     """`n` conversational rows. kind="prompt_completion" adds the answer as the completion; "prompt_only"
-    keeps it in an `answer` column for reward functions."""
-    if kind not in ("prompt_completion", "prompt_only"):
-        raise ConfigError(f"kind must be 'prompt_completion' or 'prompt_only', got {kind!r}")
+    keeps it in an `answer` column for reward functions; "preference" pairs it (chosen) with a near miss."""
+    if kind not in ("prompt_completion", "prompt_only", "preference"):
+        raise ConfigError(f"kind must be 'prompt_completion', 'prompt_only' or 'preference', got {kind!r}")
     rng = random.Random(seed)
     rows, seen = [], set(exclude or ())
     attempts = 0
@@ -52,6 +52,10 @@ def arithmetic(n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3
         row: dict[str, Any] = {"prompt": prompt, "answer": str(value)}
         if kind == "prompt_completion":
             row["completion"] = [{"role": "assistant", "content": str(value)}]
+        elif kind == "preference":  # the right answer against an off-by-a-little one
+            wrong = value + rng.choice([-3, -2, -1, 1, 2, 3])
+            row["chosen"] = [{"role": "assistant", "content": str(value)}]
+            row["rejected"] = [{"role": "assistant", "content": str(wrong)}]
         rows.append(row)
     return rows
 
