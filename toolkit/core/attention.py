@@ -22,9 +22,43 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 VARLEN_ATTENTION = "toolkit_varlen"
 
 
+def _shared_prefix_attention(query, key, value, groups, dropout: float, scaling: float | None, gqa: bool):
+    """Attention for rows laid out as [prompt | completion_1 | ... | completion_G] per group.
+
+    The prompt attends causally to itself; each completion attends to the whole prompt and causally
+    to itself, never to its siblings. Mathematically the same as G separate prompt+completion
+    sequences, with the prompt computed once (and its gradient the sum over the G completions).
+    """
+    outs = []
+    for p_start, p_end, completions in groups:
+        qp, kp, vp = query[:, :, p_start:p_end], key[:, :, p_start:p_end], value[:, :, p_start:p_end]
+        outs.append(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, dropout_p=dropout, scale=scaling,
+                                                   enable_gqa=gqa))
+        n_prompt = p_end - p_start
+        for c_start, c_end in completions:
+            n = c_end - c_start
+            if n <= 0:
+                continue
+            k = torch.cat([kp, key[:, :, c_start:c_end]], dim=2)
+            v = torch.cat([vp, value[:, :, c_start:c_end]], dim=2)
+            mask = torch.ones(n, n_prompt + n, dtype=torch.bool, device=query.device)
+            mask[:, n_prompt:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+            outs.append(F.scaled_dot_product_attention(query[:, :, c_start:c_end], k, v, attn_mask=mask,
+                                                       dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
+
+
 def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                cu_seq_lens_q: torch.Tensor | None = None, **kwargs):
-    """query [1, heads, T, d], key/value [1, kv_heads, T, d]; `cu_seq_lens_q` [n+1] boundaries of the packed examples."""
+                cu_seq_lens_q: torch.Tensor | None = None, toolkit_shared_prefix: list | None = None, **kwargs):
+    """query [1, heads, T, d], key/value [1, kv_heads, T, d]; `cu_seq_lens_q` [n+1] boundaries of the packed examples.
+
+    With `toolkit_shared_prefix` (list of (prompt_start, prompt_end, [(completion_start, completion_end)])),
+    completions that share a prompt are laid out once after it (see `_shared_prefix_attention`).
+    """
+    if toolkit_shared_prefix is not None and query.shape[0] == 1:
+        out = _shared_prefix_attention(query, key, value, toolkit_shared_prefix, dropout, scaling,
+                                       query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     if cu_seq_lens_q is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

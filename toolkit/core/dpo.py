@@ -40,7 +40,7 @@ from .data import as_rows, detect_format, normalize_rows, tokenize_for_preferenc
 from .errors import ConfigError, TrainingHealthError
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, load_model, load_tokenizer, unwrap_model
 from .numerics import DEFAULT_CHUNK_SIZE, preference_loss
-from .packing import completion_logps, pack_completions, sequence_sums
+from .packing import completion_logps, group_by_prompt, pack_completions, pack_shared_prompts, sequence_sums
 
 logger = logging.getLogger(__name__)
 
@@ -218,14 +218,16 @@ class DPOTrainer(Trainer):
     def _batch(self, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
         prompts = inputs["prompt_ids"] + inputs["prompt_ids"]
         completions = inputs["chosen_ids"] + inputs["rejected_ids"]  # [chosen..., rejected...]
+        if self.padding_free:  # chosen and rejected share one copy of their prompt in the packed row
+            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts))
         return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
-                                padding_free=self.padding_free)
+                                padding_free=False)
 
     def compute_sequence_logps(self, model: torch.nn.Module, inputs: dict[str, Any]
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen [B], rejected [B], completion lengths [2B]): summed log-probs from one packed forward."""
         batch = self._batch(inputs)
-        batch = {k: v.to(self.args.device) for k, v in batch.items()}
+        batch = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         flat = completion_logps(model, batch, chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
         sums = sequence_sums(flat, batch["completion_lengths"])
         chosen, rejected = sums.chunk(2)

@@ -60,7 +60,7 @@ from .numerics import (
     kl_estimate,
     truncated_importance_weights,
 )
-from .packing import completion_hidden, completion_logps, pack_completions
+from .packing import completion_hidden, completion_logps, group_by_prompt, pack_completions, pack_shared_prompts
 from .rewards import RewardRunner
 
 logger = logging.getLogger(__name__)
@@ -480,8 +480,14 @@ class GRPOTrainer(Trainer):
     # ------------------------------------------------------------------------------- batching
 
     def _pack(self, rollout: Rollout, rows: Sequence[int]) -> dict[str, Any]:
-        return pack_completions([rollout.prompt_ids[r] for r in rows], [rollout.completion_ids[r] for r in rows],
-                                pad_token_id=self.processing_class.pad_token_id, padding_free=self.padding_free)
+        prompts = [rollout.prompt_ids[r] for r in rows]
+        completions = [rollout.completion_ids[r] for r in rows]
+        if self.padding_free:
+            # The G completions of a prompt share one copy of it in the row: (G-1) x prompt tokens less
+            # forward and backward work, same log-probs and gradients (tests/test_packing.py).
+            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts))
+        return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
+                                padding_free=False)
 
     def _micro_batch(self, rollout: Rollout, rows: Sequence[int], step_counts: dict[str, float]) -> dict[str, Any]:
         batch = self._pack(rollout, rows)

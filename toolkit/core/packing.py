@@ -51,6 +51,59 @@ def pack_completions(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
     return batch if padding_free else to_padded(batch, pad_token_id)
 
 
+def pack_shared_prompts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                        groups: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Like `pack_completions`, but rows of a group (same prompt) share one copy of the prompt.
+
+    Layout per group: [prompt | completion of row g0 | completion of row g1 | ...]; completion
+    positions continue the prompt's positions. The completion tokens come out in row order, as
+    with `pack_completions`, so callers need not care which layout ran. Needs `toolkit_varlen`
+    attention (it reads `toolkit_shared_prefix`). Saves (G-1) x prompt tokens of forward and
+    backward per group: GRPO's G samples share a prompt, so do DPO's chosen and rejected.
+    """
+    ids: list[int] = []
+    pos: list[int] = []
+    layout = []
+    position_of: dict[int, list[int]] = {}
+    for group in groups:
+        p = list(prompts[group[0]])
+        if any(list(prompts[r]) != p for r in group):
+            raise ValueError("pack_shared_prompts: rows of a group must have identical prompts")
+        p_start = len(ids)
+        ids += p
+        pos += range(len(p))
+        spans = []
+        for r in group:
+            c = list(completions[r])
+            c_start = len(ids)
+            ids += c
+            pos += range(len(p), len(p) + len(c))
+            spans.append((c_start, len(ids)))
+            # first completion token is predicted by the prompt's last position, the rest by the completion's own
+            position_of[r] = ([p_start + len(p) - 1] + list(range(c_start, c_start + len(c) - 1))) if c else []
+        layout.append((p_start, p_start + len(p), spans))
+    order = [r for g in groups for r in g]
+    if sorted(order) != list(range(len(prompts))):
+        raise ValueError("pack_shared_prompts: groups must cover every row exactly once")
+    return {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": torch.tensor([pos], dtype=torch.long),
+        "shared_prefix": layout,
+        "completion_positions": torch.tensor([i for r in range(len(prompts)) for i in position_of[r]],
+                                             dtype=torch.long),
+        "completion_targets": torch.tensor([t for c in completions for t in c], dtype=torch.long),
+        "completion_lengths": torch.tensor([len(c) for c in completions], dtype=torch.long),
+    }
+
+
+def group_by_prompt(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Row indices grouped by identical prompt ids, in order of first appearance."""
+    seen: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        seen.setdefault(tuple(p), []).append(i)
+    return list(seen.values())
+
+
 def to_padded(batch: dict[str, torch.Tensor], pad_token_id: int) -> dict[str, torch.Tensor]:
     """The same sequences right-padded to [B, T] with an attention mask; completion positions remapped."""
     cu = batch["cu_seq_lens"].tolist()
@@ -73,7 +126,10 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     """[N, H] final hidden states at the completion-predicting positions (`logits_to_keep=1`: no full logits)."""
     kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, "output_hidden_states": True,
                               "logits_to_keep": 1}
-    if "cu_seq_lens" in batch:
+    if "shared_prefix" in batch:
+        kwargs["position_ids"] = batch["position_ids"]
+        kwargs["toolkit_shared_prefix"] = batch["shared_prefix"]
+    elif "cu_seq_lens" in batch:
         kwargs["position_ids"] = batch["position_ids"]
         kwargs.update(varlen_kwargs(batch["cu_seq_lens"]))
     else:
