@@ -17,3 +17,19 @@ def step_timer():
             self.ends.append(time.perf_counter())
 
     return StepTimer()
+
+
+def run_in_subprocess(script: str, args: list[str]) -> dict:
+    """Run `script --worker ...` in a fresh process (peak RSS is per process) and return its RESULT json."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(proc.stdout[-3000:], proc.stderr[-6000:])
+        raise SystemExit(f"{script} {' '.join(args)} failed")
+    return json.loads(line[len("RESULT "):])

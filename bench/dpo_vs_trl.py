@@ -16,12 +16,11 @@ import json
 import os
 import random
 import resource
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import step_timer  # noqa: E402
+from _common import run_in_subprocess, step_timer  # noqa: E402
 
 SETTINGS = dict(batch_size=4, max_length=1024, rows=64, beta=0.1, lr=1e-6)
 _WORDS = ("the model learns to prefer the better answer while the reference keeps it close to where it started "
@@ -84,13 +83,7 @@ def main() -> None:
     for kind in ("toolkit", "trl"):
         print(f"running {kind} ...", flush=True)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--worker", kind],
-                              capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            print(proc.stdout[-3000:], proc.stderr[-6000:])
-            raise SystemExit(f"{kind} failed")
-        results[kind] = json.loads(line[7:])
+        results[kind] = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind])
         r = results[kind]
         print(f"  {r['sec_per_step']:.1f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB, first loss {r['first_loss']:.4f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -16,12 +16,10 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import step_timer  # noqa: E402
+from _common import run_in_subprocess, step_timer  # noqa: E402
 
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
 
@@ -82,13 +80,7 @@ def main() -> None:
     results = {}
     for kind in ("toolkit", "trl"):
         print(f"running {kind} ...", flush=True)
-        proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--worker", kind],
-                              capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            print(proc.stdout[-3000:], proc.stderr[-6000:])
-            raise SystemExit(f"{kind} failed")
-        results[kind] = json.loads(line[7:])
+        results[kind] = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind])
         r = results[kind]
         print(f"  {r['sec_per_step']:.1f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
     o, t = results["toolkit"], results["trl"]

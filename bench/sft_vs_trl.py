@@ -17,12 +17,11 @@ import json
 import os
 import random
 import resource
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import step_timer  # noqa: E402
+from _common import run_in_subprocess, step_timer  # noqa: E402
 
 DEFAULTS = dict(batch_size=4, max_length=1024, min_len=64, rows=96, lr=1e-5)
 
@@ -131,13 +130,7 @@ def main() -> None:
     for kind, packing in plan:
         t0 = time.perf_counter()
         print(f"running {kind} packing={packing} ...", flush=True)
-        proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--worker", kind, packing],
-                              capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            print(proc.stdout[-3000:], proc.stderr[-5000:])
-            raise SystemExit(f"{kind} packing={packing} failed")
-        r = json.loads(line[len("RESULT "):])
+        r = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind, packing])
         r["wall_s"] = round(time.perf_counter() - t0, 1)
         results.append(r)
         print(f"  {r['tokens_per_s']:.0f} tokens/s, {r['sec_per_step']:.2f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB",

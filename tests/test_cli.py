@@ -133,6 +133,6 @@ def test_cli_runs_dpo_end_to_end(tmp_path, capsys):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["eval_loss_before"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference before training
     assert summary["eval_loss_after"] != summary["eval_loss_before"]
-    assert 0.0 <= summary["eval_reward_accuracy_after"] <= 1.0
+    assert 0.0 <= summary["eval_reward_accuracies_after"] <= 1.0
     assert (tmp_path / "out" / "final" / "model.safetensors").exists()
     assert "DPO summary" in capsys.readouterr().out

@@ -93,18 +93,16 @@ def _print_summary(title: str, summary: dict[str, Any]) -> None:
         print(f"{k:>28}: {v:.4f}" if isinstance(v, float) else f"{k:>28}: {v}")
 
 
-def run_sft(argv: list[str]) -> int:
-    from .sft import SFTConfig, SFTTrainer
-
-    parsed = _parse(argv, SFTConfig)
+def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: str, title: str,
+                 eval_keys: tuple[str, ...] = ()) -> int:
+    """SFT and DPO from the command line: train, evaluate before/after, save, print a summary."""
+    parsed = _parse(argv, config_cls)
     if parsed is None:
         return 0
     run, cfg = parsed
-    train, held_out = _datasets(run, "prompt_completion")
-
+    train, held_out = _datasets(run, kind)
     started = time.perf_counter()
-    trainer = SFTTrainer(run.model, cfg, train_dataset=train, eval_dataset=held_out,
-                         peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+    trainer = make_trainer(run, cfg, train, held_out)
     summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset}
     arithmetic_eval = run.report_accuracy and run.eval_dataset == "builtin:arithmetic"
     if arithmetic_eval:
@@ -121,7 +119,10 @@ def run_sft(argv: list[str]) -> int:
         summary["train_loss_first_quarter"] = sum(losses[:k]) / k
         summary["train_loss_last_quarter"] = sum(losses[-k:]) / k
     if held_out is not None:
-        summary["eval_loss_after"] = trainer.evaluate()["eval_loss"]
+        after = trainer.evaluate()
+        summary["eval_loss_after"] = after["eval_loss"]
+        for key in eval_keys:
+            summary[key.replace("eval_rewards/", "eval_reward_") + "_after"] = after.get(key)
     if arithmetic_eval:
         summary["heldout_accuracy_after"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
     final_dir = Path(cfg.output_dir) / "final"
@@ -129,45 +130,29 @@ def run_sft(argv: list[str]) -> int:
     summary["saved_to"] = str(final_dir)
     summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
     (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    _print_summary("SFT", summary)
+    _print_summary(title, summary)
     return 0
+
+
+def run_sft(argv: list[str]) -> int:
+    from .sft import SFTConfig, SFTTrainer
+
+    def make(run, cfg, train, held_out):
+        return SFTTrainer(run.model, cfg, train_dataset=train, eval_dataset=held_out,
+                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+
+    return _run_offline(argv, SFTConfig, make, kind="prompt_completion", title="SFT")
 
 
 def run_dpo(argv: list[str]) -> int:
     from .dpo import DPOConfig, DPOTrainer
 
-    parsed = _parse(argv, DPOConfig)
-    if parsed is None:
-        return 0
-    run, cfg = parsed
-    train, held_out = _datasets(run, "preference")
-    started = time.perf_counter()
-    trainer = DPOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
-                         peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
-    summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset}
-    arithmetic_eval = run.report_accuracy and run.eval_dataset == "builtin:arithmetic"
-    if arithmetic_eval:
-        from .tasks import greedy_accuracy
+    def make(run, cfg, train, held_out):
+        return DPOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
+                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
 
-        summary["heldout_accuracy_before"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
-    if held_out is not None:
-        before = trainer.evaluate()
-        summary["eval_loss_before"] = before["eval_loss"]
-    trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
-    if held_out is not None:
-        after = trainer.evaluate()
-        summary["eval_loss_after"] = after["eval_loss"]
-        summary["eval_reward_accuracy_after"] = after.get("eval_rewards/accuracies")
-        summary["eval_reward_margin_after"] = after.get("eval_rewards/margins")
-    if arithmetic_eval:
-        summary["heldout_accuracy_after"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
-    final_dir = Path(cfg.output_dir) / "final"
-    trainer.save_model(str(final_dir))
-    summary["saved_to"] = str(final_dir)
-    summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
-    (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    _print_summary("DPO", summary)
-    return 0
+    return _run_offline(argv, DPOConfig, make, kind="preference", title="DPO",
+                        eval_keys=("eval_rewards/accuracies", "eval_rewards/margins"))
 
 
 def run_grpo(argv: list[str]) -> int:
