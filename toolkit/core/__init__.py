@@ -3,8 +3,8 @@
 from . import attention as _attention  # noqa: F401  (registers the `toolkit_varlen` attention implementation)
 from .checkpoint import latest_complete_checkpoint
 from .data import DatasetFormat, SFTCollator, as_rows, detect_format, normalize_rows, tokenize_for_sft, validate
-from .errors import ConfigError, DataError, ToolkitError, TrainingHealthError
 from .dpo import PREFERENCE_LOSSES, DPOConfig, DPOTrainer
+from .errors import ConfigError, DataError, ToolkitError, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams, TransformersBackend
 from .grpo import POLICY_LOSSES, GRPOConfig, GRPOTrainer
 from .models import DEFAULT_MODEL, embedded_model_path, load_model, load_tokenizer

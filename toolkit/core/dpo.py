@@ -38,7 +38,7 @@ from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import CompleteCheckpointCallback, resolve_resume
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from .errors import ConfigError, TrainingHealthError
-from .models import DEFAULT_MODEL, apply_cpu_training_defaults, load_model, load_tokenizer, unwrap_model
+from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import DEFAULT_CHUNK_SIZE, preference_loss
 from .packing import completion_logps, group_by_prompt, pack_completions, pack_shared_prompts, sequence_sums
 
@@ -145,11 +145,7 @@ class DPOTrainer(Trainer):
         model = load_model(model, dtype=dtype, **init_kwargs)
         self.ref_model = None
         if peft_config is not None:
-            from peft import get_peft_model, prepare_model_for_kbit_training
-
-            if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-                model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-            model = get_peft_model(model, peft_config)
+            model = apply_peft(model, peft_config)
         elif not args.reference_free:
             self.ref_model = load_model(ref_model, dtype=dtype) if ref_model is not None else copy.deepcopy(model)
             self.ref_model.eval().requires_grad_(False)

@@ -49,7 +49,7 @@ from .checkpoint import CompleteCheckpointCallback, resolve_resume, write_atomic
 from .data import DatasetFormat, as_rows, detect_format, normalize_rows, validate
 from .errors import ConfigError, DataError, TrainingHealthError
 from .generation import GenerationBackend, SamplingParams, TransformersBackend
-from .models import DEFAULT_MODEL, apply_cpu_training_defaults, load_model, load_tokenizer, unwrap_model
+from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import (
     DEFAULT_CHUNK_SIZE,
     SCALE_REWARDS,
@@ -318,11 +318,7 @@ class GRPOTrainer(Trainer):
         model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
         self.ref_model = None
         if peft_config is not None:
-            from peft import get_peft_model, prepare_model_for_kbit_training
-
-            if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-                model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-            model = get_peft_model(model, peft_config)
+            model = apply_peft(model, peft_config)
         elif args.beta > 0:
             # With PEFT the reference is the base model with adapters disabled: no second copy.
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)

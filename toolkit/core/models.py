@@ -144,6 +144,19 @@ def unwrap_model(model: torch.nn.Module) -> PreTrainedModel:
     return model
 
 
+def apply_peft(model: PreTrainedModel, peft_config: Any) -> PreTrainedModel:
+    """Wrap `model` with adapters; a 4/8-bit model is first prepared for k-bit training (QLoRA).
+
+    Activation checkpointing is left to Trainer (our configs turn it on without a GPU), so peft
+    is asked not to enable its own.
+    """
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return get_peft_model(model, peft_config)
+
+
 def apply_cpu_training_defaults(args: Any) -> None:
     """Defaults every trainer config shares, resolved before TrainingArguments.__post_init__.
 

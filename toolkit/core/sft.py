@@ -42,7 +42,7 @@ from .data import (
     validate,
 )
 from .errors import ConfigError, TrainingHealthError
-from .models import DEFAULT_MODEL, apply_cpu_training_defaults, load_model, load_tokenizer, unwrap_model
+from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
 
 logger = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class SFTTrainer(Trainer):
         init_kwargs = dict(model_init_kwargs or {})
         model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
         if peft_config is not None:
-            model = _apply_peft(model, peft_config, args)
+            model = apply_peft(model, peft_config)
         varlen_ok = supports_varlen(unwrap_model(model))
         if (args.packing or args.padding_free) and not varlen_ok:
             raise ConfigError(
@@ -291,14 +291,6 @@ class SFTTrainer(Trainer):
             logger.info("Resuming from %s", path)
         self._window_start = time.perf_counter()
         return super().train(resume_from_checkpoint=path, **kwargs)
-
-
-def _apply_peft(model: PreTrainedModel, peft_config: Any, args: SFTConfig):
-    from peft import get_peft_model, prepare_model_for_kbit_training
-
-    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
-    return get_peft_model(model, peft_config)
 
 
 def _pack(examples: list[dict[str, list[int]]], capacity: int) -> list[dict[str, Any]]:
