@@ -125,7 +125,9 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     """transformers 5.2x renamed `past_key_values` to `cache` (old name deprecated until 5.40)."""
     import inspect
 
-    params = inspect.signature(model.forward).parameters
+    from .models import unwrap_model
+
+    params = inspect.signature(unwrap_model(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
