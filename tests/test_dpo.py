@@ -196,3 +196,11 @@ def test_loss_and_metrics_equal_trl(tmp_path, loss_type, label_smoothing):
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected"):
         assert our_metrics[key] == pytest.approx(theirs._metrics["train"][key][-1], rel=1e-5, abs=1e-5), key
+
+
+def test_flat_margins_are_reported(tmp_path, caplog):
+    t = DPOTrainer(tiny_model(), args=cfg(tmp_path, learning_rate=0.0, max_steps=4, flat_warn_steps=2),
+                   train_dataset=conv_rows(), processing_class=tiny_tokenizer())
+    with caplog.at_level(logging.WARNING, logger="toolkit.core.dpo"):
+        t.train()
+    assert any("reward margins stayed at ~0" in r.getMessage() for r in caplog.records)

@@ -243,3 +243,17 @@ def test_padded_fallback_gives_the_same_logps_as_packed_rows(tmp_path):
     b = padded.compute_token_logps(padded.model, padded._split(rollout)[0])
     assert "attention_mask" in padded._split(rollout)[0]
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_health_warnings_truncation_entropy_kl_and_rate_limit(caplog):
+    from toolkit.core.grpo import _Health
+
+    health = _Health(GRPOConfig(output_dir="/tmp/h", warn_every=5))
+    bad = {"completions/clipped_ratio": 1.0, "entropy": 0.01, "kl": 3.0, "reward": 0.5, "frac_reward_zero_std": 0.2}
+    with caplog.at_level(logging.WARNING, logger="toolkit.core.grpo"):
+        for step in range(1, 8):
+            health.observe(step, bad)
+    messages = [r.getMessage() for r in caplog.records]
+    for cause in ("every completion hit max_completion_length", "entropy collapsed to 0.0100", "KL to the reference is 3.000"):
+        hits = [m for m in messages if cause in m]
+        assert len(hits) == 2, cause  # steps 1 and 6: at most once per cause per warn_every=5 steps

@@ -511,7 +511,6 @@ class GRPOTrainer(Trainer):
             "step_tokens": float(max(included_tokens, 1)),
             "step_sequences": float(max(int(rollout.included.sum()), 1)),
             "step_prompts": float(max(len(set(rollout.group_ids[rollout.included].tolist())), 1)),
-            "step_rows": float(len(rollout.completion_ids)),
         }
         return [self._micro_batch(rollout, range(k * B, (k + 1) * B), counts) for k in range(GA)]
 
