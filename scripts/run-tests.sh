@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite in two stages: the fast suite (tiny models, no network), then the
-# tests marked real_model (the embedded SmolLM2). Exits non-zero if any stage fails.
+# Set up, then run the test suite in stages: the fast suite (tiny models, no network), the example
+# plugins' own tests, then the tests marked real_model (the embedded SmolLM2). Exits non-zero if any stage fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "=== stage 1: fast suite ==="
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-echo "=== stage 2: real model (SmolLM2-135M-Instruct) ==="
+echo "=== stage 2: example plugins (installed from plugins/) ==="
+for plugin in plugins/*/; do
+  (cd "$plugin" && ../../.venv/bin/python -m pytest -q -p no:cacheprovider tests)
+done
+echo "=== stage 3: real model (SmolLM2-135M-Instruct) ==="
 .venv/bin/python -m pytest -q -p no:cacheprovider -m real_model "$@"

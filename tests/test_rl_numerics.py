@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from toolkit.core.numerics import clipped_surrogate, group_advantages, truncated_importance_weights
+from toolkit.core.numerics import clipped_surrogate, group_advantages, rloo_advantages, truncated_importance_weights
 
 
 def _naive_adv(rewards, G, scale, eps=1e-4):
@@ -69,3 +69,23 @@ def test_truncated_importance_weights():
     torch.testing.assert_close(w, torch.tensor([[2.0, 1.0, math.exp(-2.0)]]))
     seq = truncated_importance_weights(trainer, sampler, cap=10.0, level="sequence", mask=torch.tensor([[1, 1, 0]]))
     torch.testing.assert_close(seq, torch.full((1, 3), math.e))
+
+
+def test_rloo_advantages_match_a_leave_one_out_loop():
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.randn(24, generator=g)
+    rewards[[1, 9, 10]] = float("nan")         # unrewarded rows leave their groups' baselines
+    rewards[16:20] = 0.5                       # a zero-variance group
+    rewards[20:23] = float("nan")              # a group with a single rewarded row
+    adv, zero = rloo_advantages(rewards, 4)
+    for k in range(6):
+        group = rewards[4 * k:4 * k + 4].tolist()
+        valid = [i for i, r in enumerate(group) if not math.isnan(r)]
+        no_signal = len(valid) < 2 or max(group[i] for i in valid) - min(group[i] for i in valid) < 1e-8
+        for i in range(4):
+            assert bool(zero[4 * k + i]) == no_signal
+            if no_signal or i not in valid:
+                assert adv[4 * k + i] == 0
+            else:
+                others = [group[j] for j in valid if j != i]
+                assert adv[4 * k + i].item() == pytest.approx(group[i] - sum(others) / len(others), abs=1e-6)

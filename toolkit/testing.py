@@ -76,3 +76,60 @@ def tiny_model(vocab_size: int = 384, *, seed: int = 0, hidden_size: int = 64, n
         model = LlamaForCausalLM(config)
     model.config._name_or_path = ""
     return model
+
+
+# ------------------------------------------------------------------------------------------------
+# Parity helpers: the same batch in TRL's layout, so a loss (ours or a plugin's) can be compared
+# with TRL's trainers on identical inputs.
+# ------------------------------------------------------------------------------------------------
+
+
+def trl_dpo_inputs(examples, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """DPO examples (prompt_ids, chosen_ids, rejected_ids) as TRL's DPOTrainer._compute_loss takes them:
+    all chosen rows then all rejected rows, right-padded, with attention and completion masks."""
+    seqs = [(e["prompt_ids"], e["chosen_ids"]) for e in examples] + [(e["prompt_ids"], e["rejected_ids"])
+                                                                     for e in examples]
+    T = max(len(p) + len(c) for p, c in seqs)
+    input_ids = torch.full((len(seqs), T), pad_token_id)
+    attention = torch.zeros((len(seqs), T), dtype=torch.long)
+    completion = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, (p, c) in enumerate(seqs):
+        input_ids[i, :len(p) + len(c)] = torch.tensor(list(p) + list(c))
+        attention[i, :len(p) + len(c)] = 1
+        completion[i, len(p):len(p) + len(c)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
+
+
+def trl_grpo_inputs(prompts, completions, advantages, old_logps, pad_token_id: int, max_completion_length: int,
+                    ref_logps=None) -> dict[str, torch.Tensor]:
+    """A fixed GRPO batch (token-id lists, per-row old/ref log-prob tensors) in TRL's GRPOTrainer layout:
+    left-padded prompts, right-padded completions."""
+    B, C, P = len(prompts), max_completion_length, max(len(p) for p in prompts)
+    out = {"prompt_ids": torch.full((B, P), pad_token_id), "prompt_mask": torch.zeros((B, P), dtype=torch.long),
+           "completion_ids": torch.full((B, C), pad_token_id), "completion_mask": torch.zeros((B, C), dtype=torch.long),
+           "advantages": advantages, "old_per_token_logps": torch.zeros((B, C))}
+    if ref_logps is not None:
+        out["ref_per_token_logps"] = torch.zeros((B, C))
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        out["prompt_ids"][i, P - len(p):] = torch.tensor(p)
+        out["prompt_mask"][i, P - len(p):] = 1
+        out["completion_ids"][i, :len(c)] = torch.tensor(c)
+        out["completion_mask"][i, :len(c)] = 1
+        out["old_per_token_logps"][i, :len(c)] = old_logps[i]
+        if ref_logps is not None:
+            out["ref_per_token_logps"][i, :len(c)] = ref_logps[i]
+    out["num_items_in_batch"] = out["completion_mask"].sum()
+    return out
+
+
+def fixed_rollout(prompts, completions, advantages, old_logps, group_size: int, ref_logps=None):
+    """The same fixed batch as a toolkit GRPO `Rollout` (every row in the loss)."""
+    from .core.grpo import Rollout
+
+    B = len(prompts)
+    return Rollout(prompt_ids=prompts, completion_ids=completions, sampler_logps=[o.tolist() for o in old_logps],
+                   rewards=torch.zeros(B), rewards_per_func=torch.zeros(1, B), advantages=advantages,
+                   included=torch.ones(B, dtype=torch.bool),
+                   group_ids=torch.arange(B // group_size).repeat_interleave(group_size),
+                   truncated=torch.zeros(B, dtype=torch.bool), old_logps=list(old_logps),
+                   ref_logps=list(ref_logps) if ref_logps is not None else None)

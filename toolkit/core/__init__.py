@@ -1,12 +1,13 @@
 """toolkit.core: the stable, semver-guaranteed API."""
 
-from . import attention as _attention  # noqa: F401  (registers the `toolkit_varlen` attention implementation)
+from . import attention as _attention
 from .checkpoint import latest_complete_checkpoint
 from .data import DatasetFormat, SFTCollator, as_rows, detect_format, normalize_rows, tokenize_for_sft, validate
-from .dpo import PREFERENCE_LOSSES, DPOConfig, DPOTrainer
+from .dpo import DPOConfig, DPOTrainer
 from .errors import ConfigError, DataError, ToolkitError, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams, TransformersBackend
-from .grpo import POLICY_LOSSES, GRPOConfig, GRPOTrainer
+from .grpo import GRPOConfig, GRPOTrainer
+from .hookspecs import HOOKS_VERSION, ToolkitDeprecationWarning, hookimpl
 from .models import DEFAULT_MODEL, embedded_model_path, load_model, load_tokenizer
 from .numerics import (
     aggregate,
@@ -18,52 +19,60 @@ from .numerics import (
     masked_mean,
     masked_sum,
     preference_loss,
+    rloo_advantages,
     truncated_importance_weights,
 )
+from .plugins import PluginError, PluginRegistry, register, registry
 from .rewards import format_reward, length_penalty, numeric_match, parse_number
 from .sft import SFTConfig, SFTTrainer
 
 __all__ = [
     "DEFAULT_MODEL",
-    "POLICY_LOSSES",
-    "PREFERENCE_LOSSES",
+    "HOOKS_VERSION",
+    "Completion",
+    "ConfigError",
     "DPOConfig",
     "DPOTrainer",
-    "preference_loss",
-    "Completion",
+    "DataError",
+    "DatasetFormat",
     "GRPOConfig",
     "GRPOTrainer",
     "GenerationBackend",
-    "SamplingParams",
-    "TransformersBackend",
-    "clipped_surrogate",
-    "format_reward",
-    "group_advantages",
-    "length_penalty",
-    "numeric_match",
-    "parse_number",
-    "truncated_importance_weights",
-    "ConfigError",
-    "DataError",
-    "DatasetFormat",
+    "PluginError",
+    "PluginRegistry",
     "SFTCollator",
     "SFTConfig",
     "SFTTrainer",
+    "SamplingParams",
+    "ToolkitDeprecationWarning",
     "ToolkitError",
     "TrainingHealthError",
+    "TransformersBackend",
     "aggregate",
     "as_rows",
     "chunked_entropy",
     "chunked_token_logps",
+    "clipped_surrogate",
     "detect_format",
     "embedded_model_path",
+    "format_reward",
+    "group_advantages",
+    "hookimpl",
     "kl_estimate",
     "latest_complete_checkpoint",
+    "length_penalty",
     "load_model",
     "load_tokenizer",
     "masked_mean",
     "masked_sum",
     "normalize_rows",
+    "numeric_match",
+    "parse_number",
+    "preference_loss",
+    "register",
+    "registry",
+    "rloo_advantages",
     "tokenize_for_sft",
+    "truncated_importance_weights",
     "validate",
 ]

@@ -78,7 +78,14 @@ def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -
 
 
 class CompleteCheckpointCallback(TrainerCallback):
-    """Marks `checkpoint-N` complete after Trainer has written model, optimizer, scheduler, RNG and state."""
+    """Marks `checkpoint-N` complete after Trainer has written model, optimizer, scheduler, RNG and state.
+
+    Put it after every other callback that writes into the folder. Plugins observing
+    `toolkit_on_checkpoint_saved` are told once the marker is on disk.
+    """
+
+    def __init__(self, trainer_kind: str = "trainer"):
+        self.trainer_kind = trainer_kind
 
     def on_save(self, args, state, control, **kwargs):
         if not args.should_save:
@@ -86,3 +93,6 @@ class CompleteCheckpointCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
             write_atomic(folder / COMPLETE_MARKER, json.dumps({"global_step": state.global_step}))
+            from .plugins import notify_checkpoint_saved
+
+            notify_checkpoint_saved(self.trainer_kind, state.global_step, str(folder))

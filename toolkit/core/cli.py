@@ -5,6 +5,7 @@
     toolkit dpo --config examples/dpo_arithmetic.toml [--field value ...]
     toolkit sft --help                      # every key, with its help text (likewise grpo)
     toolkit model-path                      # where the embedded SmolLM2 checkpoint is cached
+    toolkit plugins                         # losses, estimators, rewards, backends by name, and their packages
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    commands = {"sft": run_sft, "grpo": run_grpo, "dpo": run_dpo, "model-path": _model_path}
+    commands = {"sft": run_sft, "grpo": run_grpo, "dpo": run_dpo, "model-path": _model_path, "plugins": _plugins}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):
@@ -205,6 +206,24 @@ def main(argv: list[str] | None = None) -> int:
     except ToolkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _plugins(argv: list[str]) -> int:
+    """Print every plugin and every registered name with the plugin and package it comes from."""
+    from .hookspecs import HOOKS_VERSION
+    from .plugins import AUTOLOAD_ENV, KIND_TITLES, _autoload_disabled, registry
+
+    reg = registry()
+    print(f"toolkit plugin hooks {HOOKS_VERSION}; entry-point group 'toolkit'"
+          + (f" (autoload OFF: {AUTOLOAD_ENV} is set)" if _autoload_disabled() else ""))
+    print("\nplugins:")
+    for name, package in reg.plugins():
+        print(f"  {name:<24} {package}")
+    for kind, title in KIND_TITLES.items():
+        print(f"\n{title}:")
+        for entry in sorted(reg.tables()[kind].values(), key=lambda e: e.name):
+            print(f"  {entry.name:<24} {entry.plugin:<20} {entry.package}")
+    return 0
 
 
 def _model_path(argv: list[str]) -> int:

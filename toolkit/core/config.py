@@ -149,7 +149,7 @@ def build_configs(values: dict[str, Any], config_cls: type) -> tuple[RunArgs, An
     for cls in (RunArgs, config_cls):
         try:
             hints.update(typing.get_type_hints(cls))
-        except Exception:  # noqa: BLE001 - some TrainingArguments hints reference optional packages
+        except Exception:
             hints.update({f.name: f.type for f in dataclasses.fields(cls)})
     for key, value in values.items():
         _check_type(key, value, hints.get(key, "Any"))

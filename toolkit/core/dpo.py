@@ -13,7 +13,7 @@
    precomputed once before training (`precompute_ref_log_probs`, then no reference is held), or
    none (`reference_free`).
 4. Loss: `loss_type` (one name or a list, with `loss_weights`) through `preference_loss`, or any
-   function registered in `PREFERENCE_LOSSES`.
+   preference loss a plugin registered (toolkit.core.hookspecs).
 
 Follows Rafailov et al. (2023); loss variants cite their papers in `numerics.preference_loss`.
 Loss and reward metrics equal TRL's DPOTrainer on the same batch (tests/test_dpo.py).
@@ -41,6 +41,7 @@ from .errors import ConfigError, TrainingHealthError
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import DEFAULT_CHUNK_SIZE, preference_loss
 from .packing import completion_logps, group_by_prompt, pack_completions, pack_shared_prompts, sequence_sums
+from .plugins import notify_step_metrics, registry
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,10 @@ def _builtin(kind: str) -> Callable[..., torch.Tensor]:
     return loss
 
 
-#: Preference losses by name: fn(chosen_logratios [B], rejected_logratios [B], *, config, chosen_lengths,
-#: rejected_lengths) -> per-example loss [B]. Plugins add entries.
-PREFERENCE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {k: _builtin(k) for k in ("sigmoid", "robust", "hinge",
+#: The built-in preference losses, registered through the plugin hooks (builtin_plugin):
+#: fn(chosen_logratios [B], rejected_logratios [B], *, config, chosen_lengths, rejected_lengths) ->
+#: per-example loss [B]. Plugins add more; look them up with `plugins.registry()`.
+BUILTIN_PREFERENCE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {k: _builtin(k) for k in ("sigmoid", "robust", "hinge",
                                                                                        "ipo")}
 
 
@@ -93,9 +95,10 @@ class DPOConfig(TrainingArguments):
         apply_cpu_training_defaults(self)
         super().__post_init__()
         types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
-        unknown = [t for t in types if t not in PREFERENCE_LOSSES]
-        if unknown:
-            raise ConfigError(f"loss_type: {unknown} not among {sorted(PREFERENCE_LOSSES)}.")
+        for t in types:
+            fn = registry().get("preference_loss", t, field="loss_type")
+            if hasattr(fn, "check_config"):
+                fn.check_config(self)
         if self.loss_weights is not None and len(self.loss_weights) != len(types):
             raise ConfigError(f"loss_weights: {len(self.loss_weights)} weights for {len(types)} loss types {types}.")
         if self.beta <= 0:
@@ -161,7 +164,7 @@ class DPOTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=_PreferenceCollator(),
                          train_dataset=Dataset.from_list(train_tok),
                          eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
-                         processing_class=tokenizer, callbacks=list(callbacks or []) + [CompleteCheckpointCallback()],
+                         processing_class=tokenizer, callbacks=list(callbacks or []) + [CompleteCheckpointCallback("dpo")],
                          optimizers=optimizers)
         self.loss_is_scaled_for_ga = False  # mean over examples per micro-batch; Trainer divides by accumulation
         self._metrics: dict[str, list[float]] = defaultdict(list)
@@ -254,7 +257,7 @@ class DPOTrainer(Trainer):
         chosen_len, rejected_len = lengths.chunk(2)
         loss = chosen_logratios.new_zeros(())
         for kind, weight in zip(self.args.loss_types, self.args.loss_weight_values):
-            per_example = PREFERENCE_LOSSES[kind](chosen_logratios, rejected_logratios, config=self.args,
+            per_example = registry().get("preference_loss", kind)(chosen_logratios, rejected_logratios, config=self.args,
                                                   chosen_lengths=chosen_len.float(), rejected_lengths=rejected_len.float())
             loss = loss + weight * per_example.mean()
         return loss
@@ -299,6 +302,7 @@ class DPOTrainer(Trainer):
         if mode == "train" and "rewards/accuracies" in logs:
             self._watch_flat(logs)
         super().log(logs, start_time)
+        notify_step_metrics("dpo", self.state.global_step, logs)
 
     def _watch_flat(self, logs: dict[str, float]) -> None:
         self._flat.append((logs["rewards/accuracies"], logs["rewards/margins"]))

@@ -21,9 +21,10 @@ Departs from TRL: prompts are prefilled once per group (not G times), logits are
 materialised, generation is seeded per step (exact resume), and a run without learning signal
 says so.
 
-Public seams for wrappers (override in a subclass): `generate_rollout`, `compute_rewards`,
-`compute_advantages`, `compute_token_logps`, `compute_policy_loss`; policy losses by name in
-`POLICY_LOSSES`; any object implementing `GenerationBackend` as `generation_backend`.
+Public seams for wrappers (override in a subclass): `build_prompt_sampler`, `generate_rollout`,
+`compute_rewards`, `compute_advantages`, `compute_token_logps`, `compute_policy_loss`; any object
+implementing `GenerationBackend` as `generation_backend`. Plugins add policy losses, advantage
+estimators, rewards and generation backends by name (toolkit.core.hookspecs).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import CompleteCheckpointCallback, resolve_resume, write_atomic
 from .data import DatasetFormat, as_rows, detect_format, normalize_rows, validate
 from .errors import ConfigError, DataError, TrainingHealthError
-from .generation import GenerationBackend, SamplingParams, TransformersBackend
+from .generation import GenerationBackend, SamplingParams
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import (
     DEFAULT_CHUNK_SIZE,
@@ -56,11 +57,11 @@ from .numerics import (
     aggregate,
     chunked_entropy,
     clipped_surrogate,
-    group_advantages,
     kl_estimate,
     truncated_importance_weights,
 )
 from .packing import completion_hidden, completion_logps, group_by_prompt, pack_completions, pack_shared_prompts
+from .plugins import notify_step_metrics, registry
 from .rewards import RewardRunner
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,10 @@ def clipped_policy_loss(logps, old_logps, advantages, *, config, **_):
                              epsilon_high=config.epsilon_high)
 
 
-#: Policy losses by name: fn(logps [B,T], old_logps [B,T], advantages [B], *, config, mask) ->
-#: (per-token loss [B,T], info dict). Plugins add entries (the plugin issue registers "cispo").
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
+#: The built-in policy losses, registered through the plugin hooks (builtin_plugin): fn(logps [B,T],
+#: old_logps [B,T], advantages [B], *, config, mask) -> (per-token loss [B,T], info dict). Look
+#: losses up with `plugins.registry().get("policy_loss", name)`; plugins add more.
+BUILTIN_POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
     name: clipped_policy_loss for name in LOSS_AGGREGATION
 }
 
@@ -113,7 +115,16 @@ class GRPOConfig(TrainingArguments):
 
     loss_type: str = field(default="dapo", metadata={
         "help": "grpo (sequence mean) | bnpo (token mean per micro-batch) | dr_grpo (constant normaliser) | "
-                "dapo (token mean over the whole step) | prompt (ScaleRL prompt-level mean) | a registered loss."})
+                "dapo (token mean over the whole step) | prompt (ScaleRL prompt-level mean) | a plugin's loss "
+                "(e.g. cispo from plugins/toolkit-cispo); `toolkit plugins` lists them."})
+    loss_kwargs: dict | None = field(default=None, metadata={
+        "help": "Settings of a plugin's policy loss (e.g. {epsilon_max = 5.0} for cispo); checked by the loss."})
+    advantage_estimator: str = field(default="grpo", metadata={
+        "help": "grpo (group baseline, scaled by scale_rewards) | rloo (leave-one-out) | a registered estimator."})
+    generation_backend: str = field(default="transformers", metadata={
+        "help": "Generation backend by name: transformers | a registered backend (e.g. vllm)."})
+    generation_backend_kwargs: dict | None = field(default=None, metadata={
+        "help": "Settings passed to the generation backend's factory."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the importance ratio."})
     epsilon_high: float | None = field(default=None, metadata={
         "help": "Upper clip range (DAPO clip-higher); default: epsilon."})
@@ -162,8 +173,14 @@ class GRPOConfig(TrainingArguments):
                 f"per_device_train_batch_size: counts completions and must be a multiple of num_generations="
                 f"{self.num_generations}; got {self.per_device_train_batch_size}. Try "
                 f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}.")
-        if self.loss_type not in POLICY_LOSSES:
-            raise ConfigError(f"loss_type: '{self.loss_type}' is not one of {sorted(POLICY_LOSSES)}.")
+        reg = registry()
+        loss_fn = reg.get("policy_loss", self.loss_type, field="loss_type")
+        if hasattr(loss_fn, "check_config"):
+            loss_fn.check_config(self)
+        elif self.loss_kwargs:
+            raise ConfigError(f"loss_kwargs: loss_type '{self.loss_type}' takes no settings, got {self.loss_kwargs}.")
+        reg.get("advantage_estimator", self.advantage_estimator, field="advantage_estimator")
+        reg.get("generation_backend", self.generation_backend, field="generation_backend")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(f"scale_rewards: '{self.scale_rewards}' is not one of {list(SCALE_REWARDS)}.")
         if self.importance_sampling_level not in ("token", "sequence"):
@@ -334,19 +351,24 @@ class GRPOTrainer(Trainer):
             min_p=args.min_p,
             stop_token_ids=tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id]),
         )
-        self.generation_backend = generation_backend if generation_backend is not None else TransformersBackend(
-            model, pad_token_id=tokenizer.pad_token_id, max_batch_size=args.generation_batch_size)
+        reg = registry()
+        self.policy_loss_fn = reg.get("policy_loss", args.loss_type, field="loss_type")
+        self.advantage_fn = reg.get("advantage_estimator", args.advantage_estimator, field="advantage_estimator")
+        self.loss_aggregation = LOSS_AGGREGATION.get(args.loss_type, getattr(self.policy_loss_fn, "aggregation", "token"))
+        self.generation_backend = generation_backend if generation_backend is not None else reg.get(
+            "generation_backend", args.generation_backend, field="generation_backend")(model, tokenizer, args)
         logger.info(
             "GRPO loss settings: loss_type=%s (aggregation %s) epsilon=%s epsilon_high=%s beta=%s num_iterations=%d "
             "scale_rewards=%s importance_sampling_cap=%s zero_variance_filter=%s mask_truncated_completions=%s; "
             "G=%d, %d prompts x %d completions per step; rewards %s with weights %s.",
-            args.loss_type, LOSS_AGGREGATION.get(args.loss_type, "token"), args.epsilon, args.epsilon_high, args.beta,
+            args.loss_type, self.loss_aggregation, args.epsilon, args.epsilon_high, args.beta,
             args.num_iterations, args.scale_rewards, args.importance_sampling_cap, args.zero_variance_filter,
             args.mask_truncated_completions, args.num_generations, self.prompts_per_round, args.num_generations,
             self.reward_runner.names, weights,
         )
 
-        callbacks = list(callbacks or []) + [CompleteCheckpointCallback(), _StateCallback(self)]
+        # Our state goes into the folder before the completion marker: the marker comes last.
+        callbacks = list(callbacks or []) + [_StateCallback(self), CompleteCheckpointCallback("grpo")]
         super().__init__(model=model, args=args, data_collator=_index_collator,
                          train_dataset=Dataset.from_list([{"row_index": i} for i in range(len(rows))]),
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
@@ -375,12 +397,21 @@ class GRPOTrainer(Trainer):
             out.append(ids)
         return out, cut
 
+    def build_prompt_sampler(self) -> RoundSampler:
+        """The sampler of prompt indices (the wrapper seam for curricula and custom orders).
+
+        Must yield one list of `prompts_per_round` row indices per micro-step, the same list
+        `gradient_accumulation_steps x num_iterations` times in a row (a round), deterministically
+        for a given epoch (exact resume); see RoundSampler.
+        """
+        return RoundSampler(
+            len(self.rows), self.prompts_per_round, self.args.gradient_accumulation_steps * self.args.num_iterations,
+            seed=self.args.seed, num_processes=self.accelerator.num_processes, solved=self.solved)
+
     def get_train_dataloader(self):
         from torch.utils.data import DataLoader
 
-        sampler = RoundSampler(
-            len(self.rows), self.prompts_per_round, self.args.gradient_accumulation_steps * self.args.num_iterations,
-            seed=self.args.seed, num_processes=self.accelerator.num_processes, solved=self.solved)
+        sampler = self.build_prompt_sampler()
         self._round_sampler = sampler
         loader = DataLoader(self.train_dataset, batch_size=self.prompts_per_round, sampler=_Flat(sampler),
                             collate_fn=self.data_collator, num_workers=0)
@@ -450,8 +481,8 @@ class GRPOTrainer(Trainer):
         return torch.tensor(outcome.rewards, dtype=torch.float32)
 
     def compute_advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(advantages [R], zero_std [R]) from total rewards; override for another estimator."""
-        return group_advantages(rewards, self.args.num_generations, scale=self.args.scale_rewards)
+        """(advantages [R], zero_std [R]) from total rewards by `advantage_estimator`; override or register another."""
+        return self.advantage_fn(rewards, group_size=self.args.num_generations, config=self.args)
 
     def _score_rows(self, model: torch.nn.Module | None, rollout: Rollout) -> list[torch.Tensor]:
         """Per-row completion log-probs under `model` (None: the reference) without gradients."""
@@ -525,8 +556,8 @@ class GRPOTrainer(Trainer):
 
     def compute_policy_loss(self, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
                             mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token policy loss [B, T] and metric info; dispatches on `loss_type` through POLICY_LOSSES."""
-        return POLICY_LOSSES[self.args.loss_type](logps, old_logps, advantages, config=self.args, mask=mask)
+        """Per-token policy loss [B, T] and metric info from the loss registered as `loss_type`."""
+        return self.policy_loss_fn(logps, old_logps, advantages, config=self.args, mask=mask)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
@@ -547,7 +578,7 @@ class GRPOTrainer(Trainer):
             kl = kl_estimate(logps, inputs["ref_logps"], "k3")
             kl_term = kl * torch.exp(logps - old) if args.kl_bias_correction else kl
             per_token = per_token + args.beta * kl_term
-        mode = LOSS_AGGREGATION.get(args.loss_type, "token")
+        mode = self.loss_aggregation
         GA = self.current_gradient_accumulation_steps if model.training else 1
         if mode == "token" and args.loss_type == "bnpo":  # TRL's bnpo: token mean per micro-batch
             loss = aggregate(per_token, loss_mask, "token") / GA
@@ -601,6 +632,7 @@ class GRPOTrainer(Trainer):
             self._step_metrics = defaultdict(list)
             self._health.observe(self.state.global_step, logs)
         super().log(logs, start_time)
+        notify_step_metrics("grpo", self.state.global_step, logs)
 
     # ------------------------------------------------------------------------------ metrics
 

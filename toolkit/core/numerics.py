@@ -287,6 +287,27 @@ def group_advantages(
     return adv.reshape(-1), zero_std.expand_as(r).reshape(-1)
 
 
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out advantages (Ahmadian et al., 2024): r_i - mean of the other rewards of its group.
+
+    Equals count/(count-1) x (r_i - group mean), with count the rewarded rows of the group; an
+    unbiased baseline, no std division. NaN rows and the zero_std mask are treated as in
+    `group_advantages`.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be [groups * {group_size}], got {tuple(rewards.shape)}")
+    r = rewards.view(-1, group_size).float()
+    valid = ~torch.isnan(r)
+    count = valid.sum(-1, keepdim=True)
+    r0 = torch.where(valid, r, torch.zeros_like(r))
+    total = r0.sum(-1, keepdim=True)
+    others_mean = (total - r0) / (count - 1).clamp(min=1)
+    centred = torch.where(valid, r - total / count.clamp(min=1), torch.zeros_like(r))
+    zero_std = (count < 2) | (centred.abs().amax(-1, keepdim=True) < 1e-8)
+    adv = torch.where(valid & ~zero_std, r0 - others_mean, torch.zeros_like(r))
+    return adv.reshape(-1), zero_std.expand_as(r).reshape(-1)
+
+
 def clipped_surrogate(
     logps: torch.Tensor,
     old_logps: torch.Tensor,

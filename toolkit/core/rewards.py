@@ -114,18 +114,20 @@ def length_penalty(max_tokens: int, *, target: int | None = None, scale: float =
     return reward
 
 
-BUILTIN_REWARDS: dict[str, RewardFunction] = {"numeric_match": numeric_match}
-
-
 def resolve_reward(spec: str | RewardFunction) -> RewardFunction:
+    """A callable as is; a name from the plugin registry (built-ins included); else a parameterised spec."""
     if callable(spec):
         return spec
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    if isinstance(spec, str) and spec.startswith("format:"):
-        return format_reward(spec[len("format:"):])
-    raise ConfigError(f"reward_funcs: unknown reward '{spec}'. Built-in: {sorted(BUILTIN_REWARDS)} and "
-                      "'format:<regex>'; or pass a callable.")
+    from .plugins import registry
+
+    reg = registry()
+    if spec in reg.names("reward"):
+        return reg.get("reward", spec)
+    made = reg.make_reward(spec) if isinstance(spec, str) else None
+    if made is not None:
+        return made
+    raise ConfigError(f"reward_funcs: unknown reward '{spec}'. Registered: {reg.names('reward')}, plus "
+                      "'format:<regex>'; or pass a callable. Plugins add names (`toolkit plugins` lists them).")
 
 
 def reward_name(fn: RewardFunction) -> str:
@@ -225,7 +227,7 @@ class RewardRunner:
                 results[i] = self._clean(self.names[i], value, n)
             except concurrent.futures.TimeoutError:
                 results[i] = self._fail(self.names[i], n, f"it took longer than reward_timeout={self.timeout}s.")
-            except Exception as e:  # noqa: BLE001 - a reward must never kill the run
+            except Exception as e:
                 results[i] = self._fail(self.names[i], n, e)
         return RewardOutcome(rewards=[r for r in results], names=list(self.names), failures=dict(self.failures),
                              seconds=time.perf_counter() - started)

@@ -44,6 +44,7 @@ from .data import (
 from .errors import ConfigError, TrainingHealthError
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
+from .plugins import notify_step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class SFTTrainer(Trainer):
             self.dataset_format.describe(), completion_only, args.assistant_only_loss, args.packing,
             packed, args.max_length, args.gradient_checkpointing, report.loss_tokens,
         )
-        callbacks = list(callbacks or []) + [CompleteCheckpointCallback()]
+        callbacks = list(callbacks or []) + [CompleteCheckpointCallback("sft")]
         super().__init__(
             model=model, args=args, data_collator=collator,
             train_dataset=Dataset.from_list(train_tok),
@@ -283,6 +284,7 @@ class SFTTrainer(Trainer):
                 logs["perplexity"] = round(math.exp(logs["loss"]), 3)
             self._window_tokens, self._window_loss_tokens, self._window_start = 0, 0, now
         super().log(logs, start_time)
+        notify_step_metrics("sft", self.state.global_step, logs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """As Trainer.train; `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint."""

@@ -1,0 +1,335 @@
+"""The plugin registry: built-ins through the hooks, real entry points, autoload off, clashes, bad
+implementations, firstresult rewards, observation hooks, and plugin-provided losses/backends in training."""
+
+import inspect
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pluggy
+import pytest
+import torch
+
+from toolkit import ConfigError, PluginError, PluginRegistry, hookimpl
+from toolkit.core import hookspecs, plugins
+from toolkit.core.checkpoint import COMPLETE_MARKER
+from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A registry with only the built-ins (entry points off) installed as the process-wide one."""
+    monkeypatch.delenv(plugins.PLUGINS_ENV, raising=False)
+    reg = PluginRegistry(autoload=False)
+    old = plugins.reset_registry(reg)
+    yield reg
+    plugins.reset_registry(old)
+
+
+def make_dist(root: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
+    """A real installed distribution on sys.path: module files plus a .dist-info with entry_points.txt."""
+    info = root / f"{dist.replace('-', '_')}-0.3.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3.1\n")
+    (info / "entry_points.txt").write_text("[toolkit]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+    for name, source in modules.items():
+        (root / f"{name}.py").write_text(textwrap.dedent(source))
+
+
+DOUBLE_DAPO = """
+    from toolkit import hookimpl
+    from toolkit.core.numerics import clipped_surrogate
+
+    def double(logps, old_logps, advantages, *, config, mask):
+        loss, info = clipped_surrogate(logps, old_logps, advantages, epsilon_low=0.2, epsilon_high=0.2)
+        return 2 * loss, info
+
+    @hookimpl
+    def toolkit_register_policy_losses():
+        return {"double": double}
+"""
+
+
+# ----------------------------------------------------------------------------------------- registry
+
+
+def test_builtins_register_through_the_public_hooks(fresh):
+    kinds = {e.kind for e in fresh.entries() if e.plugin == plugins.BUILTIN_NAME}
+    assert kinds == set(hookspecs.REGISTRATION_HOOKS.values())
+    assert {"dapo", "grpo", "dr_grpo", "bnpo", "prompt"} <= set(fresh.names("policy_loss"))
+    assert fresh.names("preference_loss") == ["hinge", "ipo", "robust", "sigmoid"]
+    assert fresh.names("advantage_estimator") == ["grpo", "rloo"]
+    assert fresh.names("generation_backend") == ["transformers"]
+    assert fresh.tables()["reward"]["numeric_match"].package.endswith("(built-in)")
+
+
+def test_entry_point_plugin_is_loaded_and_autoload_off_means_not_loaded(tmp_path, monkeypatch):
+    make_dist(tmp_path, "toolkit-double", {"double": "tk_double"}, {"tk_double": DOUBLE_DAPO})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugins.PLUGINS_ENV, raising=False)
+    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
+    on = PluginRegistry()
+    entry = on.tables()["policy_loss"]["double"]
+    assert (entry.plugin, entry.package) == ("double", "toolkit-double 0.3.1")
+
+    monkeypatch.setenv(plugins.AUTOLOAD_ENV, "1")
+    off = PluginRegistry()
+    assert "double" not in off.names("policy_loss")
+    assert not off.pm.has_plugin("double")
+    # ... and an explicit list still loads what it names
+    monkeypatch.setenv(plugins.PLUGINS_ENV, "tk_double")
+    assert "double" in PluginRegistry().names("policy_loss")
+
+
+def test_a_name_clash_names_both_plugins_and_packages(tmp_path, monkeypatch):
+    make_dist(tmp_path, "toolkit-double", {"double": "tk_double"}, {"tk_double": DOUBLE_DAPO})
+    make_dist(tmp_path, "other-double", {"other": "tk_other"}, {"tk_other": DOUBLE_DAPO})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
+    reg = PluginRegistry()
+    with pytest.raises(PluginError) as e:
+        reg.tables()
+    msg = str(e.value)
+    assert "policy loss (GRPO loss_type) 'double' is registered twice" in msg
+    assert "'double' (toolkit-double 0.3.1)" in msg and "'other' (other-double 0.3.1)" in msg
+
+
+def test_a_plugin_cannot_silently_replace_a_builtin(fresh):
+    class Shadow:
+        @hookimpl
+        def toolkit_register_policy_losses(self):
+            return {"dapo": lambda *a, **k: None}
+
+    with pytest.raises(PluginError, match=r"'dapo' is registered twice: by plugin 'toolkit.builtin'.*'shadow'"):
+        fresh.register(Shadow(), "shadow")
+
+
+def test_wrong_argument_name_fails_at_load_with_the_plugin_name(tmp_path, monkeypatch):
+    bad = """
+        from toolkit import hookimpl
+
+        @hookimpl
+        def toolkit_on_step_metrics(trainer, step, metric_values):
+            pass
+    """
+    make_dist(tmp_path, "toolkit-badargs", {"badargs": "tk_badargs"}, {"tk_badargs": bad})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
+    with pytest.raises(PluginError) as e:
+        PluginRegistry()
+    assert "plugin 'badargs' (toolkit-badargs 0.3.1) does not match toolkit's hook specs" in str(e.value)
+    assert "metric_values" in str(e.value)
+
+
+def test_a_misspelt_hook_fails_at_load(tmp_path, monkeypatch):
+    typo = """
+        from toolkit import hookimpl
+
+        @hookimpl
+        def toolkit_register_policy_loss():
+            return {}
+    """
+    make_dist(tmp_path, "toolkit-typo", {"typo": "tk_typo"}, {"tk_typo": typo})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
+    with pytest.raises(PluginError, match=r"plugin 'typo' \(toolkit-typo 0.3.1\) implements a hook toolkit does not"):
+        PluginRegistry()
+
+
+def test_a_plugin_that_fails_to_import_is_named(tmp_path, monkeypatch):
+    make_dist(tmp_path, "toolkit-broken", {"broken": "tk_broken"}, {"tk_broken": "import no_such_module_xyz\n"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
+    with pytest.raises(PluginError, match=r"plugin 'broken' from toolkit-broken 0.3.1 failed to import.*"
+                                          r"TOOLKIT_DISABLE_PLUGIN_AUTOLOAD=1"):
+        PluginRegistry()
+
+
+def test_bad_registration_values_are_named(fresh):
+    class NotCallable:
+        @hookimpl
+        def toolkit_register_rewards(self):
+            return {"score": 3}
+
+    with pytest.raises(PluginError, match=r"plugin 'nc'.*reward function \(reward_funcs\) 'score' is not callable"):
+        fresh.register(NotCallable(), "nc")
+
+
+def test_unknown_names_suggest_the_closest(fresh, tmp_path):
+    with pytest.raises(ConfigError, match=r"loss_type: 'dapoo' is not a registered policy loss.*Did you mean 'dapo'"):
+        GRPOConfig(output_dir=str(tmp_path), loss_type="dapoo", num_generations=2, per_device_train_batch_size=2)
+    with pytest.raises(ConfigError, match="advantage_estimator: 'loo'"):
+        GRPOConfig(output_dir=str(tmp_path), advantage_estimator="loo", num_generations=2,
+                   per_device_train_batch_size=2)
+    with pytest.raises(ConfigError, match="generation_backend: 'vllm' is not a registered generation backend"):
+        GRPOConfig(output_dir=str(tmp_path), generation_backend="vllm", num_generations=2,
+                   per_device_train_batch_size=2)
+    with pytest.raises(ConfigError, match="loss_kwargs: loss_type 'dapo' takes no settings"):
+        GRPOConfig(output_dir=str(tmp_path), loss_kwargs={"x": 1}, num_generations=2, per_device_train_batch_size=2)
+
+
+def test_firstresult_reward_factory_and_builtin_format(fresh):
+    from toolkit.core.rewards import resolve_reward
+
+    class Lengths:
+        @hookimpl
+        def toolkit_make_reward(self, spec):
+            if spec.startswith("len>"):
+                n = int(spec[4:])
+                return lambda prompts, completions, completion_ids, **kw: [float(len(i) > n) for i in completion_ids]
+            return None
+
+    fresh.register(Lengths(), "lengths")
+    assert resolve_reward("len>2")(None, None, [[1, 2, 3], [1]]) == [1.0, 0.0]
+    assert resolve_reward("format:a.*")(None, ["ab", "ba"], [[1], [1]]) == [1.0, 0.0]
+    with pytest.raises(ConfigError, match="unknown reward 'len<2'"):
+        resolve_reward("len<2")
+
+
+def test_deprecation_path_warns_plugin_authors():
+    """How a hook leaves the API (docs/plugins.md): its spec gets warn_on_impl with our warning class."""
+
+    class OldSpecs:
+        @hookspecs.hookspec(warn_on_impl=hookspecs.ToolkitDeprecationWarning(
+            "toolkit_old_hook is deprecated since hooks 1.1; implement toolkit_new_hook instead"))
+        def toolkit_old_hook(self):
+            """Deprecated."""
+
+    class Impl:
+        @hookimpl
+        def toolkit_old_hook(self):
+            return 1
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(OldSpecs)
+    with pytest.warns(hookspecs.ToolkitDeprecationWarning, match="implement toolkit_new_hook"):
+        pm.register(Impl())
+
+
+def test_every_hookspec_documents_its_version_and_appears_in_the_docs():
+    docs = (REPO / "docs" / "plugins.md").read_text()
+    specs = [f for name, f in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("toolkit_")]
+    assert len(specs) >= 8
+    for spec in specs:
+        assert "Added in hooks" in (spec.__doc__ or ""), spec.__name__
+        assert f"`{spec.__name__}`" in docs, spec.__name__
+
+
+# ------------------------------------------------------------------------------- plugins in training
+
+
+def prompts(n=8):
+    return [{"prompt": f"Count {i}"} for i in range(n)]
+
+
+def varied_reward(prompts, completions, completion_ids, **kw):
+    return [float(sum(ids) % 5) for ids in completion_ids]
+
+
+def grpo(tmp_path, fresh_reg=None, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                max_completion_length=6, learning_rate=1e-2, save_strategy="no", seed=0, report_to="none",
+                disable_tqdm=True)
+    base.update(kw)
+    return GRPOTrainer(tiny_model(), [varied_reward], GRPOConfig(**base), train_dataset=prompts(),
+                       processing_class=tiny_tokenizer())
+
+
+def test_a_plugin_loss_changes_the_gradients_it_should(fresh, tmp_path, monkeypatch):
+    make_dist(tmp_path / "site", "toolkit-double", {"double": "tk_double"}, {"tk_double": DOUBLE_DAPO})
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    fresh.load_module("tk_double")
+    grads = {}
+    for loss_type in ("dapo", "double"):
+        t = grpo(tmp_path / loss_type, loss_type=loss_type)
+        rollout = t.generate_rollout(list(range(2)))
+        micro = t._split(rollout)[0]
+        t.model.train()
+        t.current_gradient_accumulation_steps = 1
+        t.compute_loss(t.model, micro).backward()
+        grads[loss_type] = torch.cat([p.grad.flatten() for p in t.model.parameters() if p.grad is not None])
+    assert grads["dapo"].abs().sum() > 0
+    torch.testing.assert_close(grads["double"], 2 * grads["dapo"])
+
+
+def test_rloo_estimator_is_used_by_name(fresh, tmp_path):
+    t = grpo(tmp_path, advantage_estimator="rloo")
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    adv, zero = t.compute_advantages(r)
+    torch.testing.assert_close(adv[:4], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    assert zero.tolist() == [False] * 4 + [True] * 4
+
+
+def test_a_backend_registered_by_name_generates(fresh, tmp_path):
+    from toolkit.core.generation import TransformersBackend
+
+    calls = []
+
+    class Recording(TransformersBackend):
+        def generate(self, prompts, params, *, n=1, seed=None):
+            calls.append((len(prompts), n))
+            return super().generate(prompts, params, n=n, seed=seed)
+
+    class BackendPlugin:
+        @hookimpl
+        def toolkit_register_generation_backends(self):
+            def factory(model, tokenizer, config):
+                return Recording(model, pad_token_id=tokenizer.pad_token_id, **(config.generation_backend_kwargs or {}))
+            return {"recording": factory}
+
+    fresh.register(BackendPlugin(), "recording-backend")
+    t = grpo(tmp_path, generation_backend="recording", generation_backend_kwargs={"max_batch_size": 3})
+    assert isinstance(t.generation_backend, Recording) and t.generation_backend.max_batch_size == 3
+    t.train()
+    assert calls == [(2, 4)]
+
+
+def test_observers_see_metrics_and_complete_checkpoints_and_cannot_break_training(fresh, tmp_path, caplog):
+    seen = {"metrics": [], "checkpoints": []}
+
+    class Observer:
+        @hookimpl
+        def toolkit_on_step_metrics(self, trainer, step, metrics):
+            seen["metrics"].append((trainer, step, dict(metrics)))
+
+        @hookimpl
+        def toolkit_on_checkpoint_saved(self, trainer, step, path):
+            seen["checkpoints"].append((trainer, step, (Path(path) / COMPLETE_MARKER).exists(),
+                                        (Path(path) / "grpo_state.json").exists()))
+
+    class Meddler:
+        @hookimpl
+        def toolkit_on_step_metrics(self, metrics):
+            metrics["loss"] = 0.0  # read-only view: raises, is logged, observer switched off
+
+    fresh.register(Observer(), "observer")
+    fresh.register(Meddler(), "meddler")
+    t = grpo(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, logging_steps=1)
+    with caplog.at_level(logging.ERROR, logger="toolkit.core.plugins"):
+        t.train()
+    train_logs = [m for kind, step, m in seen["metrics"] if "loss" in m]
+    assert [s for _, s, m in seen["metrics"] if "loss" in m] == [1, 2]
+    assert all(kind == "grpo" for kind, _, _ in seen["metrics"])
+    assert [h["loss"] for h in t.state.log_history if "loss" in h] == [m["loss"] for m in train_logs]
+    assert seen["checkpoints"] == [("grpo", 1, True, True), ("grpo", 2, True, True)]
+    failures = [r for r in caplog.records if "plugin 'meddler'" in r.getMessage()]
+    assert len(failures) == 1 and "observer is off" in failures[0].getMessage()
+
+
+def test_cli_lists_plugins_with_their_packages(tmp_path):
+    make_dist(tmp_path, "toolkit-double", {"double": "tk_double"}, {"tk_double": DOUBLE_DAPO})
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    out = subprocess.run([sys.executable, "-m", "toolkit.core.cli", "plugins"], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    assert "double                   toolkit-double 0.3.1" in out
+    assert "double                   double               toolkit-double 0.3.1" in out
+    assert "dapo                     toolkit.builtin" in out
+    off = subprocess.run([sys.executable, "-m", "toolkit.core.cli", "plugins"], capture_output=True, text=True,
+                         env={**env, plugins.AUTOLOAD_ENV: "1"}, check=True).stdout
+    assert "autoload OFF" in off and "toolkit-double" not in off
+

@@ -1,0 +1,185 @@
+"""The plugin hooks of toolkit: part of the semver contract.
+
+A plugin is a module (or object) with functions named like the specs below, marked with
+`toolkit.hookimpl`, and announced by its package under the entry-point group `toolkit`:
+
+    [project.entry-points.toolkit]
+    cispo = "toolkit_cispo"
+
+The built-in losses, advantage estimators, rewards and generation backends are registered through
+these same hooks (`toolkit.core.builtin_plugin`), so a plugin's "cispo" is found exactly the way
+the built-in "dapo" is. docs/plugins.md walks through writing one.
+
+Stability. Every spec here is public API from the version in its docstring. A spec is never changed
+in place: a new argument is added as optional (implementations may take any subset of a spec's
+arguments, so old plugins keep working), and a spec or argument on its way out is marked with
+pluggy's `warn_on_impl` / `warn_on_impl_args` carrying a `ToolkitDeprecationWarning` for at least
+one minor release before a major release removes it. `HOOKS_VERSION` counts these changes.
+
+Hooks come in two lifecycle groups:
+
+* Registration (called once, when the registry is first built): each returns a mapping from a
+  name, which configs use (`loss_type = "cispo"`), to a callable. Two plugins that claim the same
+  name in the same kind are an error at load time, naming both; a plugin cannot silently replace
+  a built-in either.
+* Observation (called while training runs): they receive copies and read-only views, return
+  nothing and cannot change training. A failing observer is logged with its plugin name and turned
+  off for the rest of the process; it never stops a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pluggy
+
+PROJECT_NAME = "toolkit"
+#: Bumped on every added, deprecated or removed hook or hook argument.
+HOOKS_VERSION = "1.0"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class ToolkitDeprecationWarning(FutureWarning):
+    """Raised through pluggy's warn_on_impl(_args) when a plugin implements a deprecated hook or argument.
+
+    A FutureWarning (shown by default), because plugin authors, not only toolkit developers, must see it.
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# Registration hooks
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def toolkit_register_policy_losses() -> Mapping[str, Callable[..., Any]]:
+    """Policy losses for GRPO-family trainers, by `loss_type` name.
+
+    Added in hooks 1.0 (toolkit 0.1).
+
+    Returns:
+        {name: loss}. `loss(logps, old_logps, advantages, *, config, mask)` gets the trainer's
+        per-token log-probs `logps` [B, T] (with gradient), the log-probs of the policy that
+        sampled the completions `old_logps` [B, T] (no gradient), per-sequence `advantages` [B],
+        the trainer's config and the boolean loss `mask` [B, T]; it returns `(per_token_loss
+        [B, T], info)` where `info` maps metric names to [B, T] bool tensors ("clipped_low",
+        "clipped_high" are logged as clip ratios). The trainer applies the sampler correction, the
+        KL term and the aggregation; the loss only shapes each token's term.
+
+        Optional attributes on the callable: `aggregation` ("token" | "sequence" | "constant" |
+        "prompt", default "token") and `check_config(config)`, called when the config is built so
+        that bad settings (e.g. unknown `loss_kwargs`) fail before any model loads. Loss-specific
+        settings are read from `config.loss_kwargs`.
+    """
+
+
+@hookspec
+def toolkit_register_preference_losses() -> Mapping[str, Callable[..., Any]]:
+    """Preference losses for DPO-family trainers, by `loss_type` name.
+
+    Added in hooks 1.0 (toolkit 0.1).
+
+    Returns:
+        {name: loss}. `loss(chosen_logratios, rejected_logratios, *, config, chosen_lengths,
+        rejected_lengths)` gets log pi(y|x) - log pi_ref(y|x) summed over each answer's tokens
+        ([B] each; with `reference_free` the reference term is 0) and the answers' token counts;
+        it returns the per-pair loss [B]. The trainer weights it (`loss_weights`) and averages.
+        Optional `check_config(config)` as for policy losses.
+    """
+
+
+@hookspec
+def toolkit_register_advantage_estimators() -> Mapping[str, Callable[..., Any]]:
+    """Advantage estimators for GRPO-family trainers, by `advantage_estimator` name.
+
+    Added in hooks 1.0 (toolkit 0.1).
+
+    Returns:
+        {name: estimator}. `estimator(rewards, *, group_size, config)` gets the total reward of
+        every completion [R] (groups of `group_size` contiguous rows; NaN marks a row without a
+        reward) and returns `(advantages [R], zero_std [R] bool)`; `zero_std` marks rows whose
+        group carries no learning signal (they are dropped when `zero_variance_filter` is on).
+    """
+
+
+@hookspec
+def toolkit_register_rewards() -> Mapping[str, Callable[..., Any]]:
+    """Reward functions by the name configs use in `reward_funcs`.
+
+    Added in hooks 1.0 (toolkit 0.1).
+
+    Returns:
+        {name: reward}. `reward(prompts, completions, completion_ids, **columns)` returns one float
+        (or None: no reward for that row) per completion; `async def` rewards are awaited. Extra
+        dataset columns arrive as keyword arguments (see docs/grpo.md).
+    """
+
+
+@hookspec(firstresult=True)
+def toolkit_make_reward(spec: str) -> Callable[..., Any] | None:
+    """Build a reward function from a parameterised spec such as "format:<regex>".
+
+    Added in hooks 1.0 (toolkit 0.1). `firstresult`: the first implementation that returns
+    something other than None wins, so return None for specs that are not yours.
+
+    Args:
+        spec: the string from `reward_funcs` that matched no registered name.
+    """
+
+
+@hookspec
+def toolkit_register_generation_backends() -> Mapping[str, Callable[..., Any]]:
+    """Generation backends by the name configs use in `generation_backend`.
+
+    Added in hooks 1.0 (toolkit 0.1).
+
+    Returns:
+        {name: factory}. `factory(model, tokenizer, config)` returns an object implementing
+        `toolkit.GenerationBackend` (generate + sync_weights); `config.generation_backend_kwargs`
+        holds the backend's own settings. Import heavy dependencies inside the factory, so that
+        listing plugins stays cheap and a missing optional dependency fails only when used.
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# Observation hooks
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def toolkit_on_step_metrics(trainer: str, step: int, metrics: Mapping[str, float]) -> None:
+    """Called each time a trainer logs (train and eval), after the metrics are final.
+
+    Added in hooks 1.0 (toolkit 0.1).
+
+    Args:
+        trainer: "sft" | "dpo" | "grpo" | ... (the trainer's kind).
+        step: the optimizer step the metrics belong to.
+        metrics: a read-only copy of what the trainer logs.
+    """
+
+
+@hookspec
+def toolkit_on_checkpoint_saved(trainer: str, step: int, path: str) -> None:
+    """Called after a checkpoint folder is complete (its completion marker is on disk).
+
+    Added in hooks 1.0 (toolkit 0.1).
+
+    Args:
+        trainer: the trainer's kind.
+        step: the optimizer step of the checkpoint.
+        path: the checkpoint folder; copy from it, do not modify it.
+    """
+
+
+#: Registration hook name -> the kind of thing it registers (used by the registry and `toolkit plugins`).
+REGISTRATION_HOOKS: dict[str, str] = {
+    "toolkit_register_policy_losses": "policy_loss",
+    "toolkit_register_preference_losses": "preference_loss",
+    "toolkit_register_advantage_estimators": "advantage_estimator",
+    "toolkit_register_rewards": "reward",
+    "toolkit_register_generation_backends": "generation_backend",
+}
