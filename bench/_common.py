@@ -19,7 +19,7 @@ def step_timer():
     return StepTimer()
 
 
-def run_in_subprocess(script: str, args: list[str]) -> dict:
+def run_in_subprocess(script: str, args: list[str], env: dict[str, str] | None = None) -> dict:
     """Run `script --worker ...` in a fresh process (peak RSS is per process) and return its RESULT json."""
     import json
     import os
@@ -27,7 +27,7 @@ def run_in_subprocess(script: str, args: list[str]) -> dict:
     import sys
 
     proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         print(proc.stdout[-3000:], proc.stderr[-6000:])

@@ -21,11 +21,12 @@ def test_there_are_shipped_run_files():
 def test_every_shipped_run_file_loads_and_says_how_to_run_it(path):
     from toolkit.core.dpo import DPOConfig
     from toolkit.core.grpo import GRPOConfig
+    from toolkit.core.ppo import PPOConfig
 
     first = path.read_text().splitlines()[0]
     command = first.split()[3] if first.startswith("# Run: toolkit ") else None
     assert first == f"# Run: toolkit {command} --config examples/{path.name}"
-    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig}[command]
+    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig, "ppo": PPOConfig}[command]
     run, config = build_configs(load_run_file(path), config_cls)
     assert isinstance(run, RunArgs) and isinstance(config, config_cls)
 
@@ -136,3 +137,23 @@ def test_cli_runs_dpo_end_to_end(tmp_path, capsys):
     assert 0.0 <= summary["eval_reward_accuracies_after"] <= 1.0
     assert (tmp_path / "out" / "final" / "model.safetensors").exists()
     assert "DPO summary" in capsys.readouterr().out
+
+
+def test_cli_runs_ppo_end_to_end_with_report(tmp_path, capsys):
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    rc = main(["ppo", "--model", str(tmp_path / "m"), "--dataset", "builtin:arithmetic", "--eval_dataset",
+               "builtin:arithmetic", "--dataset_size", "32", "--eval_size", "8", "--max_steps", "2",
+               "--per_device_train_batch_size", "4", "--num_mini_batches", "2", "--num_ppo_epochs", "2",
+               "--max_completion_length", "6", "--output_dir", str(tmp_path / "out"), "--save_strategy", "no",
+               "--disable_tqdm", "true", "--eval_every", "1", "--learning_rate", "1e-3", "--critic", "head"])
+    assert rc == 0
+    report = tmp_path / "out" / "report"
+    summary = json.loads((report / "summary.json").read_text())
+    assert {"heldout_accuracy_before", "heldout_accuracy_after"} <= set(summary)
+    assert [s for s, _ in summary["accuracy_history"]] == [0, 1, 2]
+    assert (report / "report.png").stat().st_size > 1000
+    assert (tmp_path / "out" / "final" / "critic.pt").exists()
+    assert "PPO summary" in capsys.readouterr().out

@@ -5,7 +5,16 @@ import math
 import pytest
 import torch
 
-from toolkit.core.numerics import clipped_surrogate, group_advantages, rloo_advantages, truncated_importance_weights
+from toolkit.core.numerics import (
+    clipped_surrogate,
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    group_advantages,
+    masked_whiten,
+    rloo_advantages,
+    truncated_importance_weights,
+)
 
 
 def _naive_adv(rewards, G, scale, eps=1e-4):
@@ -89,3 +98,81 @@ def test_rloo_advantages_match_a_leave_one_out_loop():
             else:
                 others = [group[j] for j in valid if j != i]
                 assert adv[4 * k + i].item() == pytest.approx(group[i] - sum(others) / len(others), abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- PPO
+
+
+def _ragged(seed, B=5, T=7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([7, 1, 4, 6, 3])[:B]
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    return (torch.randn(B, T, generator=g, dtype=torch.float64) * mask,
+            torch.randn(B, T, generator=g, dtype=torch.float64) * mask, mask, lengths)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 1.0), (0.99, 0.0)])
+def test_gae_matches_a_per_row_loop(gamma, lam):
+    rewards, values, mask, lengths = _ragged(0)
+    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
+    for b, n in enumerate(lengths.tolist()):
+        last = 0.0
+        for t in reversed(range(n)):
+            next_value = values[b, t + 1].item() if t + 1 < n else 0.0
+            delta = rewards[b, t].item() + gamma * next_value - values[b, t].item()
+            last = delta + gamma * lam * last
+            assert adv[b, t].item() == pytest.approx(last, abs=1e-10)
+            assert ret[b, t].item() == pytest.approx(last + values[b, t].item(), abs=1e-10)
+        assert (adv[b, n:] == 0).all() and (ret[b, n:] == 0).all()
+
+
+def test_gae_ignores_whatever_sits_in_the_padding():
+    rewards, values, mask, _ = _ragged(1)
+    noisy_r = rewards + (~mask) * 100.0
+    noisy_v = values + (~mask) * -50.0
+    a1, r1 = gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    a2, r2 = gae(noisy_r, noisy_v, mask, gamma=0.97, lam=0.9)
+    torch.testing.assert_close(a1, a2)
+    torch.testing.assert_close(r1, r2)
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_masked_whiten_matches_naive(shift_mean):
+    x, _, mask, _ = _ragged(2)
+    out = masked_whiten(x, mask, shift_mean=shift_mean)
+    sel = x[mask]
+    expected = (sel - sel.mean()) / torch.sqrt(sel.var(unbiased=True) + 1e-8) + (0 if shift_mean else sel.mean())
+    torch.testing.assert_close(out[mask], expected)
+    assert (out[~mask] == 0).all()
+    with pytest.raises(ValueError, match="at least two"):
+        one = torch.zeros_like(mask)
+        one[0, 0] = True
+        masked_whiten(x, one)
+
+
+def test_clipped_value_loss_matches_naive():
+    g = torch.Generator().manual_seed(4)
+    v, old, ret = (torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(3))
+    loss, clipped = clipped_value_loss(v, old, ret, clip_range=0.2)
+    for i in range(4):
+        for j in range(6):
+            vc = min(max(v[i, j].item(), old[i, j].item() - 0.2), old[i, j].item() + 0.2)
+            a, b = (v[i, j].item() - ret[i, j].item()) ** 2, (vc - ret[i, j].item()) ** 2
+            assert loss[i, j].item() == pytest.approx(0.5 * max(a, b), abs=1e-12)
+            assert bool(clipped[i, j]) == (b > a)
+
+
+def test_explained_variance():
+    _, returns, mask, _ = _ragged(5)
+    assert explained_variance(returns + 3.0, returns, mask) == pytest.approx(1.0)   # a constant offset explains all
+    assert explained_variance(torch.zeros_like(returns), returns, mask) == pytest.approx(0.0, abs=1e-12)
+    assert explained_variance(-returns, returns, mask) == pytest.approx(-3.0)       # Var(2R) / Var(R) = 4
+
+
+def test_clipped_surrogate_takes_per_token_advantages():
+    g = torch.Generator().manual_seed(6)
+    logps, old = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    adv = torch.randn(3, generator=g)
+    per_seq, _ = clipped_surrogate(logps, old, adv, epsilon_low=0.2, epsilon_high=0.3)
+    per_tok, _ = clipped_surrogate(logps, old, adv[:, None].expand(3, 5), epsilon_low=0.2, epsilon_high=0.3)
+    torch.testing.assert_close(per_seq, per_tok)

@@ -4,7 +4,7 @@ Everything importable from `toolkit` is the stable API of `toolkit.core`. `toolk
 holds methods that may change in any release and warns on import.
 """
 
-from .core import *
+from .core import *  # noqa: F403
 from .core import __all__ as _core_all
 
 __version__ = "0.1.0"

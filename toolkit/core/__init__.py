@@ -1,6 +1,6 @@
 """toolkit.core: the stable, semver-guaranteed API."""
 
-from . import attention as _attention
+from . import attention as _attention  # noqa: F401  (registers the `toolkit_varlen` attention implementation)
 from .checkpoint import latest_complete_checkpoint
 from .data import DatasetFormat, SFTCollator, as_rows, detect_format, normalize_rows, tokenize_for_sft, validate
 from .dpo import DPOConfig, DPOTrainer
@@ -14,15 +14,20 @@ from .numerics import (
     chunked_entropy,
     chunked_token_logps,
     clipped_surrogate,
+    clipped_value_loss,
+    explained_variance,
+    gae,
     group_advantages,
     kl_estimate,
     masked_mean,
     masked_sum,
+    masked_whiten,
     preference_loss,
     rloo_advantages,
     truncated_importance_weights,
 )
 from .plugins import PluginError, PluginRegistry, register, registry
+from .ppo import PPOConfig, PPOTrainer
 from .rewards import format_reward, length_penalty, numeric_match, parse_number
 from .sft import SFTConfig, SFTTrainer
 
@@ -38,6 +43,8 @@ __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
     "GenerationBackend",
+    "PPOConfig",
+    "PPOTrainer",
     "PluginError",
     "PluginRegistry",
     "SFTCollator",
@@ -53,9 +60,12 @@ __all__ = [
     "chunked_entropy",
     "chunked_token_logps",
     "clipped_surrogate",
+    "clipped_value_loss",
     "detect_format",
     "embedded_model_path",
+    "explained_variance",
     "format_reward",
+    "gae",
     "group_advantages",
     "hookimpl",
     "kl_estimate",
@@ -65,6 +75,7 @@ __all__ = [
     "load_tokenizer",
     "masked_mean",
     "masked_sum",
+    "masked_whiten",
     "normalize_rows",
     "numeric_match",
     "parse_number",

@@ -3,6 +3,7 @@
     toolkit sft --config examples/sft_smollm2.toml [--field value ...]
     toolkit grpo --config examples/grpo_arithmetic.toml [--field value ...]
     toolkit dpo --config examples/dpo_arithmetic.toml [--field value ...]
+    toolkit ppo --config examples/ppo_arithmetic.toml [--field value ...]
     toolkit sft --help                      # every key, with its help text (likewise grpo)
     toolkit model-path                      # where the embedded SmolLM2 checkpoint is cached
     toolkit plugins                         # losses, estimators, rewards, backends by name, and their packages
@@ -158,9 +159,30 @@ def run_dpo(argv: list[str]) -> int:
 
 def run_grpo(argv: list[str]) -> int:
     from .grpo import GRPOConfig, GRPOTrainer
+
+    def make(run, cfg, train, callbacks):
+        return GRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=_peft_config(run),
+                           model_init_kwargs=_model_init_kwargs(run), callbacks=callbacks)
+
+    return _run_online(argv, GRPOConfig, make, title="GRPO", reward_key="reward", step_name="optimizer step")
+
+
+def run_ppo(argv: list[str]) -> int:
+    from .ppo import PPOConfig, PPOTrainer
+
+    def make(run, cfg, train, callbacks):
+        return PPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=_peft_config(run),
+                          model_init_kwargs=_model_init_kwargs(run), callbacks=callbacks)
+
+    return _run_online(argv, PPOConfig, make, title="PPO", reward_key="objective/scores", step_name="PPO update")
+
+
+def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: str, reward_key: str,
+                step_name: str) -> int:
+    """GRPO and PPO from the command line: held-out accuracy before/after, save, report, summary."""
     from .report import AccuracyCallback, write_report
 
-    parsed = _parse(argv, GRPOConfig)
+    parsed = _parse(argv, config_cls)
     if parsed is None:
         return 0
     run, cfg = parsed
@@ -171,8 +193,7 @@ def run_grpo(argv: list[str]) -> int:
     if held_out is not None and run.report_accuracy:
         accuracy = AccuracyCallback(held_out, every=run.eval_every, max_new_tokens=cfg.max_completion_length)
         callbacks.append(accuracy)
-    trainer = GRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=_peft_config(run),
-                          model_init_kwargs=_model_init_kwargs(run), callbacks=callbacks)
+    trainer = make_trainer(run, cfg, train, callbacks)
     summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset, "reward_funcs": list(run.reward_funcs)}
     if accuracy is not None:
         summary["heldout_accuracy_before"] = accuracy.measure(trainer, step=0)
@@ -184,8 +205,9 @@ def run_grpo(argv: list[str]) -> int:
     trainer.save_model(str(final_dir))
     summary["saved_to"] = str(final_dir)
     summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
-    summary.update(write_report(trainer, Path(cfg.output_dir), accuracy.history if accuracy else [], summary))
-    _print_summary("GRPO", summary)
+    summary.update(write_report(trainer, Path(cfg.output_dir), accuracy.history if accuracy else [], summary,
+                                reward_key=reward_key, title=title, step_name=step_name))
+    _print_summary(title, summary)
     return 0
 
 
@@ -194,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    commands = {"sft": run_sft, "grpo": run_grpo, "dpo": run_dpo, "model-path": _model_path, "plugins": _plugins}
+    commands = {"sft": run_sft, "grpo": run_grpo, "dpo": run_dpo, "ppo": run_ppo, "model-path": _model_path,
+                "plugins": _plugins}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):

@@ -367,8 +367,8 @@ class PPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------------ data plumbing
 
-    @staticmethod
     # Copied from toolkit.core.grpo.GRPOTrainer._tokenize_prompts
+    @staticmethod
     def _tokenize_prompts(rows, tokenizer, args) -> tuple[list[list[int]], int]:
         out, cut = [], 0
         for r in rows:
@@ -631,10 +631,12 @@ class PPOTrainer(Trainer):
         self.create_optimizer()
         self.create_scheduler(num_training_steps=total, optimizer=self.optimizer)  # stepped once per update
         if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False):
-            ckpt_kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-            self.model.gradient_checkpointing_enable(**ckpt_kwargs)
-            if self.critic.backbone is not None and hasattr(self.critic.backbone, "gradient_checkpointing_enable"):
-                self.critic.backbone.gradient_checkpointing_enable(**ckpt_kwargs)
+            for m in (self.model, self.critic.backbone):
+                # transformers >= 5.2x renamed gradient_checkpointing_enable (the old name warns)
+                if hasattr(m, "activation_checkpointing_enable"):
+                    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                elif hasattr(m, "gradient_checkpointing_enable"):
+                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         start = 0
         path = resolve_resume(resume_from_checkpoint, args.output_dir)
         if path is not None:

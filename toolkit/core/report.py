@@ -37,7 +37,8 @@ class AccuracyCallback(TrainerCallback):
             logger.info("step %d: held-out greedy accuracy %.3f", state.global_step, acc)
 
 
-def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summary: dict[str, Any]) -> dict[str, str]:
+def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summary: dict[str, Any], *,
+                 reward_key: str = "reward", title: str = "GRPO", step_name: str = "optimizer step") -> dict[str, str]:
     """Write metrics.jsonl, summary.json and report.png under out_dir/report; return their paths."""
     report = out_dir / "report"
     report.mkdir(parents=True, exist_ok=True)
@@ -53,8 +54,8 @@ def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summ
     except ImportError:
         logger.warning("matplotlib is not installed; no report.png (pip install matplotlib).")
     else:
-        steps = [h["step"] for h in trainer.state.log_history if "reward" in h]
-        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+        steps = [h["step"] for h in trainer.state.log_history if reward_key in h]
+        rewards = [h[reward_key] for h in trainer.state.log_history if reward_key in h]
         fig, ax = plt.subplots(figsize=(8, 4.5))
         ax.plot(steps, rewards, color="tab:blue", alpha=0.35, label="mean reward (per step)")
         if len(rewards) >= 5:
@@ -65,11 +66,11 @@ def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summ
         if accuracy:
             ax.plot([s for s, _ in accuracy], [a for _, a in accuracy], "o-", color="tab:red",
                     label="held-out greedy accuracy")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel(step_name)
+        ax.set_ylim(min([-0.02, *rewards]), max([1.02, *rewards]))
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left")
-        ax.set_title("GRPO: reward and held-out accuracy")
+        ax.set_title(f"{title}: reward and held-out accuracy")
         fig.tight_layout()
         fig.savefig(report / "report.png", dpi=110)
         plt.close(fig)

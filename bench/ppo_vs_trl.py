@@ -1,0 +1,116 @@
+"""Benchmark: our PPOTrainer against TRL's experimental PPOTrainer (TRL 1.8, its last release with PPO), one run.
+
+    python bench/ppo_vs_trl.py               # about 10 minutes on 2 CPU cores
+    python bench/ppo_vs_trl.py --steps 4     # more updates, less noise
+
+Same policy (the embedded SmolLM2-135M-Instruct), same reference (a frozen copy), same critic and
+reward model (SmolLM2's backbone with a one-output score head, as AutoModelForSequenceClassification
+loads it), same prompts (generated arithmetic, chat template), 16 completions per update, 2 epochs
+x 2 mini-batches of 8, max 16 new tokens, temperature 0.7, stop at EOS, same learning rate and KL
+coefficient. Each trainer runs in its own process (peak RSS is per process); TRL 1.8 is the private
+copy scripts/setup.sh installs in .venv/trl-1.8.0 (on PYTHONPATH for its worker only). Each side
+uses its defaults otherwise (ours: activation checkpointing on CPU; TRL: off). Printed: seconds per
+update over the updates after the first, peak RSS, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import run_in_subprocess, step_timer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = dict(rollout=16, per_device=8, mini_batches=2, epochs=2, max_new_tokens=16, temperature=0.7, lr=1e-5,
+                kl_coef=0.05)
+
+
+def worker(kind: str, steps: int) -> dict:
+    import torch
+
+    from toolkit import embedded_model_path
+    from toolkit.core.tasks import arithmetic
+
+    torch.manual_seed(0)
+    path = str(embedded_model_path())
+    rows = arithmetic(64, seed=0, max_value=20, max_terms=2, kind="prompt_only")
+    s = SETTINGS
+    timer = step_timer()
+    if kind == "toolkit":
+        from toolkit import PPOConfig, PPOTrainer
+
+        cfg = PPOConfig(output_dir="/tmp/bench-ppo-toolkit", max_steps=steps, per_device_train_batch_size=s["per_device"],
+                        num_mini_batches=s["mini_batches"], num_ppo_epochs=s["epochs"],
+                        max_completion_length=s["max_new_tokens"], temperature=s["temperature"], learning_rate=s["lr"],
+                        kl_coef=s["kl_coef"], save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+        trainer = PPOTrainer(path, [], cfg, train_dataset=rows, reward_model=path, value_model=path, callbacks=[timer])
+    else:
+        import trl
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+        assert trl.__version__ == "1.8.0", trl.__version__
+        tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+        f32 = {"dtype": torch.float32}
+        ids = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+               for r in rows]
+        ids = [i["input_ids"] if isinstance(i, dict) else list(i) for i in ids]
+        args = PPOConfig(output_dir="/tmp/bench-ppo-trl", per_device_train_batch_size=s["per_device"],
+                         gradient_accumulation_steps=1, num_mini_batches=s["mini_batches"], num_ppo_epochs=s["epochs"],
+                         total_episodes=s["rollout"] * steps, response_length=s["max_new_tokens"],
+                         temperature=s["temperature"], learning_rate=s["lr"], kl_coef=s["kl_coef"], stop_token="eos",
+                         num_sample_generations=0, local_rollout_forward_batch_size=s["rollout"], use_cpu=True,
+                         bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True)
+        trainer = PPOTrainer(args=args, processing_class=tok,
+                             model=AutoModelForCausalLM.from_pretrained(path, **f32),
+                             ref_model=AutoModelForCausalLM.from_pretrained(path, **f32),
+                             reward_model=AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **f32),
+                             value_model=AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **f32),
+                             train_dataset=Dataset.from_list([{"input_ids": i} for i in ids]), callbacks=[timer])
+    trainer.train()
+    ends = timer.ends
+    return {"kind": kind, "updates": len(ends), "sec_per_update": (ends[-1] - ends[0]) / max(len(ends) - 1, 1),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
+        return
+    trl18 = REPO / ".venv" / "trl-1.8.0"
+    if not trl18.exists():
+        raise SystemExit(f"{trl18} is missing: run scripts/setup.sh (it installs TRL 1.8 there as the PPO reference)")
+    results = {}
+    for kind, env in (("toolkit", None), ("trl", {"PYTHONPATH": str(trl18), "TRL_EXPERIMENTAL_SILENCE": "1"})):
+        print(f"running {kind} ...", flush=True)
+        results[kind] = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind], env=env)
+        r = results[kind]
+        print(f"  {r['sec_per_update']:.1f} s/update, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+    o, t = results["toolkit"], results["trl"]
+    s = SETTINGS
+    print(f"\nPPO, SmolLM2-135M-Instruct policy, critic and reward model; {s['rollout']} completions per update, "
+          f"{s['epochs']} epochs x {s['mini_batches']} mini-batches, max {s['max_new_tokens']} new tokens, "
+          f"{args.steps} updates (first excluded from timing)")
+    print("| | ours | TRL 1.8 | ratio (ours/TRL) |")
+    print("|---|---|---|---|")
+    print(f"| seconds per update | {o['sec_per_update']:.1f} | {t['sec_per_update']:.1f} | "
+          f"{o['sec_per_update'] / t['sec_per_update']:.2f} (speed-up {t['sec_per_update'] / o['sec_per_update']:.2f}x) |")
+    print(f"| peak RSS MB | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | {o['peak_rss_mb'] / t['peak_rss_mb']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": s, "updates": args.steps, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""PPOTrainer on tiny models: policy and critic learn, reward model and reward-function paths, critic variants,
+PEFT reference, exact resume, early stop, EOS penalty, adaptive KL, and config errors before any model loads."""
+
+import math
+
+import pytest
+import torch
+from conftest import StopAt
+from transformers import LlamaForSequenceClassification
+
+from toolkit import ConfigError, DataError, TrainingHealthError
+from toolkit.core.checkpoint import COMPLETE_MARKER
+from toolkit.core.ppo import AdaptiveKLController, PPOConfig, PPOTrainer
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+
+def prompts(n=16):
+    return [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(n)]
+
+
+def low_ids(prompts, completions, completion_ids, **kw):
+    """Dense and varied even for a random model: prefers low token ids."""
+    return [-sum(ids) / (len(ids) * 384.0) for ids in completion_ids]
+
+
+def cfg(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_mini_batches=2,
+                num_ppo_epochs=2, max_completion_length=6, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                seed=0, disable_tqdm=True, report_to="none")
+    base.update(kw)
+    return PPOConfig(**base)
+
+
+def make(tmp_path, rewards=(low_ids,), model=None, **kw):
+    extra = {k: kw.pop(k) for k in ("reward_model", "value_model", "peft_config", "callbacks", "ref_model")
+             if k in kw}
+    return PPOTrainer(model if model is not None else tiny_model(), list(rewards), cfg(tmp_path, **kw),
+                      train_dataset=prompts(), processing_class=tiny_tokenizer(), **extra)
+
+
+def logged(t, key):
+    return [h[key] for h in t.state.log_history if key in h]
+
+
+def classifier(seed):
+    torch.manual_seed(seed)
+    config = tiny_model().config
+    config.num_labels, config.pad_token_id = 1, tiny_tokenizer().pad_token_id
+    return LlamaForSequenceClassification(config)
+
+
+def snapshot(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def changed(before, module):
+    return any(not torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+
+def test_a_few_updates_change_policy_and_critic_and_log_what_a_person_needs(tmp_path):
+    t = make(tmp_path)
+    p0, c0, r0 = snapshot(t.model), snapshot(t.critic), snapshot(t.ref_model)
+    t.train()
+    assert changed(p0, t.model) and changed(c0, t.critic) and not changed(r0, t.ref_model)
+    assert len(logged(t, "loss")) == 2 and all(math.isfinite(x) for x in logged(t, "loss"))
+    for key in ("objective/scores", "objective/kl", "objective/rlhf_reward", "objective/reward_per_token",
+                "objective/kl_per_token", "val/mean", "val/returns_mean", "val/explained_variance",
+                "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/clipfrac_avg",
+                "policy/entropy_avg", "completions/mean_length", "kl_coef", "sampler/logp_abs_diff_mean",
+                "time/generation_s", "rewards/low_ids/mean", "ppo_epochs_done"):
+        assert logged(t, key), key
+    assert logged(t, "ppo_epochs_done") == [2.0, 2.0]
+    # the rollout used the transformers sampler at temperature 1, so pi_old equals the sampler's log-probs
+    assert max(logged(t, "sampler/logp_abs_diff_max")) < 1e-4
+
+
+def test_the_critic_learns_the_returns(tmp_path):
+    """A constant reward is easy to predict: explained variance must rise as the value loss falls."""
+    t = make(tmp_path, rewards=(lambda prompts, completions, completion_ids, **kw: [1.0] * len(completions),),
+             max_steps=6, learning_rate=3e-3, kl_coef=0.0, whiten_advantages=False)
+    t.train()
+    losses = logged(t, "loss/value_avg")
+    assert losses[-1] < 0.2 * losses[0]
+
+
+def test_reward_model_path_and_given_value_model(tmp_path):
+    rm, vm = classifier(1), classifier(2)
+    rm0, vm0 = snapshot(rm), snapshot(vm)
+    t = make(tmp_path, rewards=(), reward_model=rm, value_model=vm)
+    t.train()
+    assert logged(t, "rewards/reward_model/mean")
+    assert not changed(rm0, rm)          # frozen
+    assert changed(vm0, vm)              # the given value model is the critic and trains
+    # the reward model's score lands on the last token: scores equal the reward model on prompt+completion
+    r = t.generate_rollout(list(range(8)), 0)
+    seq = r.prompt_ids[0] + r.completion_ids[0]
+    with torch.no_grad():
+        direct = rm(input_ids=torch.tensor([seq])).logits[0, 0].item()
+    assert r.scores[0].item() == pytest.approx(direct, abs=1e-4)
+
+
+def test_both_reward_sources_add_up(tmp_path):
+    rm = classifier(3)
+    t = make(tmp_path, reward_model=rm, reward_weights=[2.0], reward_model_weight=0.5)
+    rows = [t.rows[i] for i in range(4)]
+    prompt_ids = [t.prompt_ids[i] for i in range(4)]
+    completions = [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14]]
+    total = t.compute_rewards(rows, prompt_ids, completions)
+    with torch.no_grad():
+        rm_scores = torch.tensor([rm(input_ids=torch.tensor([p + c])).logits[0, 0].item()
+                                  for p, c in zip(prompt_ids, completions)])
+    expected = 2.0 * torch.tensor(low_ids(None, None, completions)) + 0.5 * rm_scores
+    torch.testing.assert_close(total, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_critic_variants_train(tmp_path, critic):
+    t = make(tmp_path, critic=critic)
+    c0 = snapshot(t.critic)
+    t.train()
+    assert changed(c0, t.critic)
+    assert (t.critic.backbone is None) == (critic == "head")
+
+
+def test_peft_uses_the_adapter_free_base_as_reference_and_critic_backbone(tmp_path):
+    from peft import LoraConfig
+
+    t = make(tmp_path, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                              task_type="CAUSAL_LM"), critic="base", learning_rate=1e-2)
+    assert t.ref_model is None
+    base0 = {k: v.clone() for k, v in t.model.named_parameters() if "lora" not in k}
+    head0 = snapshot(t.critic)
+    t.train()
+    assert changed(head0, t.critic)
+    assert all(torch.equal(v, base0[k]) for k, v in t.model.named_parameters() if "lora" not in k)
+    kls = logged(t, "objective/kl")
+    assert kls[0] == pytest.approx(0.0, abs=1e-6) and abs(kls[1]) > 0  # adapters start as identity, then move
+
+
+def test_exact_resume_equals_uninterrupted(tmp_path):
+    full = make(tmp_path / "a", max_steps=3)
+    full.train()
+    first = make(tmp_path / "b", max_steps=3, save_strategy="steps", save_steps=1, callbacks=[StopAt(2)])
+    first.train()
+    assert (tmp_path / "b" / "out" / "checkpoint-2" / COMPLETE_MARKER).exists()
+    resumed = make(tmp_path / "b", max_steps=3, save_strategy="steps", save_steps=1)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+    for a, b in ((full.model, resumed.model), (full.critic, resumed.critic)):
+        for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items()):
+            torch.testing.assert_close(w, v, rtol=0, atol=0, msg=k)
+    assert logged(resumed, "loss") == pytest.approx(logged(full, "loss"), abs=0)
+
+
+def test_early_stop_on_approximate_kl(tmp_path):
+    t = make(tmp_path, early_stop_approx_kl=1e-9, num_ppo_epochs=4, learning_rate=1e-2)
+    t.train()
+    assert logged(t, "early_stopped") == [1.0, 1.0]
+    assert logged(t, "ppo_epochs_done") == [1.0, 1.0]
+
+
+def test_missing_eos_penalty(tmp_path):
+    t = make(tmp_path, missing_eos_penalty=1.5, max_steps=1)
+    t.train()
+    (h,) = [h for h in t.state.log_history if "objective/scores" in h]
+    expected = h["rewards/low_ids/mean"] - 1.5 * h["completions/clipped_ratio"]
+    assert h["objective/scores"] == pytest.approx(expected, abs=1e-6)
+    assert h["completions/clipped_ratio"] > 0
+
+
+def test_adaptive_kl_controller_moves_toward_the_target():
+    c = AdaptiveKLController(0.1, target=1.0, horizon=100)
+    c.update(3.0, n_steps=10)      # KL too high: coefficient up by the capped 20% x 10/100
+    assert c.value == pytest.approx(0.1 * 1.02)
+    c.update(0.5, n_steps=10)      # too low: down by 50% x 10/100... capped at 20%
+    assert c.value == pytest.approx(0.1 * 1.02 * 0.98)
+    fixed = AdaptiveKLController(0.1, target=None, horizon=100)
+    fixed.update(3.0, n_steps=10)
+    assert fixed.value == 0.1
+
+
+def test_a_reward_function_that_fails_stops_with_its_name(tmp_path):
+    def broken(prompts, completions, completion_ids, **kw):
+        raise RuntimeError("judge offline")
+
+    t = make(tmp_path, rewards=(broken,))
+    with pytest.raises(TrainingHealthError, match="reward function 'broken' gave no finite reward"):
+        t.train()
+
+
+def test_config_errors_name_the_field_before_any_model_loads(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout_batch_size: 10 completions cannot be split into num_mini_batches=2"):
+        cfg(tmp_path, rollout_batch_size=10)
+    with pytest.raises(ConfigError, match="use rollout_batch_size=8, or num_mini_batches=3"):
+        cfg(tmp_path, rollout_batch_size=12)
+    with pytest.raises(ConfigError, match="kl_estimator: 'k2'"):
+        cfg(tmp_path, kl_estimator="k2")
+    with pytest.raises(ConfigError, match="critic: 'shared'"):
+        cfg(tmp_path, critic="shared")
+    with pytest.raises(ConfigError, match="num_ppo_epochs: must be >= 1"):
+        cfg(tmp_path, num_ppo_epochs=0)
+    # a model name that cannot load proves these fail before loading it
+    with pytest.raises(ConfigError, match="PPO needs a reward source"):
+        PPOTrainer("no-such/model", [], cfg(tmp_path), train_dataset=prompts(), processing_class=tiny_tokenizer())
+    with pytest.raises(ConfigError, match="critic: 'base' .* needs peft_config"):
+        PPOTrainer("no-such/model", [low_ids], cfg(tmp_path, critic="base"), train_dataset=prompts(),
+                   processing_class=tiny_tokenizer())
+    with pytest.raises(ConfigError, match="value_model: given, but critic='head'"):
+        PPOTrainer("no-such/model", [low_ids], cfg(tmp_path, critic="head"), train_dataset=prompts(),
+                   processing_class=tiny_tokenizer(), value_model="x")
+    with pytest.raises(DataError, match="PPO needs a 'prompt' column"):
+        PPOTrainer("no-such/model", [low_ids], cfg(tmp_path), train_dataset=[{"text": "hi"}] * 8,
+                   processing_class=tiny_tokenizer())
+    with pytest.raises(ConfigError, match="train_dataset: 4 prompts, fewer than one update needs"):
+        PPOTrainer("no-such/model", [low_ids], cfg(tmp_path), train_dataset=prompts(4),
+                   processing_class=tiny_tokenizer())
