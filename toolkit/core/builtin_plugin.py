@@ -64,4 +64,23 @@ def toolkit_register_generation_backends():
                                    max_batch_size=config.generation_batch_size,
                                    **(config.generation_backend_kwargs or {}))
 
-    return {"transformers": transformers}
+    def vllm(model, tokenizer, config):
+        """A vLLM engine in the training process; weights pushed in place (kwargs: model_path, sync_every,
+        max_model_len, kv_cache_gib, ...)."""
+        from .models import unwrap_model
+        from .vllm_backend import VLLMBackend, require_vllm
+
+        require_vllm()
+        kwargs = dict(config.generation_backend_kwargs or {})
+        path = kwargs.pop("model_path", None) or unwrap_model(model).config._name_or_path
+        kwargs.setdefault("max_model_len", (config.max_prompt_length or 512) + config.max_completion_length + 8)
+        kwargs.setdefault("seed", config.seed)
+        return VLLMBackend(path, **kwargs)
+
+    def vllm_server(model, tokenizer, config):
+        """A `toolkit vllm-serve` process over HTTP (kwargs: url, timeout, startup_timeout, sync_every)."""
+        from .vllm_backend import VLLMServerBackend
+
+        return VLLMServerBackend(**(config.generation_backend_kwargs or {}))
+
+    return {"transformers": transformers, "vllm": vllm, "vllm-server": vllm_server}

@@ -6,6 +6,7 @@
     toolkit ppo --config examples/ppo_arithmetic.toml [--field value ...]
     toolkit sft --help                      # every key, with its help text (likewise grpo)
     toolkit model-path                      # where the embedded SmolLM2 checkpoint is cached
+    toolkit vllm-serve --model <folder>     # a vLLM engine over HTTP for generation_backend = "vllm-server"
     toolkit plugins                         # losses, estimators, rewards, backends by name, and their packages
 """
 
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     commands = {"sft": run_sft, "grpo": run_grpo, "dpo": run_dpo, "ppo": run_ppo, "model-path": _model_path,
-                "plugins": _plugins}
+                "plugins": _plugins, "vllm-serve": _vllm_serve}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):
@@ -247,6 +248,14 @@ def _plugins(argv: list[str]) -> int:
         for entry in sorted(reg.tables()[kind].values(), key=lambda e: e.name):
             print(f"  {entry.name:<24} {entry.plugin:<20} {entry.package}")
     return 0
+
+
+def _vllm_serve(argv: list[str]) -> int:
+    from .vllm_backend import require_vllm
+    from .vllm_server import serve
+
+    require_vllm()
+    return serve(argv)
 
 
 def _model_path(argv: list[str]) -> int:

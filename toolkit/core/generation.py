@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -80,6 +80,18 @@ class GenerationBackend(Protocol):
                  seed: int | None = None) -> list[list[Completion]]: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
+@runtime_checkable
+class AsyncGenerationBackend(GenerationBackend, Protocol):
+    """A backend that can also queue work: `submit` returns at once with a Future of `generate`'s result.
+
+    Requests are served in submission order while the caller goes on (training, scoring). The vLLM
+    backends implement it; the async GRPO trainer uses it.
+    """
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
+               seed: int | None = None) -> Any: ...
 
 
 # ------------------------------------------------------------------------------------------------

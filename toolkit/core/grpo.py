@@ -588,6 +588,12 @@ class GRPOTrainer(Trainer):
                              num_sequences=inputs["step_prompts"] if mode == "prompt" else inputs["step_sequences"])
         self._health.check_finite(self.state.global_step, loss=loss, logps=flat, advantages=inputs["advantages"])
         self._record_loss_metrics(logps.detach(), old, info, tis, kl, mask, loss_mask)
+        # How far the sampler's log-probs are from the trainer's for the same tokens (engine numerics,
+        # stale weights): the quantity importance_sampling_cap corrects, logged every step.
+        gap = (old - inputs["sampler_logps"]).abs()[mask]
+        if gap.numel():
+            self._step_metrics["sampler/logp_abs_diff_mean"].append(float(gap.mean()))
+            self._step_metrics["sampler/logp_abs_diff_max"].append(float(gap.max()))
         return (loss, {"logps": flat.detach()}) if return_outputs else loss
 
     # ------------------------------------------------------------------------------ the step

