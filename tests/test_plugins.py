@@ -64,7 +64,7 @@ def test_builtins_register_through_the_public_hooks(fresh):
     assert {"dapo", "grpo", "dr_grpo", "bnpo", "prompt"} <= set(fresh.names("policy_loss"))
     assert fresh.names("preference_loss") == ["hinge", "ipo", "robust", "sigmoid"]
     assert fresh.names("advantage_estimator") == ["grpo", "rloo"]
-    assert fresh.names("generation_backend") == ["transformers"]
+    assert fresh.names("generation_backend") == ["transformers", "vllm", "vllm-server"]
     assert fresh.tables()["reward"]["numeric_match"].package.endswith("(built-in)")
 
 
@@ -166,8 +166,8 @@ def test_unknown_names_suggest_the_closest(fresh, tmp_path):
     with pytest.raises(ConfigError, match="advantage_estimator: 'loo'"):
         GRPOConfig(output_dir=str(tmp_path), advantage_estimator="loo", num_generations=2,
                    per_device_train_batch_size=2)
-    with pytest.raises(ConfigError, match="generation_backend: 'vllm' is not a registered generation backend"):
-        GRPOConfig(output_dir=str(tmp_path), generation_backend="vllm", num_generations=2,
+    with pytest.raises(ConfigError, match="generation_backend: 'vlm' is not a registered generation backend.*'vllm'"):
+        GRPOConfig(output_dir=str(tmp_path), generation_backend="vlm", num_generations=2,
                    per_device_train_batch_size=2)
     with pytest.raises(ConfigError, match="loss_kwargs: loss_type 'dapo' takes no settings"):
         GRPOConfig(output_dir=str(tmp_path), loss_kwargs={"x": 1}, num_generations=2, per_device_train_batch_size=2)
@@ -333,3 +333,12 @@ def test_cli_lists_plugins_with_their_packages(tmp_path):
                          env={**env, plugins.AUTOLOAD_ENV: "1"}, check=True).stdout
     assert "autoload OFF" in off and "toolkit-double" not in off
 
+
+
+def test_asking_for_vllm_without_it_names_the_extra(fresh, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here; tests/test_vllm.py covers it")
+    with pytest.raises(ConfigError, match=r"install the vllm extra: pip install 'toolkit\[vllm\]'"):
+        grpo(tmp_path, generation_backend="vllm")

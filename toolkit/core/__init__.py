@@ -1,11 +1,12 @@
 """toolkit.core: the stable, semver-guaranteed API."""
 
 from . import attention as _attention  # noqa: F401  (registers the `toolkit_varlen` attention implementation)
+from .async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .checkpoint import latest_complete_checkpoint
 from .data import DatasetFormat, SFTCollator, as_rows, detect_format, normalize_rows, tokenize_for_sft, validate
 from .dpo import DPOConfig, DPOTrainer
 from .errors import ConfigError, DataError, ToolkitError, TrainingHealthError
-from .generation import Completion, GenerationBackend, SamplingParams, TransformersBackend
+from .generation import AsyncGenerationBackend, Completion, GenerationBackend, SamplingParams, TransformersBackend
 from .grpo import GRPOConfig, GRPOTrainer
 from .hookspecs import HOOKS_VERSION, ToolkitDeprecationWarning, hookimpl
 from .models import DEFAULT_MODEL, embedded_model_path, load_model, load_tokenizer
@@ -34,6 +35,9 @@ from .sft import SFTConfig, SFTTrainer
 __all__ = [
     "DEFAULT_MODEL",
     "HOOKS_VERSION",
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
+    "AsyncGenerationBackend",
     "Completion",
     "ConfigError",
     "DPOConfig",

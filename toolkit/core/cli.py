@@ -2,6 +2,7 @@
 
     toolkit sft --config examples/sft_smollm2.toml [--field value ...]
     toolkit grpo --config examples/grpo_arithmetic.toml [--field value ...]
+    toolkit async-grpo --config examples/grpo_arithmetic.toml [--field value ...]
     toolkit dpo --config examples/dpo_arithmetic.toml [--field value ...]
     toolkit ppo --config examples/ppo_arithmetic.toml [--field value ...]
     toolkit sft --help                      # every key, with its help text (likewise grpo)
@@ -168,6 +169,18 @@ def run_grpo(argv: list[str]) -> int:
     return _run_online(argv, GRPOConfig, make, title="GRPO", reward_key="reward", step_name="optimizer step")
 
 
+def run_async_grpo(argv: list[str]) -> int:
+    from .async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    def make(run, cfg, train, callbacks):
+        return AsyncGRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train,
+                                peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run),
+                                callbacks=callbacks)
+
+    return _run_online(argv, AsyncGRPOConfig, make, title="Async GRPO", reward_key="reward",
+                       step_name="optimizer step")
+
+
 def run_ppo(argv: list[str]) -> int:
     from .ppo import PPOConfig, PPOTrainer
 
@@ -217,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    commands = {"sft": run_sft, "grpo": run_grpo, "dpo": run_dpo, "ppo": run_ppo, "model-path": _model_path,
-                "plugins": _plugins, "vllm-serve": _vllm_serve}
+    commands = {"sft": run_sft, "grpo": run_grpo, "async-grpo": run_async_grpo, "dpo": run_dpo, "ppo": run_ppo,
+                "model-path": _model_path, "plugins": _plugins, "vllm-serve": _vllm_serve}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):

@@ -49,7 +49,7 @@ from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import CompleteCheckpointCallback, resolve_resume, write_atomic
 from .data import DatasetFormat, as_rows, detect_format, normalize_rows, validate
 from .errors import ConfigError, DataError, TrainingHealthError
-from .generation import GenerationBackend, SamplingParams
+from .generation import Completion, GenerationBackend, SamplingParams
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import (
     DEFAULT_CHUNK_SIZE,
@@ -430,13 +430,21 @@ class GRPOTrainer(Trainer):
         groups = self.generation_backend.generate(prompt_ids, self.sampling, n=G, seed=seed)
         t_gen = time.perf_counter() - t0
         completion_ids = [c.token_ids for g in groups for c in g]
-        sampler_logps = [c.logprobs for g in groups for c in g]
-        truncated = torch.tensor([c.finish_reason == "length" for g in groups for c in g])
         rows = [self.rows[i] for i in row_indices for _ in range(G)]
-
         t1 = time.perf_counter()
         rewards_per_func = self.compute_rewards(rows, completion_ids)
         t_score = time.perf_counter() - t1
+        return self.build_rollout(row_indices, groups, rewards_per_func, t_gen, t_score)
+
+    @torch.no_grad()
+    def build_rollout(self, row_indices: Sequence[int], groups: list[list[Completion]], rewards_per_func: torch.Tensor,
+                      t_gen: float, t_score: float) -> Rollout:
+        """Scored generations -> a Rollout: total reward, advantages, the rows in the loss, old/reference log-probs."""
+        args, G = self.args, self.args.num_generations
+        prompt_ids = [self.prompt_ids[i] for i in row_indices]
+        completion_ids = [c.token_ids for g in groups for c in g]
+        sampler_logps = [c.logprobs for g in groups for c in g]
+        truncated = torch.tensor([c.finish_reason == "length" for g in groups for c in g])
         for name, values in zip(self.reward_runner.names, rewards_per_func):
             if torch.isinf(values).any():
                 raise TrainingHealthError(

@@ -1,0 +1,139 @@
+"""Benchmark: GRPO steps per minute with each generation backend, one run, in .venv-vllm.
+
+    bash scripts/setup-vllm.sh && .venv-vllm/bin/python bench/grpo_vllm.py     # ~15 minutes on 2 CPU cores
+
+Same model (the embedded SmolLM2-135M-Instruct), prompts (generated arithmetic), 4 prompts x 8
+completions per step, max 16 new tokens, temperature 0.7, dapo loss, no KL, numeric-match reward,
+for: our GRPOTrainer with the transformers backend, with the colocated vLLM engine
+(generation_backend="vllm", weights pushed every step), and with `toolkit vllm-serve` in its own
+process (generation_backend="vllm-server", weights uploaded over HTTP every step); and TRL's
+GRPOTrainer with use_vllm=True, vllm_mode="colocate" (reported as failed if it does not run on
+this CPU). Each configuration runs in its own process; engine start-up is excluded (the first step
+is excluded from timing). Printed: steps per minute, generation and weight-sync seconds per step,
+and ratios to our transformers backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import run_in_subprocess, step_timer  # noqa: E402
+
+SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
+KINDS = ("transformers", "vllm", "vllm-server", "trl-vllm-colocate")
+
+
+def worker(kind: str, steps: int) -> dict:
+    import torch
+
+    from toolkit import embedded_model_path
+    from toolkit.core.rewards import numeric_match
+    from toolkit.core.tasks import arithmetic
+
+    torch.manual_seed(0)
+    path = str(embedded_model_path())
+    rows = arithmetic(64, seed=0, max_value=20, max_terms=2, kind="prompt_only")
+    s = SETTINGS
+    common = dict(output_dir=f"/tmp/bench-grpo-vllm-{kind}", max_steps=steps, learning_rate=s["lr"], logging_steps=1,
+                  save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+                  per_device_train_batch_size=s["prompts_per_step"] * s["num_generations"],
+                  num_generations=s["num_generations"], max_completion_length=s["max_completion_length"],
+                  temperature=s["temperature"], beta=0.0, loss_type="dapo")
+    timer = step_timer()
+    server = None
+    if kind.startswith("trl"):
+        from datasets import Dataset
+        from trl import GRPOConfig as TRLConfig
+        from trl import GRPOTrainer as TRLTrainer
+
+        def reward(prompts, completions, completion_ids=None, **kw):
+            return numeric_match(prompts, completions, completion_ids, answer=kw["answer"])
+
+        trainer = TRLTrainer(model=path, reward_funcs=reward,
+                             args=TRLConfig(**common, use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
+                                            vllm_gpu_memory_utilization=0.1, vllm_max_model_length=256,
+                                            model_init_kwargs={"dtype": torch.float32}),
+                             train_dataset=Dataset.from_list(rows), callbacks=[timer])
+    else:
+        from toolkit import GRPOConfig, GRPOTrainer
+
+        kwargs = {}
+        if kind == "vllm":
+            kwargs = {"max_model_len": 256}
+        elif kind == "vllm-server":
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            server = subprocess.Popen([sys.executable, "-m", "toolkit.core.cli", "vllm-serve", "--model", path,
+                                       "--port", str(port), "--max_model_len", "256"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            kwargs = {"url": f"http://127.0.0.1:{port}", "startup_timeout": 300}
+        trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common, generation_backend=kind,
+                                                                generation_backend_kwargs=kwargs),
+                              train_dataset=rows, callbacks=[timer])
+    try:
+        trainer.train()
+    finally:
+        if server is not None:
+            server.kill()
+    ends = timer.ends
+    per_step = (ends[-1] - ends[0]) / max(len(ends) - 1, 1)
+    hist = [h for h in trainer.state.log_history if "loss" in h][1:]
+    gen = [h["time/generation_s"] for h in hist if "time/generation_s" in h]
+    backend = getattr(trainer, "generation_backend", None)
+    return {"kind": kind, "steps_per_min": 60 / per_step, "sec_per_step": per_step,
+            "generation_s_per_step": sum(gen) / len(gen) if gen else None,
+            "last_weight_sync_s": getattr(backend, "last_sync_s", None),
+            "mean_reward": sum(h.get("reward", 0) for h in hist) / max(len(hist), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
+        return
+    results = {}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+    for kind in KINDS:
+        print(f"running {kind} ...", flush=True)
+        started = time.perf_counter()
+        try:
+            results[kind] = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind], env=env)
+            r = results[kind]
+            print(f"  {r['steps_per_min']:.2f} steps/min ({r['sec_per_step']:.1f} s/step)", flush=True)
+        except SystemExit as e:
+            results[kind] = {"kind": kind, "failed": str(e), "after_s": time.perf_counter() - started}
+            print(f"  FAILED: {e}", flush=True)
+    base = results["transformers"]
+    s = SETTINGS
+    print(f"\nGRPO, SmolLM2-135M-Instruct, {s['prompts_per_step']} prompts x {s['num_generations']} completions, "
+          f"max {s['max_completion_length']} new tokens, {args.steps} steps (first excluded)")
+    print("| backend | steps/min | s/step | generation s/step | weight sync s | vs transformers |")
+    print("|---|---|---|---|---|---|")
+    for kind in KINDS:
+        r = results[kind]
+        if "failed" in r:
+            print(f"| {kind} | failed | | | | see log |")
+            continue
+        gen = f"{r['generation_s_per_step']:.1f}" if r["generation_s_per_step"] is not None else "-"
+        sync = f"{r['last_weight_sync_s']:.2f}" if r["last_weight_sync_s"] is not None else "-"
+        print(f"| {kind} | {r['steps_per_min']:.2f} | {r['sec_per_step']:.1f} | {gen} | {sync} | "
+              f"{r['steps_per_min'] / base['steps_per_min']:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": s, "steps": args.steps, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

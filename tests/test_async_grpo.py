@@ -1,0 +1,151 @@
+"""AsyncGRPOTrainer on tiny models, with a real rollout worker process: equality with synchronous GRPO at
+max_staleness 0, overlap with bounded staleness, a killed worker (restart, or stop with checkpoint and traceback),
+exact resume with the worker's prompt position, and config errors."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from toolkit import ConfigError, TrainingHealthError
+from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from toolkit.core.checkpoint import COMPLETE_MARKER
+from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+def prompts(n=16):
+    return [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(n)]
+
+
+def low_ids(prompts, completions, completion_ids, **kw):
+    """Module-level (the worker imports it): prefers low token ids and short completions."""
+    return [-sum(ids) / (len(ids) * 384.0) - len(ids) / 100.0 for ids in completion_ids]
+
+
+COMMON = dict(max_steps=3, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+              learning_rate=1e-2, logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, report_to="none")
+
+
+def async_cfg(tmp_path, **kw):
+    return AsyncGRPOConfig(output_dir=str(tmp_path / "out"), **{**COMMON, "worker_threads": torch.get_num_threads(),
+                                                               "heartbeat_timeout": 20, **kw})
+
+
+def make(tmp_path, **kw):
+    callbacks = kw.pop("callbacks", None)
+    return AsyncGRPOTrainer(tiny_model(), [low_ids], async_cfg(tmp_path, **kw), train_dataset=prompts(),
+                            processing_class=tiny_tokenizer(), callbacks=callbacks)
+
+
+def logged(t, key):
+    return [h[key] for h in t.state.log_history if key in h]
+
+
+def test_max_staleness_zero_reproduces_synchronous_grpo(tmp_path):
+    sync = GRPOTrainer(tiny_model(), [low_ids], GRPOConfig(output_dir=str(tmp_path / "sync"), **COMMON),
+                       train_dataset=prompts(), processing_class=tiny_tokenizer())
+    sync.train()
+    t = make(tmp_path, max_staleness=0)
+    t.train()
+    assert logged(t, "reward") == pytest.approx(logged(sync, "reward"), abs=1e-6)
+    assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=1e-6)
+    for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
+        torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
+    assert logged(t, "async/staleness_max") == [0.0, 0.0, 0.0]
+    assert t._proc is None  # the worker is stopped when training ends
+
+
+def test_bounded_staleness_overlaps_and_logs(tmp_path):
+    t = make(tmp_path, max_staleness=1, max_steps=4)
+    t.train()
+    staleness = logged(t, "async/staleness_max")
+    assert max(staleness) <= 1 and len(staleness) == 4
+    for key in ("async/queue_depth", "async/trainer_idle_fraction", "async/generator_idle_fraction",
+                "async/samples_dropped", "async/generation_tokens_per_s", "importance_ratio/mean",
+                "sampler/logp_abs_diff_mean", "async/staleness_hist/0", "async/staleness_hist/1"):
+        assert logged(t, key), key
+    # samples generated with older weights show a sampler/trainer gap; on-policy ones do not
+    gaps = logged(t, "sampler/logp_abs_diff_mean")
+    assert all(math_ok(g) for g in gaps)
+
+
+def math_ok(x):
+    return x == x and x >= 0
+
+
+def _kill_worker_when_started(trainer, sig=signal.SIGKILL):
+    def run():
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            proc = trainer._proc
+            if proc is not None and proc.pid is not None and trainer.state.global_step >= 1:
+                os.kill(proc.pid, sig)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def test_a_killed_worker_stops_the_run_with_a_checkpoint_and_no_hang(tmp_path):
+    t = make(tmp_path, max_staleness=0, max_steps=6)
+    _kill_worker_when_started(t)
+    started = time.time()
+    with pytest.raises(TrainingHealthError, match="rollout worker failed") as e:
+        t.train()
+    assert time.time() - started < 60
+    assert "exited with code" in str(e.value)
+    ckpt = tmp_path / "out" / f"checkpoint-{t.state.global_step}"
+    assert (ckpt / COMPLETE_MARKER).exists()
+    assert json.loads((ckpt / "async_grpo_state.json").read_text())["next_round"] == t.state.global_step
+
+
+def test_a_killed_worker_is_restarted_when_allowed(tmp_path):
+    t = make(tmp_path, max_staleness=0, max_steps=4, worker_restarts=1)
+    _kill_worker_when_started(t)
+    t.train()
+    assert t.state.global_step == 4
+    assert logged(t, "async/worker_restarts")[-1] == 1.0
+
+
+def test_a_hung_worker_is_reported_within_the_heartbeat_timeout(tmp_path):
+    t = make(tmp_path, max_staleness=0, max_steps=6, heartbeat_timeout=3)
+    _kill_worker_when_started(t, signal.SIGSTOP)
+    started = time.time()
+    with pytest.raises(TrainingHealthError, match="no heartbeat"):
+        t.train()
+    assert time.time() - started < 60
+
+
+def test_exact_resume_includes_the_worker_position(tmp_path):
+    from conftest import StopAt
+
+    full = make(tmp_path / "a", max_staleness=0, max_steps=4)
+    full.train()
+    first = make(tmp_path / "b", max_staleness=0, max_steps=4, save_strategy="steps", save_steps=2,
+                 callbacks=[StopAt(2)])
+    first.train()
+    state = json.loads((tmp_path / "b" / "out" / "checkpoint-2" / "async_grpo_state.json").read_text())
+    assert state["next_round"] == 2
+    resumed = make(tmp_path / "b", max_staleness=0, max_steps=4, save_strategy="steps", save_steps=2)
+    resumed.train(resume_from_checkpoint=True)
+    for (k, v), (_, w) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
+        torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="sync_every: with max_staleness=0"):
+        async_cfg(tmp_path, max_staleness=0, sync_every=2)
+    with pytest.raises(ConfigError, match="num_iterations"):
+        async_cfg(tmp_path, num_iterations=2)
+    with pytest.raises(ConfigError, match="generation_backend"):
+        async_cfg(tmp_path, generation_backend="vllm-server")
+    with pytest.raises(ConfigError, match="must be importable"):
+        AsyncGRPOTrainer(tiny_model(), [lambda prompts, completions, completion_ids, **kw: [0.0]],
+                         async_cfg(tmp_path), train_dataset=prompts(), processing_class=tiny_tokenizer())

@@ -1,0 +1,422 @@
+"""Asynchronous GRPO: a rollout worker process generates and scores while the trainer trains.
+
+`AsyncGRPOTrainer` is `GRPOTrainer` with the rollout moved into its own process:
+
+    worker process                                   trainer process
+    ----------------------------------------------   ------------------------------------------------
+    round r: wait until weights version >= r - k     take the next scored round from the queue
+             (k = max_staleness), load them if new   drop it if (step - its version) > max_staleness
+             generate G completions per prompt       loss as GRPO, with the sampler's log-probs as the
+             score them (sync + async rewards)         behaviour policy (truncated importance sampling)
+             put (round, version, ids, log-probs,    optimizer step; every sync_every steps publish
+                  rewards) into a bounded queue        the weights to shared memory (version = step)
+
+Every sample carries the version of the weights that generated it. With `max_staleness = 0` the
+worker generates round r only with the weights of step r, so the updates equal synchronous GRPO's
+(tests/test_async_grpo.py checks it); with k > 0 generation of round r+1..r+k overlaps training on
+round r. Weights reach the worker through shared memory (no copy through a pipe); the worker
+loads them between rounds (in-flight updates mid-generation are not implemented).
+
+Robustness: the worker writes a heartbeat and sends its traceback if it fails; the trainer notices a
+dead or silent worker within `heartbeat_timeout`, then restarts it (`worker_restarts`) or saves a
+checkpoint and stops with the worker's traceback. Nothing waits forever. The worker's prompt
+position is part of the checkpoint, so a resumed run continues with the right round.
+
+Prompt order, generation seeds and round numbering are those of GRPOTrainer (round r = step r).
+Reward functions run in the worker and must be importable (module-level functions or names).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing as mp
+import pickle
+import queue
+import threading
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from .checkpoint import write_atomic
+from .errors import ConfigError, TrainingHealthError
+from .generation import Completion, TransformersBackend
+from .grpo import GRPOConfig, GRPOTrainer, Rollout, RoundSampler
+from .models import DEFAULT_MODEL, unwrap_model
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "async_grpo_state.json"
+
+
+@dataclass
+class AsyncGRPOConfig(GRPOConfig):
+    """`GRPOConfig` plus the asynchronous settings below (a GRPO run file loads as is)."""
+
+    output_dir: str | None = field(default="outputs/async-grpo", metadata={"help": "Checkpoints, final model."})
+    max_staleness: int = field(default=1, metadata={
+        "help": "Most optimizer steps between the weights that generated a sample and the step that trains on it; "
+                "0 reproduces synchronous GRPO. Older samples are dropped (counted and logged)."})
+    queue_size: int = field(default=2, metadata={"help": "Scored rounds the worker may have waiting."})
+    sync_every: int = field(default=1, metadata={"help": "Publish weights to the worker every N optimizer steps."})
+    worker_threads: int = field(default=1, metadata={"help": "torch threads of the rollout worker."})
+    trainer_threads: int | None = field(default=None, metadata={
+        "help": "torch threads of the trainer (None: unchanged). On 2 cores: 1 and 1."})
+    worker_restarts: int = field(default=0, metadata={
+        "help": "Restart a dead worker this many times before stopping the run (with a checkpoint)."})
+    heartbeat_timeout: float = field(default=60.0, metadata={
+        "help": "Seconds without a heartbeat after which the worker counts as hung."})
+    worker_start_timeout: float = field(default=300.0, metadata={
+        "help": "Seconds the first round may take (start-up included) before the worker counts as hung."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness: must be >= 0, got {self.max_staleness}.")
+        if self.queue_size < 1 or self.sync_every < 1 or self.worker_threads < 1:
+            raise ConfigError("queue_size, sync_every, worker_threads: must be >= 1.")
+        if self.sync_every > self.max_staleness + 1:
+            raise ConfigError(
+                f"sync_every: with max_staleness={self.max_staleness} the worker needs new weights at least every "
+                f"{self.max_staleness + 1} steps; use sync_every <= {self.max_staleness + 1} or raise max_staleness.")
+        if self.num_iterations != 1:
+            raise ConfigError("num_iterations: async GRPO trains each round once (1); the off-policy correction "
+                              "already uses the sampler's log-probs.")
+        if self.skip_solved_threshold is not None:
+            raise ConfigError("skip_solved_threshold: not supported by async GRPO (the worker picks prompts ahead "
+                              "of the trainer); leave it None.")
+        if self.generation_backend != "transformers":
+            raise ConfigError(f"generation_backend: async GRPO's worker runs the transformers backend for now, got "
+                              f"'{self.generation_backend}'.")
+        if self.heartbeat_timeout <= 0 or self.worker_start_timeout <= 0:
+            raise ConfigError("heartbeat_timeout, worker_start_timeout: must be > 0.")
+
+
+@dataclass
+class ScoredRound:
+    """What the worker sends: one round, generated with weights `version`, scored."""
+
+    round: int
+    version: int
+    row_indices: list[int]
+    completions: list[list[tuple[list[int], list[float], str]]]
+    rewards_per_func: list[list[float]]
+    failures: dict[str, int]
+    gen_s: float
+    score_s: float
+    wait_s: float
+    tokens: int
+
+
+def round_indices(r: int, n_rows: int, per_round: int, seed: int) -> list[int]:
+    """Row indices of round r: GRPO's RoundSampler order (one process, no solved prompts), epoch after epoch."""
+    per_epoch = n_rows // per_round
+    sampler = RoundSampler(n_rows, per_round, 1, seed=seed)
+    sampler.set_epoch(r // per_epoch)
+    order = sampler._order()
+    k = r % per_epoch
+    return order[k * per_round:(k + 1) * per_round]
+
+
+def _worker_main(spec: dict, shared: dict[str, torch.Tensor], version, lock, out_q, err_q, heartbeat, stop,
+                 start_round: int) -> None:
+    """The rollout worker's process: generate and score rounds until told to stop."""
+    try:
+        torch.set_num_threads(spec["threads"])
+
+        def beat():
+            while not stop.is_set():
+                heartbeat.value = time.time()
+                time.sleep(0.5)
+
+        threading.Thread(target=beat, daemon=True).start()
+        from transformers import AutoModelForCausalLM
+
+        from .rewards import RewardRunner
+
+        model = AutoModelForCausalLM.from_config(spec["config"]).eval()
+        if spec["varlen"]:
+            from .attention import use_varlen_attention
+
+            use_varlen_attention(model)  # the trainer's attention, so both sides compute the same numbers
+        runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"])
+        backend = TransformersBackend(model, pad_token_id=spec["pad_token_id"], max_batch_size=spec["max_batch_size"])
+        tok, rows, G = spec["tokenizer"], spec["rows"], spec["num_generations"]
+        local_version, r = -1, start_round
+        while not stop.is_set():
+            t_wait = time.perf_counter()
+            while version.value < r - spec["max_staleness"] and not stop.is_set():
+                time.sleep(0.002)
+            if stop.is_set():
+                break
+            if version.value != local_version:
+                with lock:
+                    model.load_state_dict(shared, strict=False)
+                    local_version = version.value
+            wait_s = time.perf_counter() - t_wait
+            idx = round_indices(r, len(rows), spec["per_round"], spec["seed"])
+            t0 = time.perf_counter()
+            seed = (spec["seed"] * 1_000_003 + r * 7919) % (2**63)  # GRPOTrainer's seed for step r, rank 0
+            groups = backend.generate([spec["prompt_ids"][i] for i in idx], spec["sampling"], n=G, seed=seed)
+            gen_s = time.perf_counter() - t0
+            ids = [c.token_ids for g in groups for c in g]
+            texts = tok.batch_decode(ids, skip_special_tokens=True)
+            flat_rows = [rows[i] for i in idx for _ in range(G)]
+            shown = [[{"role": "assistant", "content": t}] for t in texts] if spec["conversational"] else texts
+            columns = {c: [row[c] for row in flat_rows] for c in spec["extra_columns"]}
+            t1 = time.perf_counter()
+            outcome = runner([row["prompt"] for row in flat_rows], shown, ids, columns)
+            item = ScoredRound(round=r, version=local_version, row_indices=idx,
+                               completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g] for g in groups],
+                               rewards_per_func=[list(map(float, x)) for x in outcome.rewards],
+                               failures=dict(outcome.failures), gen_s=gen_s, score_s=time.perf_counter() - t1,
+                               wait_s=wait_s, tokens=sum(len(i) for i in ids))
+            while not stop.is_set():
+                try:
+                    out_q.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            r += 1
+    except BaseException:
+        err_q.put(traceback.format_exc())
+        raise
+
+
+class AsyncGRPOTrainer(GRPOTrainer):
+    """GRPO with generation in a separate worker process; see the module docstring and docs/async_grpo.md."""
+
+    _tag_names = ["toolkit", "grpo", "async-grpo"]  # noqa: RUF012
+
+    def __init__(
+        self,
+        model: Any = DEFAULT_MODEL,
+        reward_funcs: Any = (),
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        model_init_kwargs: dict | None = None,
+        ref_model: Any = None,
+    ):
+        args = args if args is not None else AsyncGRPOConfig()
+        if not isinstance(args, AsyncGRPOConfig):
+            raise ConfigError(f"args: AsyncGRPOTrainer needs an AsyncGRPOConfig, got {type(args).__name__}.")
+        funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
+        try:
+            pickle.dumps(funcs)
+        except Exception as e:
+            raise ConfigError(f"reward_funcs: async GRPO runs rewards in the worker process, so they must be "
+                              f"importable (module-level functions or built-in names), not lambdas or closures "
+                              f"({type(e).__name__}: {e}).") from e
+        # Our callback goes before GRPO's own, so the worker position lands in a checkpoint before its marker.
+        callbacks = list(callbacks or []) + [_AsyncStateCallback(self)]
+        super().__init__(model, funcs, args, train_dataset=train_dataset, processing_class=processing_class,
+                         peft_config=peft_config, callbacks=callbacks, optimizers=optimizers,
+                         model_init_kwargs=model_init_kwargs, ref_model=ref_model)
+        if self.args.trainer_threads:
+            torch.set_num_threads(self.args.trainer_threads)
+        self._ctx = mp.get_context("spawn")
+        self._proc = None
+        self._next_round = 0
+        self._dropped = 0
+        self._restarts = 0
+        self._last_get = None
+        self._first_round_pending = True
+        self._staleness: Counter = Counter()
+
+    # ------------------------------------------------------------------------------- the worker
+
+    def _engine_state(self) -> dict[str, torch.Tensor]:
+        from .vllm_backend import engine_weights  # generic: merged PEFT weights in checkpoint naming
+
+        return dict(engine_weights(self.model))
+
+    def _start_worker(self) -> None:
+        args = self.args
+        state = self._engine_state()
+        if not hasattr(self, "_shared"):
+            self._shared = {k: v.detach().clone().contiguous().share_memory_() for k, v in state.items()}
+            self._version = self._ctx.Value("q", 0)
+            self._lock = self._ctx.Lock()
+        with self._lock:
+            for k, v in state.items():
+                self._shared[k].copy_(v)
+            self._version.value = self.state.global_step
+        self._out_q = self._ctx.Queue(maxsize=args.queue_size)
+        self._err_q = self._ctx.Queue()
+        self._heartbeat = self._ctx.Value("d", time.time())
+        self._stop = self._ctx.Event()
+        base = unwrap_model(self.model)
+        config = base.config
+        if hasattr(self.model, "peft_config"):
+            config = self.model.get_base_model().config
+        spec = {
+            "threads": args.worker_threads, "config": config, "reward_funcs": self.reward_runner.funcs,
+            "reward_timeout": args.reward_timeout, "pad_token_id": self.processing_class.pad_token_id,
+            "max_batch_size": args.generation_batch_size, "tokenizer": self.processing_class, "rows": self.rows,
+            "prompt_ids": self.prompt_ids, "num_generations": args.num_generations, "per_round": self.prompts_per_round,
+            "seed": args.seed, "sampling": self.sampling, "max_staleness": args.max_staleness,
+            "conversational": self.dataset_format.conversational,
+            "extra_columns": list(self.dataset_format.extra_columns), "varlen": self.padding_free,
+        }
+        self._proc = self._ctx.Process(
+            target=_worker_main, name="toolkit-rollout-worker", daemon=True,
+            args=(spec, self._shared, self._version, self._lock, self._out_q, self._err_q, self._heartbeat,
+                  self._stop, self._next_round))
+        self._proc.start()
+        self._first_round_pending = True
+        logger.info("async GRPO: rollout worker pid %d started at round %d (max_staleness=%d, queue_size=%d).",
+                    self._proc.pid, self._next_round, args.max_staleness, args.queue_size)
+
+    def stop_worker(self) -> None:
+        if self._proc is None:
+            return
+        self._stop.set()
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10)
+        self._proc = None
+
+    def publish_weights(self) -> None:
+        """Copy the current weights into shared memory and bump the version (= the optimizer step)."""
+        if self._proc is None:
+            return
+        state = self._engine_state()
+        with self._lock:
+            for k, v in state.items():
+                self._shared[k].copy_(v)
+            self._version.value = self.state.global_step
+
+    def _worker_failure(self) -> str | None:
+        try:
+            return self._err_q.get_nowait()
+        except queue.Empty:
+            pass
+        if not self._proc.is_alive():
+            return f"the worker process exited with code {self._proc.exitcode} without a traceback (killed?)"
+        limit = self.args.worker_start_timeout if self._first_round_pending else self.args.heartbeat_timeout
+        silent = time.time() - self._heartbeat.value
+        if silent > limit:
+            return f"no heartbeat for {silent:.0f} s (> {limit:.0f} s): the worker is hung"
+        return None
+
+    def _next_scored_round(self) -> ScoredRound:
+        if self._proc is None:
+            self._start_worker()
+        started = time.perf_counter()
+        while True:
+            try:
+                item = self._out_q.get(timeout=0.5)
+            except queue.Empty:
+                problem = self._worker_failure()
+                if problem is None:
+                    continue
+                self._handle_failure(problem)
+                started = time.perf_counter()
+                continue
+            self._first_round_pending = False
+            staleness = self.state.global_step - item.version
+            if staleness > self.args.max_staleness:
+                self._dropped += 1
+                self._next_round = item.round + 1
+                logger.info("async GRPO: dropped round %d (staleness %d > max_staleness %d).", item.round,
+                            staleness, self.args.max_staleness)
+                continue
+            self._next_round = item.round + 1
+            self._staleness[staleness] += 1
+            item.trainer_wait_s = time.perf_counter() - started
+            return item
+
+    def _handle_failure(self, problem: str) -> None:
+        self.stop_worker()
+        if self._restarts < self.args.worker_restarts:
+            self._restarts += 1
+            logger.error("async GRPO: rollout worker failed (%s); restart %d of %d from round %d.",
+                         problem.strip().splitlines()[-1], self._restarts, self.args.worker_restarts,
+                         self._next_round)
+            self._start_worker()
+            return
+        path = self._emergency_checkpoint()
+        raise TrainingHealthError(
+            f"async GRPO step {self.state.global_step}: the rollout worker failed and worker_restarts="
+            f"{self.args.worker_restarts} are used up. Checkpoint saved to {path}; resume with "
+            f"resume_from_checkpoint=True.\nWorker: {problem}")
+
+    def _emergency_checkpoint(self) -> str:
+        self._save_checkpoint(self.model, trial=None)
+        folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        return str(folder)
+
+    # --------------------------------------------------------------------------------- rollout
+
+    def generate_rollout(self, row_indices) -> Rollout:
+        """The next scored round from the worker (the dataloader's indices are the same rounds; unused)."""
+        item = self._next_scored_round()
+        groups = [[Completion(list(ids), list(lp), reason) for ids, lp, reason in g] for g in item.completions]
+        self._reward_failures = item.failures
+        rollout = self.build_rollout(item.row_indices, groups, torch.tensor(item.rewards_per_func), item.gen_s,
+                                     item.score_s)
+        now = time.perf_counter()
+        cycle = now - self._last_get if self._last_get is not None else float("nan")
+        self._last_get = now
+        m = rollout.metrics
+        staleness = self.state.global_step - item.version
+        m["async/staleness"] = float(staleness)
+        m["async/staleness_max"] = float(staleness)
+        for k in range(self.args.max_staleness + 1):
+            m[f"async/staleness_hist/{k}"] = float(self._staleness[k])
+        m["async/queue_depth"] = float(self._out_q.qsize()) if hasattr(self._out_q, "qsize") else float("nan")
+        m["async/samples_dropped"] = float(self._dropped * self.prompts_per_round * self.args.num_generations)
+        m["async/trainer_wait_s"] = item.trainer_wait_s
+        if not math.isnan(cycle) and cycle > 0:
+            m["async/trainer_idle_fraction"] = min(1.0, item.trainer_wait_s / cycle)
+        busy = item.gen_s + item.score_s
+        m["async/generator_idle_fraction"] = item.wait_s / max(item.wait_s + busy, 1e-9)
+        m["async/generation_tokens_per_s"] = item.tokens / max(item.gen_s, 1e-9)
+        m["async/worker_restarts"] = float(self._restarts)
+        return rollout
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        from .checkpoint import resolve_resume
+
+        path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        self._next_round = 0
+        if path is not None and (Path(path) / STATE_FILE).exists():
+            state = json.loads((Path(path) / STATE_FILE).read_text())
+            self._next_round, self._dropped = state["next_round"], state["dropped"]
+        try:
+            return super().train(resume_from_checkpoint=path, **kwargs)
+        finally:
+            self.stop_worker()
+
+
+class _AsyncStateCallback(TrainerCallback):
+    """Publishes weights after optimizer steps and saves the worker's position into checkpoints."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.sync_every == 0:
+            self.trainer.publish_weights()
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if args.should_save and folder.is_dir():
+            write_atomic(folder / STATE_FILE, json.dumps({"next_round": self.trainer._next_round,
+                                                          "dropped": self.trainer._dropped}))
+
