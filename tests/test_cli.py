@@ -157,3 +157,22 @@ def test_cli_runs_ppo_end_to_end_with_report(tmp_path, capsys):
     assert (report / "report.png").stat().st_size > 1000
     assert (tmp_path / "out" / "final" / "critic.pt").exists()
     assert "PPO summary" in capsys.readouterr().out
+
+
+def test_the_grpo_run_file_also_runs_async(tmp_path, capsys):
+    from toolkit.core.async_grpo import AsyncGRPOConfig
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    run_file = str(Path(__file__).parents[1] / "examples" / "grpo_arithmetic.toml")
+    run, config = build_configs(load_run_file(run_file), AsyncGRPOConfig)
+    assert isinstance(config, AsyncGRPOConfig) and config.max_staleness == 1
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    rc = main(["async-grpo", "--config", run_file, "--model", str(tmp_path / "m"),
+               "--dataset_size", "32", "--eval_size", "8", "--max_steps", "2", "--per_device_train_batch_size", "8",
+               "--num_generations", "4", "--max_completion_length", "6", "--output_dir", str(tmp_path / "out"),
+               "--save_strategy", "no", "--disable_tqdm", "true", "--eval_every", "0"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "out" / "report" / "summary.json").read_text())
+    assert {"heldout_accuracy_before", "heldout_accuracy_after"} <= set(summary)
+    assert "Async GRPO summary" in capsys.readouterr().out
