@@ -33,3 +33,43 @@ def run_in_subprocess(script: str, args: list[str], env: dict[str, str] | None =
         print(proc.stdout[-3000:], proc.stderr[-6000:])
         raise SystemExit(f"{script} {' '.join(args)} failed")
     return json.loads(line[len("RESULT "):])
+
+
+def bench_args(doc: str, worker, *, default_steps: int):
+    """Parse --steps/--worker/--json. In worker mode run `worker(kind, steps)`, print its RESULT line and exit."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=default_steps)
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
+        raise SystemExit(0)
+    return args
+
+
+def run_each(script: str, kinds, steps: int, describe, *, env: dict | None = None,
+             env_for: dict | None = None, keep_going: bool = False) -> dict:
+    """Run every kind's worker in its own process, in order; print `describe(result)` after each.
+
+    `env`: extra environment for every worker; `env_for`: {kind: extra environment}. With
+    keep_going, a failed worker is recorded as {"failed": reason} and the others still run.
+    """
+    results = {}
+    for kind in kinds:
+        print(f"running {kind} ...", flush=True)
+        started = time.perf_counter()
+        extra = {**(env or {}), **((env_for or {}).get(kind) or {})}
+        try:
+            results[kind] = run_in_subprocess(script, ["--steps", str(steps), "--worker", kind], env=extra)
+        except SystemExit as e:
+            if not keep_going:
+                raise
+            results[kind] = {"kind": kind, "failed": str(e)}
+            print(f"  FAILED: {e}", flush=True)
+            continue
+        print(f"  {describe(results[kind])} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return results

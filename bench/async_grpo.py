@@ -15,14 +15,13 @@ idle fractions of both sides, which explain the ratio.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_in_subprocess  # noqa: E402
+from _common import bench_args, run_each  # noqa: E402
 
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=2e-5,
                 max_staleness=1)
@@ -73,22 +72,10 @@ def worker(kind: str, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--worker", default=None)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
-        return
-    results = {}
-    for kind in ("sync", "async"):
-        print(f"running {kind} ...", flush=True)
-        results[kind] = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind],
-                                          env={"HF_HUB_OFFLINE": "1"})
-        r = results[kind]
-        print(f"  {r['wall_s']:.0f} s, {r['samples_per_s']:.2f} samples/s, held-out accuracy "
-              f"{r['heldout_accuracy']:.3f}", flush=True)
+    args = bench_args(__doc__, worker, default_steps=20)
+    results = run_each(__file__, ("sync", "async"), args.steps,
+                       lambda r: f"{r['wall_s']:.0f} s, {r['samples_per_s']:.2f} samples/s, held-out accuracy "
+                                 f"{r['heldout_accuracy']:.3f}", env={"HF_HUB_OFFLINE": "1"})
     sy, asy = results["sync"], results["async"]
     s = SETTINGS
     print(f"\nGRPO on SmolLM2-135M-Instruct, {args.steps} steps x {s['prompts_per_step']} prompts x "

@@ -11,16 +11,14 @@ Printed: seconds per step over the steps after the first, peak RSS, and the rati
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import resource
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_in_subprocess, step_timer  # noqa: E402
+from _common import bench_args, run_each, step_timer  # noqa: E402
 
 SETTINGS = dict(batch_size=4, max_length=1024, rows=64, beta=0.1, lr=1e-6)
 _WORDS = ("the model learns to prefer the better answer while the reference keeps it close to where it started "
@@ -71,22 +69,10 @@ def worker(kind: str, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--worker", default=None)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
-        return
-    results = {}
-    for kind in ("toolkit", "trl"):
-        print(f"running {kind} ...", flush=True)
-        t0 = time.perf_counter()
-        results[kind] = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind])
-        r = results[kind]
-        print(f"  {r['sec_per_step']:.1f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB, first loss {r['first_loss']:.4f} "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    args = bench_args(__doc__, worker, default_steps=4)
+    results = run_each(__file__, ("toolkit", "trl"), args.steps,
+                       lambda r: f"{r['sec_per_step']:.1f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB, "
+                                 f"first loss {r['first_loss']:.4f}")
     o, t = results["toolkit"], results["trl"]
     s = SETTINGS
     print(f"\nDPO, SmolLM2-135M-Instruct, batch {s['batch_size']} pairs, max_length {s['max_length']}, live reference, "

@@ -15,17 +15,15 @@ and ratios to our transformers backend.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_in_subprocess, step_timer  # noqa: E402
+from _common import bench_args, run_each, step_timer  # noqa: E402
 
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
 KINDS = ("transformers", "vllm", "vllm-server", "trl-vllm-colocate")
@@ -96,26 +94,10 @@ def worker(kind: str, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--worker", default=None)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
-        return
-    results = {}
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
-    for kind in KINDS:
-        print(f"running {kind} ...", flush=True)
-        started = time.perf_counter()
-        try:
-            results[kind] = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind], env=env)
-            r = results[kind]
-            print(f"  {r['steps_per_min']:.2f} steps/min ({r['sec_per_step']:.1f} s/step)", flush=True)
-        except SystemExit as e:
-            results[kind] = {"kind": kind, "failed": str(e), "after_s": time.perf_counter() - started}
-            print(f"  FAILED: {e}", flush=True)
+    args = bench_args(__doc__, worker, default_steps=4)
+    results = run_each(__file__, KINDS, args.steps,
+                       lambda r: f"{r['steps_per_min']:.2f} steps/min ({r['sec_per_step']:.1f} s/step)",
+                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}, keep_going=True)
     base = results["transformers"]
     s = SETTINGS
     print(f"\nGRPO, SmolLM2-135M-Instruct, {s['prompts_per_step']} prompts x {s['num_generations']} completions, "

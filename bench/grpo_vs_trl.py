@@ -12,14 +12,13 @@ into generation and training where the trainer reports it, peak RSS, and the rat
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_in_subprocess, step_timer  # noqa: E402
+from _common import bench_args, run_each, step_timer  # noqa: E402
 
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
 
@@ -69,20 +68,9 @@ def worker(kind: str, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--worker", default=None)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
-        return
-    results = {}
-    for kind in ("toolkit", "trl"):
-        print(f"running {kind} ...", flush=True)
-        results[kind] = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind])
-        r = results[kind]
-        print(f"  {r['sec_per_step']:.1f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+    args = bench_args(__doc__, worker, default_steps=4)
+    results = run_each(__file__, ("toolkit", "trl"), args.steps,
+                       lambda r: f"{r['sec_per_step']:.1f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB")
     o, t = results["toolkit"], results["trl"]
     s = SETTINGS
     print(f"\nGRPO, SmolLM2-135M-Instruct, {s['prompts_per_step']} prompts x {s['num_generations']} completions per step, "

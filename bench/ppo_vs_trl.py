@@ -15,7 +15,6 @@ update over the updates after the first, peak RSS, and the ratios.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -23,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_in_subprocess, step_timer  # noqa: E402
+from _common import bench_args, run_each, step_timer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = dict(rollout=16, per_device=8, mini_batches=2, epochs=2, max_new_tokens=16, temperature=0.7, lr=1e-5,
@@ -61,7 +60,9 @@ def worker(kind: str, steps: int) -> dict:
         ids = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
                for r in rows]
         ids = [i["input_ids"] if isinstance(i, dict) else list(i) for i in ids]
-        args = PPOConfig(output_dir="/tmp/bench-ppo-trl", per_device_train_batch_size=s["per_device"],
+        # TRL 1.8's rollout is per_device_train_batch_size x gradient_accumulation_steps (num_mini_batches
+        # splits it), so the same 16 completions in 2 mini-batches of 8 means per_device_train_batch_size=16.
+        args = PPOConfig(output_dir="/tmp/bench-ppo-trl", per_device_train_batch_size=s["rollout"],
                          gradient_accumulation_steps=1, num_mini_batches=s["mini_batches"], num_ppo_epochs=s["epochs"],
                          total_episodes=s["rollout"] * steps, response_length=s["max_new_tokens"],
                          temperature=s["temperature"], learning_rate=s["lr"], kl_coef=s["kl_coef"], stop_token="eos",
@@ -80,23 +81,13 @@ def worker(kind: str, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--worker", default=None)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
-        return
+    args = bench_args(__doc__, worker, default_steps=3)
     trl18 = REPO / ".venv" / "trl-1.8.0"
     if not trl18.exists():
         raise SystemExit(f"{trl18} is missing: run scripts/setup.sh (it installs TRL 1.8 there as the PPO reference)")
-    results = {}
-    for kind, env in (("toolkit", None), ("trl", {"PYTHONPATH": str(trl18), "TRL_EXPERIMENTAL_SILENCE": "1"})):
-        print(f"running {kind} ...", flush=True)
-        results[kind] = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind], env=env)
-        r = results[kind]
-        print(f"  {r['sec_per_update']:.1f} s/update, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+    results = run_each(__file__, ("toolkit", "trl"), args.steps,
+                       lambda r: f"{r['sec_per_update']:.1f} s/update, peak RSS {r['peak_rss_mb']:.0f} MB",
+                       env_for={"trl": {"PYTHONPATH": str(trl18), "TRL_EXPERIMENTAL_SILENCE": "1"}})
     o, t = results["toolkit"], results["trl"]
     s = SETTINGS
     print(f"\nPPO, SmolLM2-135M-Instruct policy, critic and reward model; {s['rollout']} completions per update, "

@@ -685,3 +685,40 @@ def tokenize_for_preference(
                         f"{', '.join(map(str, rws[:_MAX_ROWS_IN_MESSAGE]))}), leaving no room for the answers. Raise "
                         "max_length or shorten those prompts.")
     return out, report, identical
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompt datasets for RL trainers (GRPO, PPO, async GRPO)
+# ------------------------------------------------------------------------------------------------
+
+
+def prompt_rows(dataset: Any, tokenizer: Any, *, trainer: str) -> tuple[list[dict[str, Any]], DatasetFormat]:
+    """Rows of an RL prompt dataset, validated: a 'prompt' column (plain or conversational); every
+    other column is passed to the reward functions. A completion column, if any, is ignored."""
+    rows = normalize_rows(as_rows(dataset))
+    fmt = detect_format(rows)
+    if "prompt" not in fmt.columns:
+        raise DataError(f"{trainer} needs a 'prompt' column; this dataset is {fmt.describe()}. Rename the column "
+                        "that holds the prompts to 'prompt' (other columns are passed to reward functions).")
+    prompt_fmt = DatasetFormat("prompt_only", fmt.conversational, ("prompt",),
+                               tuple(c for c in rows[0] if c != "prompt"))
+    validate(rows, prompt_fmt, tokenizer=tokenizer)
+    return rows, prompt_fmt
+
+
+def tokenize_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, max_prompt_length: int | None,
+                     chat_template_kwargs: dict | None = None) -> tuple[list[list[int]], int]:
+    """Prompt token ids, rendered once (chat template with the generation prompt for conversations);
+    prompts longer than `max_prompt_length` keep their last tokens. Returns (ids, number cut)."""
+    out, cut = [], 0
+    for r in rows:
+        if isinstance(r["prompt"], list):
+            text = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            ids = list(tokenizer(r["prompt"], add_special_tokens=True)["input_ids"])
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            ids, cut = ids[-max_prompt_length:], cut + 1
+        out.append(ids)
+    return out, cut

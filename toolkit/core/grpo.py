@@ -47,7 +47,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 
 from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import CompleteCheckpointCallback, resolve_resume, write_atomic
-from .data import DatasetFormat, as_rows, detect_format, normalize_rows, validate
+from .data import prompt_rows, tokenize_prompts
 from .errors import ConfigError, DataError, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
@@ -307,16 +307,10 @@ class GRPOTrainer(Trainer):
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        rows = normalize_rows(as_rows(train_dataset))
-        fmt = detect_format(rows)
-        if "prompt" not in fmt.columns:
-            raise DataError(f"GRPO needs a 'prompt' column; this dataset is {fmt.describe()}. Rename the column that "
-                            "holds the prompts to 'prompt' (other columns are passed to reward functions).")
-        prompt_fmt = DatasetFormat("prompt_only", fmt.conversational, ("prompt",),
-                                   tuple(c for c in rows[0] if c != "prompt"))
-        validate(rows, prompt_fmt, tokenizer=tokenizer)
+        rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="GRPO")
         self.rows, self.dataset_format = rows, prompt_fmt
-        self.prompt_ids, n_cut = self._tokenize_prompts(rows, tokenizer, args)
+        self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
+                                                  chat_template_kwargs=args.chat_template_kwargs)
         logger.info("GRPO data: %s, %d prompts, longest prompt %d tokens%s.", prompt_fmt.describe(), len(rows),
                     max(len(p) for p in self.prompt_ids),
                     f"; {n_cut} prompts cut to max_prompt_length={args.max_prompt_length}" if n_cut else "")
@@ -381,21 +375,6 @@ class GRPOTrainer(Trainer):
         self._health = _Health(args)
 
     # ------------------------------------------------------------------------------ data plumbing
-
-    @staticmethod
-    def _tokenize_prompts(rows, tokenizer, args) -> tuple[list[list[int]], int]:
-        out, cut = [], 0
-        for r in rows:
-            if isinstance(r["prompt"], list):
-                text = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True,
-                                                     **(args.chat_template_kwargs or {}))
-                ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            else:
-                ids = list(tokenizer(r["prompt"], add_special_tokens=True)["input_ids"])
-            if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:
-                ids, cut = ids[-args.max_prompt_length:], cut + 1
-            out.append(ids)
-        return out, cut
 
     def build_prompt_sampler(self) -> RoundSampler:
         """The sampler of prompt indices (the wrapper seam for curricula and custom orders).

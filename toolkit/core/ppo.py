@@ -52,7 +52,7 @@ from transformers.trainer_utils import TrainOutput
 
 from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import COMPLETE_MARKER, resolve_resume, write_atomic
-from .data import DatasetFormat, as_rows, detect_format, normalize_rows, validate
+from .data import prompt_rows, tokenize_prompts
 from .errors import ConfigError, DataError, TrainingHealthError
 from .generation import SamplingParams
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
@@ -300,19 +300,13 @@ class PPOTrainer(Trainer):
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        rows = normalize_rows(as_rows(train_dataset))
-        fmt = detect_format(rows)
-        if "prompt" not in fmt.columns:
-            raise DataError(f"PPO needs a 'prompt' column; this dataset is {fmt.describe()}. Rename the column that "
-                            "holds the prompts to 'prompt' (other columns are passed to reward functions).")
-        prompt_fmt = DatasetFormat("prompt_only", fmt.conversational, ("prompt",),
-                                   tuple(c for c in rows[0] if c != "prompt"))
-        validate(rows, prompt_fmt, tokenizer=tokenizer)
+        rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="PPO")
         if len(rows) < args.rollout_batch_size:
             raise ConfigError(f"train_dataset: {len(rows)} prompts, fewer than one update needs (rollout_batch_size="
                               f"{args.rollout_batch_size}).")
         self.rows, self.dataset_format = rows, prompt_fmt
-        self.prompt_ids, n_cut = self._tokenize_prompts(rows, tokenizer, args)
+        self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
+                                                  chat_template_kwargs=args.chat_template_kwargs)
         if n_cut:
             logger.warning("PPO: %d of %d prompts were longer than max_prompt_length=%s and were cut from the left.",
                            n_cut, len(rows), args.max_prompt_length)
@@ -371,22 +365,6 @@ class PPOTrainer(Trainer):
         self._step_metrics: dict[str, list[float]] = defaultdict(list)
 
     # ------------------------------------------------------------------------------ data plumbing
-
-    # Copied from toolkit.core.grpo.GRPOTrainer._tokenize_prompts
-    @staticmethod
-    def _tokenize_prompts(rows, tokenizer, args) -> tuple[list[list[int]], int]:
-        out, cut = [], 0
-        for r in rows:
-            if isinstance(r["prompt"], list):
-                text = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True,
-                                                     **(args.chat_template_kwargs or {}))
-                ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            else:
-                ids = list(tokenizer(r["prompt"], add_special_tokens=True)["input_ids"])
-            if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:
-                ids, cut = ids[-args.max_prompt_length:], cut + 1
-            out.append(ids)
-        return out, cut
 
     def build_prompt_order(self, epoch: int) -> list[int]:
         """The prompt order of one pass over the data (the sampler seam); deterministic per (seed, epoch)."""

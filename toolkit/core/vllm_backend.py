@@ -99,7 +99,23 @@ def _reload(worker, weights):
     return True
 
 
-class VLLMBackend:
+class _SyncEvery:
+    """The sync cadence both vLLM backends share: push weights on every `sync_every`-th sync_weights call."""
+
+    sync_every: int = 1
+    _sync_calls: int = 0
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self._sync_calls += 1
+        if (self._sync_calls - 1) % self.sync_every:
+            return
+        self.load_weights(engine_weights(model))
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+
+class VLLMBackend(_SyncEvery):
     """A vLLM engine in this process. `model_path`: a checkpoint folder with the policy's starting weights."""
 
     def __init__(self, model_path: str, *, max_model_len: int = 1024, seed: int = 0, sync_every: int = 1,
@@ -129,12 +145,6 @@ class VLLMBackend:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkit-vllm")
         self.last_stats = GenerationStats()
         self.last_sync_s = 0.0
-
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        self._sync_calls += 1
-        if (self._sync_calls - 1) % self.sync_every:
-            return
-        self.load_weights(engine_weights(model))
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         started = time.perf_counter()
@@ -167,7 +177,7 @@ class VLLMBackend:
 # --------------------------------------------------------------------------------------------------
 
 
-class VLLMServerBackend:
+class VLLMServerBackend(_SyncEvery):
     """Talks to `toolkit vllm-serve` over HTTP. Every failure is a ToolkitError naming the URL, never a hang."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", *, timeout: float = 300.0, startup_timeout: float = 0.0,
@@ -229,12 +239,6 @@ class VLLMServerBackend:
     def submit(self, prompts, params: SamplingParams, *, n: int = 1, seed: int | None = None
                ) -> concurrent.futures.Future:
         return self._pool.submit(self.generate, prompts, params, n=n, seed=seed)
-
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        self._sync_calls += 1
-        if (self._sync_calls - 1) % self.sync_every:
-            return
-        self.load_weights(engine_weights(model))
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         from safetensors.torch import save
