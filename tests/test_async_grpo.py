@@ -145,7 +145,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="num_iterations"):
         async_cfg(tmp_path, num_iterations=2)
     with pytest.raises(ConfigError, match="generation_backend"):
-        async_cfg(tmp_path, generation_backend="vllm-server")
+        async_cfg(tmp_path, generation_backend="foo")
     with pytest.raises(ConfigError, match="must be importable"):
         AsyncGRPOTrainer(tiny_model(), [lambda prompts, completions, completion_ids, **kw: [0.0]],
                          async_cfg(tmp_path), train_dataset=prompts(), processing_class=tiny_tokenizer())

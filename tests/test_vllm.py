@@ -215,3 +215,21 @@ def test_grpo_trains_with_the_vllm_backend(tmp_path, path):
     # the sampler/trainer mismatch is measured every step and is small for the same weights and temperature
     assert all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs)
     assert t.generation_backend.weights_version == 2   # synced before each rollout
+
+
+def test_async_grpo_worker_generates_with_vllm(tmp_path, path):
+    from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.core.tasks import arithmetic
+
+    rows = arithmetic(16, seed=0, max_value=20, max_terms=2, kind="prompt_only")
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=16, num_generations=4,
+                          max_completion_length=12, temperature=0.7, learning_rate=1e-5, save_strategy="no",
+                          report_to="none", disable_tqdm=True, generation_backend="vllm", max_staleness=0,
+                          generation_backend_kwargs={"max_model_len": 256}, worker_start_timeout=600)
+    t = AsyncGRPOTrainer(path, ["numeric_match"], cfg, train_dataset=rows)
+    t.train()
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert len(logs) == 3
+    # staleness 0: every round came from a worker engine that had loaded that step's weights
+    assert all(h["async/staleness_max"] == 0 for h in logs)
+    assert all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs)

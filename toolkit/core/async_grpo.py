@@ -92,8 +92,8 @@ class AsyncGRPOConfig(GRPOConfig):
         if self.skip_solved_threshold is not None:
             raise ConfigError("skip_solved_threshold: not supported by async GRPO (the worker picks prompts ahead "
                               "of the trainer); leave it None.")
-        if self.generation_backend != "transformers":
-            raise ConfigError(f"generation_backend: async GRPO's worker runs the transformers backend for now, got "
+        if self.generation_backend not in ("transformers", "vllm", "vllm-server"):
+            raise ConfigError(f"generation_backend: the async worker runs transformers, vllm or vllm-server, got "
                               f"'{self.generation_backend}'.")
         if self.heartbeat_timeout <= 0 or self.worker_start_timeout <= 0:
             raise ConfigError("heartbeat_timeout, worker_start_timeout: must be > 0.")
@@ -141,13 +141,28 @@ def _worker_main(spec: dict, shared: dict[str, torch.Tensor], version, lock, out
 
         from .rewards import RewardRunner
 
-        model = AutoModelForCausalLM.from_config(spec["config"]).eval()
-        if spec["varlen"]:
-            from .attention import use_varlen_attention
-
-            use_varlen_attention(model)  # the trainer's attention, so both sides compute the same numbers
         runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"])
-        backend = TransformersBackend(model, pad_token_id=spec["pad_token_id"], max_batch_size=spec["max_batch_size"])
+        if spec["backend"] == "transformers":
+            model = AutoModelForCausalLM.from_config(spec["config"]).eval()
+            if spec["varlen"]:
+                from .attention import use_varlen_attention
+
+                use_varlen_attention(model)  # the trainer's attention, so both sides compute the same numbers
+            backend = TransformersBackend(model, pad_token_id=spec["pad_token_id"],
+                                          max_batch_size=spec["max_batch_size"])
+
+            def load_weights():
+                model.load_state_dict(shared, strict=False)
+        else:
+            # vLLM (in this worker process) or a vLLM server: weights go in through the backend's own sync.
+            from .vllm_backend import VLLMBackend, VLLMServerBackend
+
+            kwargs = dict(spec["backend_kwargs"])
+            backend = (VLLMBackend(kwargs.pop("model_path"), **kwargs) if spec["backend"] == "vllm"
+                       else VLLMServerBackend(**kwargs))
+
+            def load_weights():
+                backend.load_weights(list(shared.items()))
         tok, rows, G = spec["tokenizer"], spec["rows"], spec["num_generations"]
         local_version, r = -1, start_round
         while not stop.is_set():
@@ -158,7 +173,7 @@ def _worker_main(spec: dict, shared: dict[str, torch.Tensor], version, lock, out
                 break
             if version.value != local_version:
                 with lock:
-                    model.load_state_dict(shared, strict=False)
+                    load_weights()
                     local_version = version.value
             wait_s = time.perf_counter() - t_wait
             idx = round_indices(r, len(rows), spec["per_round"], spec["seed"])
@@ -221,8 +236,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         # Our callback goes before GRPO's own, so the worker position lands in a checkpoint before its marker.
         callbacks = list(callbacks or []) + [_AsyncStateCallback(self)]
         super().__init__(model, funcs, args, train_dataset=train_dataset, processing_class=processing_class,
-                         peft_config=peft_config, callbacks=callbacks, optimizers=optimizers,
-                         model_init_kwargs=model_init_kwargs, ref_model=ref_model)
+                         peft_config=peft_config, generation_backend=_InWorker(), callbacks=callbacks,
+                         optimizers=optimizers, model_init_kwargs=model_init_kwargs, ref_model=ref_model)
         if self.args.trainer_threads:
             torch.set_num_threads(self.args.trainer_threads)
         self._ctx = mp.get_context("spawn")
@@ -268,6 +283,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "seed": args.seed, "sampling": self.sampling, "max_staleness": args.max_staleness,
             "conversational": self.dataset_format.conversational,
             "extra_columns": list(self.dataset_format.extra_columns), "varlen": self.padding_free,
+            "backend": args.generation_backend, "backend_kwargs": self._worker_backend_kwargs(),
         }
         self._proc = self._ctx.Process(
             target=_worker_main, name="toolkit-rollout-worker", daemon=True,
@@ -277,6 +293,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._first_round_pending = True
         logger.info("async GRPO: rollout worker pid %d started at round %d (max_staleness=%d, queue_size=%d).",
                     self._proc.pid, self._next_round, args.max_staleness, args.queue_size)
+
+    def _worker_backend_kwargs(self) -> dict[str, Any]:
+        args = self.args
+        kwargs = dict(args.generation_backend_kwargs or {})
+        if args.generation_backend == "vllm":
+            base = self.model.get_base_model() if hasattr(self.model, "peft_config") else unwrap_model(self.model)
+            kwargs.setdefault("model_path", base.config._name_or_path)
+            kwargs.setdefault("max_model_len", (args.max_prompt_length or 512) + args.max_completion_length + 8)
+            kwargs.setdefault("seed", args.seed)
+        return kwargs
 
     def stop_worker(self) -> None:
         if self._proc is None:
@@ -402,6 +428,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return super().train(resume_from_checkpoint=path, **kwargs)
         finally:
             self.stop_worker()
+
+
+class _InWorker:
+    """The trainer process's stand-in backend: generation happens in the rollout worker (which owns the real one)."""
+
+    def sync_weights(self, model) -> None:
+        pass
+
+    def generate(self, *a, **k):
+        raise RuntimeError("AsyncGRPOTrainer generates in its rollout worker; the trainer process has no backend.")
 
 
 class _AsyncStateCallback(TrainerCallback):
