@@ -155,7 +155,7 @@ def test_cli_runs_ppo_end_to_end_with_report(tmp_path, capsys):
     assert {"heldout_accuracy_before", "heldout_accuracy_after"} <= set(summary)
     assert [s for s, _ in summary["accuracy_history"]] == [0, 1, 2]
     assert (report / "report.png").stat().st_size > 1000
-    assert (tmp_path / "out" / "final" / "critic.pt").exists()
+    assert (tmp_path / "out" / "final" / "critic.safetensors").exists()
     assert "PPO summary" in capsys.readouterr().out
 
 

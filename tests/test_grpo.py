@@ -196,7 +196,7 @@ def test_skip_solved_prompts(tmp_path):
     t = make(tmp_path, rewards=(always_right,), skip_solved_threshold=0.9, max_steps=2)
     t.train()
     assert len(t.solved) == 4  # 2 steps x 2 prompts, all solved, never drawn again this run
-    order = t._round_sampler._order()
+    order = t._round_sampler.order()
     assert not set(order) & t.solved
 
 

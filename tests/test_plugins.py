@@ -15,6 +15,7 @@ import torch
 from toolkit import ConfigError, PluginError, PluginRegistry, hookimpl
 from toolkit.core import hookspecs, plugins
 from toolkit.core.checkpoint import COMPLETE_MARKER
+from toolkit.core.dpo import DPOConfig
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer
 from toolkit.testing import tiny_model, tiny_tokenizer
 
@@ -42,16 +43,52 @@ def make_dist(root: Path, dist: str, entry_points: dict[str, str], modules: dict
 
 
 DOUBLE_DAPO = """
+    from dataclasses import dataclass
+
+    from toolkit import ClipSettings, PolicyLoss, hookimpl
+    from toolkit.core.objectives import clipped_surrogate_term
+
+    @dataclass(frozen=True)
+    class DoubleSettings(ClipSettings):
+        factor: float = 2.0
+
+    def double(inputs, settings):
+        loss, info = clipped_surrogate_term(inputs, settings)
+        return settings.factor * loss, info
+
+    @hookimpl
+    def toolkit_register_policy_losses():
+        return {"double": PolicyLoss(double, settings=DoubleSettings, aggregation="token")}
+"""
+
+# The hooks-1.0 form (a plain callable that receives the trainer config): deprecated in hooks 1.1, still working.
+DOUBLE_DAPO_LEGACY = """
     from toolkit import hookimpl
     from toolkit.core.numerics import clipped_surrogate
 
     def double(logps, old_logps, advantages, *, config, mask):
-        loss, info = clipped_surrogate(logps, old_logps, advantages, epsilon_low=0.2, epsilon_high=0.2)
+        loss, info = clipped_surrogate(logps, old_logps, advantages, epsilon_low=config.epsilon,
+                                       epsilon_high=config.epsilon_high)
         return 2 * loss, info
 
     @hookimpl
     def toolkit_register_policy_losses():
         return {"double": double}
+
+    def legacy_pref(chosen_logratios, rejected_logratios, *, config, chosen_lengths, rejected_lengths):
+        return -(config.beta * (chosen_logratios - rejected_logratios))
+
+    @hookimpl
+    def toolkit_register_preference_losses():
+        return {"legacy_margin": legacy_pref}
+
+    def legacy_estimator(rewards, *, group_size, config):
+        from toolkit.core.numerics import group_advantages
+        return group_advantages(rewards, group_size, scale=config.scale_rewards)
+
+    @hookimpl
+    def toolkit_register_advantage_estimators():
+        return {"legacy_grpo": legacy_estimator}
 """
 
 
@@ -174,7 +211,7 @@ def test_unknown_names_suggest_the_closest(fresh, tmp_path):
 
 
 def test_firstresult_reward_factory_and_builtin_format(fresh):
-    from toolkit.core.rewards import resolve_reward
+    from toolkit.core.plugins import resolve_reward
 
     class Lengths:
         @hookimpl
@@ -240,21 +277,63 @@ def grpo(tmp_path, fresh_reg=None, **kw):
                        processing_class=tiny_tokenizer())
 
 
+def _first_step_grads(tmp_path, loss_type, **kw):
+    t = grpo(tmp_path / loss_type, loss_type=loss_type, **kw)
+    rollout = t.generate_rollout(list(range(2)))
+    micro = t._split(rollout)[0]
+    t.model.train()
+    t.current_gradient_accumulation_steps = 1
+    t.compute_loss(t.model, micro).backward()
+    return torch.cat([p.grad.flatten() for p in t.model.parameters() if p.grad is not None])
+
+
 def test_a_plugin_loss_changes_the_gradients_it_should(fresh, tmp_path, monkeypatch):
     make_dist(tmp_path / "site", "toolkit-double", {"double": "tk_double"}, {"tk_double": DOUBLE_DAPO})
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     fresh.load_module("tk_double")
-    grads = {}
-    for loss_type in ("dapo", "double"):
-        t = grpo(tmp_path / loss_type, loss_type=loss_type)
-        rollout = t.generate_rollout(list(range(2)))
-        micro = t._split(rollout)[0]
-        t.model.train()
-        t.current_gradient_accumulation_steps = 1
-        t.compute_loss(t.model, micro).backward()
-        grads[loss_type] = torch.cat([p.grad.flatten() for p in t.model.parameters() if p.grad is not None])
-    assert grads["dapo"].abs().sum() > 0
-    torch.testing.assert_close(grads["double"], 2 * grads["dapo"])
+    dapo = _first_step_grads(tmp_path, "dapo")
+    assert dapo.abs().sum() > 0
+    torch.testing.assert_close(_first_step_grads(tmp_path, "double"), 2 * dapo)
+    # the loss's own setting, from loss_kwargs, validated against its settings dataclass
+    torch.testing.assert_close(_first_step_grads(tmp_path / "x3", "double", loss_kwargs={"factor": 3.0}), 3 * dapo)
+    with pytest.raises(ConfigError, match=r"loss_kwargs: loss_type 'double' does not know 'factr'; it takes \['factor'\]"):
+        GRPOConfig(output_dir=str(tmp_path), loss_type="double", loss_kwargs={"factr": 3.0}, num_generations=2,
+                   per_device_train_batch_size=2)
+    with pytest.raises(ConfigError, match=r"loss_kwargs.epsilon: loss_type 'double' reads 'epsilon' from the config"):
+        GRPOConfig(output_dir=str(tmp_path), loss_type="double", loss_kwargs={"epsilon": 0.3}, num_generations=2,
+                   per_device_train_batch_size=2)
+    with pytest.raises(ConfigError, match=r"loss_kwargs.factor: loss_type 'double' expects float, got 'two'"):
+        GRPOConfig(output_dir=str(tmp_path), loss_type="double", loss_kwargs={"factor": "two"}, num_generations=2,
+                   per_device_train_batch_size=2)
+
+
+def test_a_plugin_in_the_hooks_1_0_form_still_works_and_warns(fresh, tmp_path, monkeypatch):
+    """Deprecation policy, applied: the old callable form keeps working for one minor version, with a warning
+    that names the plugin, the removal and the replacement."""
+    make_dist(tmp_path / "site", "toolkit-legacy", {"legacy": "tk_legacy"}, {"tk_legacy": DOUBLE_DAPO_LEGACY})
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    fresh.load_module("tk_legacy")
+    with pytest.warns(hookspecs.ToolkitDeprecationWarning) as caught:
+        fresh.tables()
+    messages = "\n".join(str(w.message) for w in caught)
+    for name in ("policy loss 'double'", "preference loss 'legacy_margin'", "advantage estimator 'legacy_grpo'"):
+        assert f"{name} from plugin 'tk_legacy'" in messages
+    assert "removed in hooks 2.0" in messages and "toolkit.PolicyLoss" in messages
+    dapo = _first_step_grads(tmp_path, "dapo")
+    torch.testing.assert_close(_first_step_grads(tmp_path, "double"), 2 * dapo)
+    # the legacy estimator receives the config and gives what the built-in gives
+    t = grpo(tmp_path / "est", advantage_estimator="legacy_grpo", scale_rewards="none")
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 3.0])
+    torch.testing.assert_close(t.compute_advantages(r)[0], torch.tensor([0.5, -0.5, -0.5, 0.5, -.25, -.25, -.25, .75]))
+    # the legacy preference loss is adapted to typed inputs
+    from toolkit import PreferenceLossInputs
+    from toolkit.core.objectives import resolve_preference_loss_settings
+
+    loss = fresh.get("preference_loss", "legacy_margin")
+    cfg = DPOConfig(output_dir=str(tmp_path / "dpo"), loss_type="legacy_margin", beta=0.5)
+    settings = resolve_preference_loss_settings(loss, cfg, name="legacy_margin")
+    out = loss(PreferenceLossInputs(torch.tensor([1.0]), torch.tensor([3.0]), torch.ones(1), torch.ones(1)), settings)
+    torch.testing.assert_close(out, torch.tensor([1.0]))
 
 
 def test_rloo_estimator_is_used_by_name(fresh, tmp_path):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from toolkit import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from toolkit.core.generation import TransformersBackend
-from toolkit.core.grpo import RoundSampler
+from toolkit.core.rollout import RoundSampler
 from toolkit.core.models import unwrap_model
 from toolkit.testing import tiny_model, tiny_tokenizer
 
@@ -34,7 +34,7 @@ def naive_completion_logps(model, batch, temperature):
 class PromptOrder(RoundSampler):
     """A curriculum: always the same two prompts, in a fixed order."""
 
-    def _order(self):
+    def order(self):
         return [7, 6] * (self.n_rows // 2)
 
 
@@ -69,10 +69,18 @@ class WrapperGRPO(GRPOTrainer):
         self.calls["logps_max_diff"] = max(self.calls["logps_max_diff"], float((ours - theirs).abs().max()))
         return theirs
 
-    def compute_policy_loss(self, logps, old_logps, advantages, mask):
+    def compute_policy_loss(self, inputs):
         self.calls["loss"] += 1
-        self.calls["advantages_seen"].append(advantages.clone())
-        return -advantages[:, None] * logps, {}  # plain REINFORCE
+        self.calls["advantages_seen"].append(inputs.advantages.clone())
+        return -inputs.advantages[:, None] * inputs.logps, {}  # plain REINFORCE
+
+
+class LegacySeamGRPO(GRPOTrainer):
+    """A wrapper written against toolkit 0.1's seam signature (logps, old_logps, advantages, mask)."""
+
+    def compute_policy_loss(self, logps, old_logps, advantages, mask):
+        self.legacy_calls = getattr(self, "legacy_calls", 0) + 1
+        return -advantages[:, None] * logps, {}
 
 
 def test_grpo_wrapper_swaps_every_seam(tmp_path):
@@ -101,6 +109,23 @@ def test_grpo_wrapper_swaps_every_seam(tmp_path):
     assert t.calls["loss"] == 2 and t.calls["logps"] >= 2
     assert t.calls["logps_max_diff"] < 1e-4
     assert any(not torch.equal(before[k], v) for k, v in model.named_parameters())
+
+
+def test_a_wrapper_on_the_old_policy_loss_seam_still_works_and_warns(tmp_path):
+    import pytest
+
+    from toolkit import ToolkitDeprecationWarning
+
+    tok = tiny_tokenizer()
+    cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                     max_completion_length=4, learning_rate=1e-2, save_strategy="no", report_to="none",
+                     disable_tqdm=True)
+    reward = lambda prompts, completions, completion_ids, **kw: [float(len(c) % 3) for c in completion_ids]  # noqa: E731
+    with pytest.warns(ToolkitDeprecationWarning, match=r"LegacySeamGRPO.compute_policy_loss\(logps, old_logps"):
+        t = LegacySeamGRPO(tiny_model(), reward, cfg, train_dataset=[{"prompt": f"P{i}"} for i in range(8)],
+                           processing_class=tok)
+    t.train()
+    assert t.legacy_calls == 1
 
 
 class WrapperDPO(DPOTrainer):

@@ -34,9 +34,7 @@ import math
 import multiprocessing as mp
 import pickle
 import queue
-import threading
 import time
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,9 +45,12 @@ from transformers import TrainerCallback
 
 from .checkpoint import write_atomic
 from .errors import ConfigError, TrainingHealthError
-from .generation import Completion, TransformersBackend
-from .grpo import GRPOConfig, GRPOTrainer, Rollout, RoundSampler
+from .generation import Completion
+from .grpo import GRPOConfig, GRPOTrainer, Rollout
 from .models import DEFAULT_MODEL, unwrap_model
+from .rollout_worker import ScoredRound, worker_main
+
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,112 +98,6 @@ class AsyncGRPOConfig(GRPOConfig):
                               f"'{self.generation_backend}'.")
         if self.heartbeat_timeout <= 0 or self.worker_start_timeout <= 0:
             raise ConfigError("heartbeat_timeout, worker_start_timeout: must be > 0.")
-
-
-@dataclass
-class ScoredRound:
-    """What the worker sends: one round, generated with weights `version`, scored."""
-
-    round: int
-    version: int
-    row_indices: list[int]
-    completions: list[list[tuple[list[int], list[float], str]]]
-    rewards_per_func: list[list[float]]
-    failures: dict[str, int]
-    gen_s: float
-    score_s: float
-    wait_s: float
-    tokens: int
-
-
-def round_indices(r: int, n_rows: int, per_round: int, seed: int) -> list[int]:
-    """Row indices of round r: GRPO's RoundSampler order (one process, no solved prompts), epoch after epoch."""
-    per_epoch = n_rows // per_round
-    sampler = RoundSampler(n_rows, per_round, 1, seed=seed)
-    sampler.set_epoch(r // per_epoch)
-    order = sampler._order()
-    k = r % per_epoch
-    return order[k * per_round:(k + 1) * per_round]
-
-
-def _worker_main(spec: dict, shared: dict[str, torch.Tensor], version, lock, out_q, err_q, heartbeat, stop,
-                 start_round: int) -> None:
-    """The rollout worker's process: generate and score rounds until told to stop."""
-    try:
-        torch.set_num_threads(spec["threads"])
-
-        def beat():
-            while not stop.is_set():
-                heartbeat.value = time.time()
-                time.sleep(0.5)
-
-        threading.Thread(target=beat, daemon=True).start()
-        from transformers import AutoModelForCausalLM
-
-        from .rewards import RewardRunner
-
-        runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"])
-        if spec["backend"] == "transformers":
-            model = AutoModelForCausalLM.from_config(spec["config"]).eval()
-            if spec["varlen"]:
-                from .attention import use_varlen_attention
-
-                use_varlen_attention(model)  # the trainer's attention, so both sides compute the same numbers
-            backend = TransformersBackend(model, pad_token_id=spec["pad_token_id"],
-                                          max_batch_size=spec["max_batch_size"])
-
-            def load_weights():
-                model.load_state_dict(shared, strict=False)
-        else:
-            # vLLM (in this worker process) or a vLLM server: weights go in through the backend's own sync.
-            from .vllm_backend import VLLMBackend, VLLMServerBackend
-
-            kwargs = dict(spec["backend_kwargs"])
-            backend = (VLLMBackend(kwargs.pop("model_path"), **kwargs) if spec["backend"] == "vllm"
-                       else VLLMServerBackend(**kwargs))
-
-            def load_weights():
-                backend.load_weights(list(shared.items()))
-        tok, rows, G = spec["tokenizer"], spec["rows"], spec["num_generations"]
-        local_version, r = -1, start_round
-        while not stop.is_set():
-            t_wait = time.perf_counter()
-            while version.value < r - spec["max_staleness"] and not stop.is_set():
-                time.sleep(0.002)
-            if stop.is_set():
-                break
-            if version.value != local_version:
-                with lock:
-                    load_weights()
-                    local_version = version.value
-            wait_s = time.perf_counter() - t_wait
-            idx = round_indices(r, len(rows), spec["per_round"], spec["seed"])
-            t0 = time.perf_counter()
-            seed = (spec["seed"] * 1_000_003 + r * 7919) % (2**63)  # GRPOTrainer's seed for step r, rank 0
-            groups = backend.generate([spec["prompt_ids"][i] for i in idx], spec["sampling"], n=G, seed=seed)
-            gen_s = time.perf_counter() - t0
-            ids = [c.token_ids for g in groups for c in g]
-            texts = tok.batch_decode(ids, skip_special_tokens=True)
-            flat_rows = [rows[i] for i in idx for _ in range(G)]
-            shown = [[{"role": "assistant", "content": t}] for t in texts] if spec["conversational"] else texts
-            columns = {c: [row[c] for row in flat_rows] for c in spec["extra_columns"]}
-            t1 = time.perf_counter()
-            outcome = runner([row["prompt"] for row in flat_rows], shown, ids, columns)
-            item = ScoredRound(round=r, version=local_version, row_indices=idx,
-                               completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g] for g in groups],
-                               rewards_per_func=[list(map(float, x)) for x in outcome.rewards],
-                               failures=dict(outcome.failures), gen_s=gen_s, score_s=time.perf_counter() - t1,
-                               wait_s=wait_s, tokens=sum(len(i) for i in ids))
-            while not stop.is_set():
-                try:
-                    out_q.put(item, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
-            r += 1
-    except BaseException:
-        err_q.put(traceback.format_exc())
-        raise
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -286,7 +181,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "backend": args.generation_backend, "backend_kwargs": self._worker_backend_kwargs(),
         }
         self._proc = self._ctx.Process(
-            target=_worker_main, name="toolkit-rollout-worker", daemon=True,
+            target=worker_main, name="toolkit-rollout-worker", daemon=True,
             args=(spec, self._shared, self._version, self._lock, self._out_q, self._err_q, self._heartbeat,
                   self._stop, self._next_round))
         self._proc.start()

@@ -13,6 +13,14 @@ ordinary sdpa path.
 
 from __future__ import annotations
 
+__all__ = [
+    "VARLEN_ATTENTION",
+    "supports_varlen",
+    "use_varlen_attention",
+    "varlen_kwargs",
+    "varlen_sdpa",
+]
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface

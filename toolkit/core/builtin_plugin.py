@@ -1,54 +1,41 @@
 """toolkit's own losses, estimators, rewards and backends, registered through the public hooks.
 
 The built-ins are the first users of the plugin API: a plugin's names are found exactly like
-these. Imports happen inside the hooks, so loading the registry imports no trainer.
+these. The losses and estimators come from the objectives room (toolkit.core.objectives); heavy
+backends import inside their factories, so loading the registry imports no trainer and no vLLM.
 """
 
 from __future__ import annotations
 
 from .hookspecs import hookimpl
+from .objectives import BUILTIN_ADVANTAGE_ESTIMATORS, BUILTIN_POLICY_LOSSES, BUILTIN_PREFERENCE_LOSSES
+from .rewards import format_reward, numeric_match
+
+__all__: list[str] = []  # a plugin module: its hooks are found by pluggy, nothing here is imported by name
 
 
 @hookimpl
 def toolkit_register_policy_losses():
-    from .grpo import BUILTIN_POLICY_LOSSES
-
-    return BUILTIN_POLICY_LOSSES
+    return dict(BUILTIN_POLICY_LOSSES)
 
 
 @hookimpl
 def toolkit_register_preference_losses():
-    from .dpo import BUILTIN_PREFERENCE_LOSSES
-
-    return BUILTIN_PREFERENCE_LOSSES
+    return dict(BUILTIN_PREFERENCE_LOSSES)
 
 
 @hookimpl
 def toolkit_register_advantage_estimators():
-    from .numerics import group_advantages, rloo_advantages
-
-    def grpo(rewards, *, group_size, config):
-        """Group mean baseline, scaled per `scale_rewards` (group std, batch std or none)."""
-        return group_advantages(rewards, group_size, scale=config.scale_rewards)
-
-    def rloo(rewards, *, group_size, config):
-        """Leave-one-out baseline, no scaling (ignores scale_rewards)."""
-        return rloo_advantages(rewards, group_size)
-
-    return {"grpo": grpo, "rloo": rloo}
+    return dict(BUILTIN_ADVANTAGE_ESTIMATORS)
 
 
 @hookimpl
 def toolkit_register_rewards():
-    from .rewards import numeric_match
-
     return {"numeric_match": numeric_match}
 
 
 @hookimpl
 def toolkit_make_reward(spec):
-    from .rewards import format_reward
-
     if spec.startswith("format:"):
         return format_reward(spec[len("format:"):])
     return None

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -19,6 +20,9 @@ from transformers import TrainerCallback
 from .errors import ConfigError
 
 COMPLETE_MARKER = "toolkit_checkpoint_complete.json"
+__all__ = ["COMPLETE_MARKER", "CompleteCheckpointCallback", "is_complete", "latest_complete_checkpoint",
+           "resolve_resume", "write_atomic"]
+
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -80,12 +84,12 @@ def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -
 class CompleteCheckpointCallback(TrainerCallback):
     """Marks `checkpoint-N` complete after Trainer has written model, optimizer, scheduler, RNG and state.
 
-    Put it after every other callback that writes into the folder. Plugins observing
-    `toolkit_on_checkpoint_saved` are told once the marker is on disk.
+    Put it after every other callback that writes into the folder. `on_complete(step, path)` runs once
+    the marker is on disk (trainers pass the plugin notification `toolkit_on_checkpoint_saved`).
     """
 
-    def __init__(self, trainer_kind: str = "trainer"):
-        self.trainer_kind = trainer_kind
+    def __init__(self, on_complete: Callable[[int, str], None] | None = None):
+        self.on_complete = on_complete
 
     def on_save(self, args, state, control, **kwargs):
         if not args.should_save:
@@ -93,6 +97,5 @@ class CompleteCheckpointCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
             write_atomic(folder / COMPLETE_MARKER, json.dumps({"global_step": state.global_step}))
-            from .plugins import notify_checkpoint_saved
-
-            notify_checkpoint_saved(self.trainer_kind, state.global_step, str(folder))
+            if self.on_complete is not None:
+                self.on_complete(state.global_step, str(folder))

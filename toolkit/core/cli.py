@@ -13,6 +13,10 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "main",
+]
+
 import json
 import logging
 import sys

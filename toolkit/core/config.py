@@ -8,6 +8,16 @@ fall back to plain strings (`--output_dir runs/a`). Unknown keys fail with the c
 
 from __future__ import annotations
 
+__all__ = [
+    "RunArgs",
+    "build_configs",
+    "describe_fields",
+    "field_names",
+    "load_run_file",
+    "parse_overrides",
+    "parse_value",
+]
+
 import dataclasses
 import difflib
 import sys

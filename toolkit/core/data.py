@@ -21,6 +21,24 @@ here, never on decoded-and-re-tokenized text.
 
 from __future__ import annotations
 
+__all__ = [
+    "KINDS",
+    "ROLES",
+    "DatasetFormat",
+    "SFTCollator",
+    "TokenizationReport",
+    "as_rows",
+    "detect_format",
+    "normalize_rows",
+    "pack_bins",
+    "prompt_rows",
+    "split_preference",
+    "tokenize_for_preference",
+    "tokenize_for_sft",
+    "tokenize_prompts",
+    "validate",
+]
+
 import difflib
 import json
 import logging

@@ -26,7 +26,6 @@ import contextlib
 import copy
 import logging
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,28 +38,16 @@ from .checkpoint import CompleteCheckpointCallback, resolve_resume
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from .errors import ConfigError, TrainingHealthError
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
-from .numerics import DEFAULT_CHUNK_SIZE, preference_loss
+from .numerics import DEFAULT_CHUNK_SIZE
+from .objectives import PreferenceLossInputs, resolve_preference_loss_settings
+from .objectives.preference import check_loss_kwargs_used
 from .packing import completion_logps, group_by_prompt, pack_completions, pack_shared_prompts, sequence_sums
-from .plugins import notify_step_metrics, registry
+from .plugins import notify_checkpoint_saved, notify_step_metrics, registry
 
 logger = logging.getLogger(__name__)
 
 
-def _builtin(kind: str) -> Callable[..., torch.Tensor]:
-    def loss(chosen_logratios, rejected_logratios, *, config, chosen_lengths, rejected_lengths):
-        return preference_loss(kind, chosen_logratios, rejected_logratios, beta=config.beta,
-                               label_smoothing=config.label_smoothing, chosen_lengths=chosen_lengths,
-                               rejected_lengths=rejected_lengths)
-
-    loss.__name__ = kind
-    return loss
-
-
-#: The built-in preference losses, registered through the plugin hooks (builtin_plugin):
-#: fn(chosen_logratios [B], rejected_logratios [B], *, config, chosen_lengths, rejected_lengths) ->
-#: per-example loss [B]. Plugins add more; look them up with `plugins.registry()`.
-BUILTIN_PREFERENCE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {k: _builtin(k) for k in ("sigmoid", "robust", "hinge",
-                                                                                       "ipo")}
+__all__ = ["DPOConfig", "DPOTrainer"]
 
 
 @dataclass
@@ -78,6 +65,9 @@ class DPOConfig(TrainingArguments):
     loss_type: Any = field(default="sigmoid", metadata={
         "help": "sigmoid | robust | hinge | ipo | a registered loss, or a list of them (see loss_weights)."})
     loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss type."})
+    loss_kwargs: dict | None = field(default=None, metadata={
+        "help": "The preference losses' own settings (a plugin loss's), checked against their settings dataclasses; "
+                "beta and label_smoothing are set by their config fields."})
     label_smoothing: float = field(default=0.0, metadata={"help": "Assumed label-noise rate (cDPO/robust)."})
     max_length: int | None = field(default=1024, metadata={
         "help": "Longest prompt + answer; answers are cut at the end, and the count reported."})
@@ -95,16 +85,15 @@ class DPOConfig(TrainingArguments):
         apply_cpu_training_defaults(self)
         super().__post_init__()
         types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
-        for t in types:
-            fn = registry().get("preference_loss", t, field="loss_type")
-            if hasattr(fn, "check_config"):
-                fn.check_config(self)
-        if self.loss_weights is not None and len(self.loss_weights) != len(types):
-            raise ConfigError(f"loss_weights: {len(self.loss_weights)} weights for {len(types)} loss types {types}.")
         if self.beta <= 0:
             raise ConfigError(f"beta: must be > 0, got {self.beta}.")
-        if "robust" in types and not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"label_smoothing: robust DPO needs [0, 0.5), got {self.label_smoothing}.")
+        # Each loss checks its own settings (e.g. label_smoothing's range) before any model loads.
+        losses = {t: registry().get("preference_loss", t, field="loss_type") for t in types}
+        for t, loss in losses.items():
+            resolve_preference_loss_settings(loss, self, name=t)
+        check_loss_kwargs_used(losses, self)
+        if self.loss_weights is not None and len(self.loss_weights) != len(types):
+            raise ConfigError(f"loss_weights: {len(self.loss_weights)} weights for {len(types)} loss types {types}.")
         if self.reference_free and self.precompute_ref_log_probs:
             raise ConfigError("precompute_ref_log_probs: there is nothing to precompute with reference_free=True.")
         self.loss_types = types
@@ -164,8 +153,13 @@ class DPOTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=_PreferenceCollator(),
                          train_dataset=Dataset.from_list(train_tok),
                          eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
-                         processing_class=tokenizer, callbacks=list(callbacks or []) + [CompleteCheckpointCallback("dpo")],
+                         processing_class=tokenizer, callbacks=list(callbacks or []) + [CompleteCheckpointCallback(
+                             on_complete=lambda step, path: notify_checkpoint_saved("dpo", step, path))],
                          optimizers=optimizers)
+        self.preference_losses = []  # (name, PreferenceLoss, its settings, weight)
+        for name, weight in zip(args.loss_types, args.loss_weight_values):
+            loss = registry().get("preference_loss", name, field="loss_type")
+            self.preference_losses.append((name, loss, resolve_preference_loss_settings(loss, args, name=name), weight))
         self.loss_is_scaled_for_ga = False  # mean over examples per micro-batch; Trainer divides by accumulation
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._flat: list[tuple[float, float]] = []
@@ -255,11 +249,10 @@ class DPOTrainer(Trainer):
                                 lengths: torch.Tensor) -> torch.Tensor:
         """Weighted sum over `loss_type`s of the mean per-example loss."""
         chosen_len, rejected_len = lengths.chunk(2)
+        inputs = PreferenceLossInputs(chosen_logratios, rejected_logratios, chosen_len.float(), rejected_len.float())
         loss = chosen_logratios.new_zeros(())
-        for kind, weight in zip(self.args.loss_types, self.args.loss_weight_values):
-            per_example = registry().get("preference_loss", kind)(chosen_logratios, rejected_logratios, config=self.args,
-                                                  chosen_lengths=chosen_len.float(), rejected_lengths=rejected_len.float())
-            loss = loss + weight * per_example.mean()
+        for _, preference_loss, settings, weight in self.preference_losses:
+            loss = loss + weight * preference_loss(inputs, settings).mean()
         return loss
 
     # ----------------------------------------------------------------------------- Trainer hooks

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "ToolkitDeprecationWarning",
+    "ToolkitError",
+    "TrainingHealthError",
+]
+
 
 class ToolkitError(Exception):
     """Base class of every error toolkit raises on purpose."""
@@ -17,3 +25,12 @@ class DataError(ToolkitError, ValueError):
 
 class TrainingHealthError(ToolkitError, RuntimeError):
     """Training produced a value that makes further steps meaningless (NaN/inf loss, empty loss mask)."""
+
+
+class ToolkitDeprecationWarning(FutureWarning):
+    """A public name, argument, hook form or default on its way out; the message names the replacement and the
+    release that removes it.
+
+    A FutureWarning (shown by default), because the people who must act are users and plugin authors,
+    not only toolkit developers. Listed in docs/contributing.md (deprecation policy).
+    """

@@ -15,6 +15,17 @@ temperature=T)`, so sampler and trainer log-probs are comparable token by token.
 
 from __future__ import annotations
 
+__all__ = [
+    "AsyncGenerationBackend",
+    "Completion",
+    "GenerationBackend",
+    "GenerationStats",
+    "SamplingParams",
+    "TransformersBackend",
+    "sample_tokens",
+    "truncate_logits",
+]
+
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field

@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import inspect
+import warnings
 import json
 import logging
 import math
@@ -48,41 +51,28 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import CompleteCheckpointCallback, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
-from .errors import ConfigError, DataError, TrainingHealthError
+from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
-from .numerics import (
-    DEFAULT_CHUNK_SIZE,
-    SCALE_REWARDS,
-    aggregate,
-    chunked_entropy,
-    clipped_surrogate,
-    kl_estimate,
-    truncated_importance_weights,
+from .numerics import DEFAULT_CHUNK_SIZE, SCALE_REWARDS, chunked_entropy
+from .objectives import (
+    AdvantageInputs,
+    PolicyLossInputs,
+    PolicyLossOutput,
+    PolicyObjectiveSettings,
+    policy_objective,
+    resolve_estimator_settings,
+    resolve_policy_loss_settings,
+    resolve_settings,
 )
 from .packing import completion_hidden, completion_logps, group_by_prompt, pack_completions, pack_shared_prompts
-from .plugins import notify_step_metrics, registry
-from .rewards import RewardRunner
+from .plugins import notify_checkpoint_saved, notify_step_metrics, registry, resolve_reward
+from .rewards import RewardRunner, score_completions, weighted_total
+from .rollout import RoundSampler, generate_and_score, generation_seed
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "Rollout"]
 
 logger = logging.getLogger(__name__)
-
-#: loss_type -> aggregation of the per-token loss (see numerics.AGGREGATIONS).
-LOSS_AGGREGATION = {"grpo": "sequence", "bnpo": "token", "dr_grpo": "constant", "dapo": "token", "prompt": "prompt"}
-
-
-def clipped_policy_loss(logps, old_logps, advantages, *, config, **_):
-    """The default per-token policy loss: PPO's clipped surrogate with DAPO's asymmetric clip."""
-    return clipped_surrogate(logps, old_logps, advantages, epsilon_low=config.epsilon,
-                             epsilon_high=config.epsilon_high)
-
-
-#: The built-in policy losses, registered through the plugin hooks (builtin_plugin): fn(logps [B,T],
-#: old_logps [B,T], advantages [B], *, config, mask) -> (per-token loss [B,T], info dict). Look
-#: losses up with `plugins.registry().get("policy_loss", name)`; plugins add more.
-BUILTIN_POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
-    name: clipped_policy_loss for name in LOSS_AGGREGATION
-}
-
 
 @dataclass
 class GRPOConfig(TrainingArguments):
@@ -118,9 +108,12 @@ class GRPOConfig(TrainingArguments):
                 "dapo (token mean over the whole step) | prompt (ScaleRL prompt-level mean) | a plugin's loss "
                 "(e.g. cispo from plugins/toolkit-cispo); `toolkit plugins` lists them."})
     loss_kwargs: dict | None = field(default=None, metadata={
-        "help": "Settings of a plugin's policy loss (e.g. {epsilon_max = 5.0} for cispo); checked by the loss."})
+        "help": "The policy loss's own settings (e.g. {epsilon_max = 5.0} for cispo), checked against its settings "
+                "dataclass before any model loads; settings named by a config field (epsilon) are set there."})
     advantage_estimator: str = field(default="grpo", metadata={
         "help": "grpo (group baseline, scaled by scale_rewards) | rloo (leave-one-out) | a registered estimator."})
+    advantage_estimator_kwargs: dict | None = field(default=None, metadata={
+        "help": "The advantage estimator's own settings (a plugin estimator's), checked like loss_kwargs."})
     generation_backend: str = field(default="transformers", metadata={
         "help": "Generation backend by name: transformers | a registered backend (e.g. vllm)."})
     generation_backend_kwargs: dict | None = field(default=None, metadata={
@@ -173,28 +166,22 @@ class GRPOConfig(TrainingArguments):
                 f"per_device_train_batch_size: counts completions and must be a multiple of num_generations="
                 f"{self.num_generations}; got {self.per_device_train_batch_size}. Try "
                 f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}.")
+        # Every loss/estimator setting is checked here, by the objects' own settings dataclasses, before any model.
         reg = registry()
-        loss_fn = reg.get("policy_loss", self.loss_type, field="loss_type")
-        if hasattr(loss_fn, "check_config"):
-            loss_fn.check_config(self)
-        elif self.loss_kwargs:
-            raise ConfigError(f"loss_kwargs: loss_type '{self.loss_type}' takes no settings, got {self.loss_kwargs}.")
-        reg.get("advantage_estimator", self.advantage_estimator, field="advantage_estimator")
+        resolve_policy_loss_settings(reg.get("policy_loss", self.loss_type, field="loss_type"), self,
+                                     name=self.loss_type)
+        resolve_estimator_settings(reg.get("advantage_estimator", self.advantage_estimator,
+                                           field="advantage_estimator"), self, name=self.advantage_estimator)
+        resolve_settings(PolicyObjectiveSettings, self, kwargs=None, kwargs_field="", owner="GRPO")
         reg.get("generation_backend", self.generation_backend, field="generation_backend")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(f"scale_rewards: '{self.scale_rewards}' is not one of {list(SCALE_REWARDS)}.")
-        if self.importance_sampling_level not in ("token", "sequence"):
-            raise ConfigError(f"importance_sampling_level: '{self.importance_sampling_level}' is not token | sequence.")
         if self.num_iterations < 1:
             raise ConfigError(f"num_iterations: must be >= 1, got {self.num_iterations}.")
         if self.num_iterations > 1 and self.save_strategy == "steps" and self.save_steps % self.num_iterations:
             raise ConfigError(
                 f"save_steps: with num_iterations={self.num_iterations} a checkpoint must fall on a rollout boundary "
                 f"for exact resume; use a multiple of {self.num_iterations} (got {self.save_steps}).")
-        if self.beta < 0:
-            raise ConfigError(f"beta: must be >= 0, got {self.beta}.")
-        if self.importance_sampling_cap is not None and self.importance_sampling_cap <= 0:
-            raise ConfigError(f"importance_sampling_cap: must be > 0 or None, got {self.importance_sampling_cap}.")
         if self.skip_solved_threshold is not None and not 0 < self.skip_solved_threshold <= 1:
             raise ConfigError(f"skip_solved_threshold: must be in (0, 1], got {self.skip_solved_threshold}.")
         SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
@@ -217,42 +204,6 @@ class Rollout:
     old_logps: list[torch.Tensor] | None = None   # per row [L] when num_iterations > 1
     ref_logps: list[torch.Tensor] | None = None   # per row [L] when beta > 0
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-class RoundSampler:
-    """Yields each round's prompt indices `repeat` times (once per micro-step of the round).
-
-    Rounds draw `prompts_per_round` prompt indices per process from a permutation seeded by
-    (seed, epoch), skipping prompts marked solved. Deterministic, so a resumed run sees the same
-    order; with several processes, consecutive batches go to consecutive ranks.
-    """
-
-    def __init__(self, n_rows: int, prompts_per_round: int, repeat: int, *, seed: int, num_processes: int = 1,
-                 solved: set[int] | None = None):
-        self.n_rows, self.per_round, self.repeat = n_rows, prompts_per_round, repeat
-        self.seed, self.num_processes = seed, num_processes
-        self.solved = solved if solved is not None else set()
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def _order(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return [i for i in torch.randperm(self.n_rows, generator=g).tolist() if i not in self.solved]
-
-    def __iter__(self):
-        order = self._order()
-        per_step = self.per_round * self.num_processes
-        for start in range(0, len(order) - per_step + 1, per_step):
-            chunk = order[start:start + per_step]
-            parts = [chunk[p * self.per_round:(p + 1) * self.per_round] for p in range(self.num_processes)]
-            for _ in range(self.repeat):
-                yield from parts
-
-    def __len__(self) -> int:
-        # Counts every prompt (solved ones included) so Trainer's step arithmetic stays fixed.
-        return (self.n_rows // (self.per_round * self.num_processes)) * self.repeat * self.num_processes
 
 
 class _StateCallback(TrainerCallback):
@@ -296,7 +247,7 @@ class GRPOTrainer(Trainer):
             raise ConfigError("train_dataset: GRPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
-        self.reward_runner = RewardRunner(list(reward_funcs), timeout=args.reward_timeout)
+        self.reward_runner = RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout)
         weights = args.reward_weights or [1.0] * len(self.reward_runner.funcs)
         if len(weights) != len(self.reward_runner.funcs):
             raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.reward_runner.funcs)} reward "
@@ -307,16 +258,8 @@ class GRPOTrainer(Trainer):
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="GRPO")
-        self.rows, self.dataset_format = rows, prompt_fmt
-        self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
-                                                  chat_template_kwargs=args.chat_template_kwargs)
-        logger.info("GRPO data: %s, %d prompts, longest prompt %d tokens%s.", prompt_fmt.describe(), len(rows),
-                    max(len(p) for p in self.prompt_ids),
-                    f"; {n_cut} prompts cut to max_prompt_length={args.max_prompt_length}" if n_cut else "")
-        if n_cut:
-            logger.warning("GRPO: %d of %d prompts were longer than max_prompt_length=%s and were cut from the left.",
-                           n_cut, len(rows), args.max_prompt_length)
+        self._prepare_prompts(train_dataset, tokenizer, args)
+        rows = self.rows
         prompts_per_micro = args.per_device_train_batch_size // args.num_generations
         self.prompts_per_round = prompts_per_micro * args.gradient_accumulation_steps
         if len(rows) < self.prompts_per_round:
@@ -345,24 +288,33 @@ class GRPOTrainer(Trainer):
             min_p=args.min_p,
             stop_token_ids=tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id]),
         )
+        # The objective: named objects from the objectives room (or a plugin), with their own settings.
         reg = registry()
-        self.policy_loss_fn = reg.get("policy_loss", args.loss_type, field="loss_type")
-        self.advantage_fn = reg.get("advantage_estimator", args.advantage_estimator, field="advantage_estimator")
-        self.loss_aggregation = LOSS_AGGREGATION.get(args.loss_type, getattr(self.policy_loss_fn, "aggregation", "token"))
+        self.policy_loss = reg.get("policy_loss", args.loss_type, field="loss_type")
+        self.loss_settings = resolve_policy_loss_settings(self.policy_loss, args, name=args.loss_type)
+        self.loss_aggregation = self.policy_loss.aggregation
+        self.objective_settings = dataclasses.replace(
+            resolve_settings(PolicyObjectiveSettings, args, kwargs=None, kwargs_field="", owner="GRPO"),
+            aggregation_constant=args.max_completion_length)
+        self.advantage_estimator = reg.get("advantage_estimator", args.advantage_estimator, field="advantage_estimator")
+        self.advantage_settings = resolve_estimator_settings(self.advantage_estimator, args,
+                                                             name=args.advantage_estimator)
+        _adapt_legacy_policy_loss_seam(type(self))
         self.generation_backend = generation_backend if generation_backend is not None else reg.get(
             "generation_backend", args.generation_backend, field="generation_backend")(model, tokenizer, args)
         logger.info(
-            "GRPO loss settings: loss_type=%s (aggregation %s) epsilon=%s epsilon_high=%s beta=%s num_iterations=%d "
+            "GRPO loss settings: loss_type=%s (aggregation %s, %s) beta=%s num_iterations=%d "
             "scale_rewards=%s importance_sampling_cap=%s zero_variance_filter=%s mask_truncated_completions=%s; "
             "G=%d, %d prompts x %d completions per step; rewards %s with weights %s.",
-            args.loss_type, self.loss_aggregation, args.epsilon, args.epsilon_high, args.beta,
+            args.loss_type, self.loss_aggregation, self.loss_settings, args.beta,
             args.num_iterations, args.scale_rewards, args.importance_sampling_cap, args.zero_variance_filter,
             args.mask_truncated_completions, args.num_generations, self.prompts_per_round, args.num_generations,
             self.reward_runner.names, weights,
         )
 
         # Our state goes into the folder before the completion marker: the marker comes last.
-        callbacks = list(callbacks or []) + [_StateCallback(self), CompleteCheckpointCallback("grpo")]
+        callbacks = list(callbacks or []) + [_StateCallback(self), CompleteCheckpointCallback(
+            on_complete=lambda step, path: notify_checkpoint_saved("grpo", step, path))]
         super().__init__(model=model, args=args, data_collator=_index_collator,
                          train_dataset=Dataset.from_list([{"row_index": i} for i in range(len(rows))]),
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
@@ -375,6 +327,24 @@ class GRPOTrainer(Trainer):
         self._health = _Health(args)
 
     # ------------------------------------------------------------------------------ data plumbing
+
+    def _prepare_prompts(self, train_dataset: Any, tokenizer: Any, args: Any) -> None:
+        """Validate the prompt rows and render each prompt to token ids once (before any model loads)."""
+        rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="GRPO")
+        self.rows, self.dataset_format = rows, prompt_fmt
+        self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
+                                                  chat_template_kwargs=args.chat_template_kwargs)
+        logger.info("GRPO data: %s, %d prompts, longest prompt %d tokens%s.", prompt_fmt.describe(), len(rows),
+                    max(len(p) for p in self.prompt_ids),
+                    f"; {n_cut} prompts cut to max_prompt_length={args.max_prompt_length}" if n_cut else "")
+        if n_cut:
+            logger.warning("GRPO: %d of %d prompts were longer than max_prompt_length=%s and were cut from the left.",
+                           n_cut, len(rows), args.max_prompt_length)
+
+    @staticmethod
+    def _to_rows(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Flat per-token values (row-major) -> [B, T] with zeros outside the mask."""
+        return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
 
     def build_prompt_sampler(self) -> RoundSampler:
         """The sampler of prompt indices (the wrapper seam for curricula and custom orders).
@@ -401,19 +371,15 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def generate_rollout(self, row_indices: Sequence[int]) -> Rollout:
         """Generate G completions for each prompt of the round and score them. Override to change the sampler."""
-        args, G = self.args, self.args.num_generations
         t0 = time.perf_counter()
-        prompt_ids = [self.prompt_ids[i] for i in row_indices]
-        seed = (args.seed * 1_000_003 + self.state.global_step * 7919 + self.accelerator.process_index) % (2**63)
         self.generation_backend.sync_weights(self.model)
-        groups = self.generation_backend.generate(prompt_ids, self.sampling, n=G, seed=seed)
-        t_gen = time.perf_counter() - t0
-        completion_ids = [c.token_ids for g in groups for c in g]
-        rows = [self.rows[i] for i in row_indices for _ in range(G)]
-        t1 = time.perf_counter()
-        rewards_per_func = self.compute_rewards(rows, completion_ids)
-        t_score = time.perf_counter() - t1
-        return self.build_rollout(row_indices, groups, rewards_per_func, t_gen, t_score)
+        t_sync = time.perf_counter() - t0
+        scored = generate_and_score(
+            self.generation_backend, [self.prompt_ids[i] for i in row_indices], [self.rows[i] for i in row_indices],
+            sampling=self.sampling, n=self.args.num_generations, score=self.compute_rewards,
+            seed=generation_seed(self.args.seed, self.state.global_step, self.accelerator.process_index))
+        return self.build_rollout(row_indices, scored.groups, scored.rewards_per_func, t_sync + scored.generation_s,
+                                  scored.scoring_s)
 
     @torch.no_grad()
     def build_rollout(self, row_indices: Sequence[int], groups: list[list[Completion]], rewards_per_func: torch.Tensor,
@@ -429,7 +395,7 @@ class GRPOTrainer(Trainer):
                 raise TrainingHealthError(
                     f"GRPO step {self.state.global_step}: reward function '{name}' returned inf for "
                     f"{int(torch.isinf(values).sum())} rows. Return a finite number, or None to exclude a row.")
-        total = _weighted_total(rewards_per_func, self.reward_weights)
+        total = weighted_total(rewards_per_func, self.reward_weights)
         advantages, zero_std = self.compute_advantages(total)
         included = ~torch.isnan(total)
         if args.zero_variance_filter:
@@ -458,18 +424,15 @@ class GRPOTrainer(Trainer):
 
     def compute_rewards(self, rows: list[dict[str, Any]], completion_ids: list[list[int]]) -> torch.Tensor:
         """[F, R] rewards of each function for each row (NaN = excluded). Override to add a reward model."""
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        conversational = self.dataset_format.conversational
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        columns = {c: [r[c] for r in rows] for c in self.dataset_format.extra_columns}
-        outcome = self.reward_runner([r["prompt"] for r in rows], completions, completion_ids, columns)
-        self._last_texts = texts
+        outcome, self._last_texts = score_completions(
+            self.reward_runner, self.processing_class, rows, completion_ids,
+            conversational=self.dataset_format.conversational, extra_columns=self.dataset_format.extra_columns)
         self._reward_failures = outcome.failures
         return torch.tensor(outcome.rewards, dtype=torch.float32)
 
     def compute_advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages [R], zero_std [R]) from total rewards by `advantage_estimator`; override or register another."""
-        return self.advantage_fn(rewards, group_size=self.args.num_generations, config=self.args)
+        return self.advantage_estimator(AdvantageInputs(rewards, self.args.num_generations), self.advantage_settings)
 
     def _score_rows(self, model: torch.nn.Module | None, rollout: Rollout) -> list[torch.Tensor]:
         """Per-row completion log-probs under `model` (None: the reference) without gradients."""
@@ -541,47 +504,30 @@ class GRPOTrainer(Trainer):
         return completion_logps(model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
                                 upcast=self.args.fp32_lm_head, hidden=hidden)
 
-    def compute_policy_loss(self, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
-                            mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token policy loss [B, T] and metric info from the loss registered as `loss_type`."""
-        return self.policy_loss_fn(logps, old_logps, advantages, config=self.args, mask=mask)
+    def compute_policy_loss(self, inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token policy loss [B, T] and metric masks: the registered `loss_type` (the wrapper seam).
+
+        Before toolkit 0.2 this seam took `(logps, old_logps, advantages, mask)`; a subclass overriding it in
+        that form still works for one minor version, with a ToolkitDeprecationWarning.
+        """
+        return self.policy_loss(inputs, self.loss_settings)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        args = self.args
         flat = self.compute_token_logps(model, inputs)
         mask = inputs["completion_mask"]
-        loss_mask = inputs["loss_mask"]
-        logps = torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
+        logps = self._to_rows(flat, mask)
         old = inputs.get("old_logps")
-        old = logps.detach() if old is None else old
-        per_token, info = self.compute_policy_loss(logps, old, inputs["advantages"], loss_mask)
-        tis = None
-        if args.importance_sampling_cap is not None:
-            tis = truncated_importance_weights(old, inputs["sampler_logps"], args.importance_sampling_cap,
-                                               level=args.importance_sampling_level, mask=mask)
-            per_token = per_token * tis
-        kl = None
-        if args.beta > 0:
-            kl = kl_estimate(logps, inputs["ref_logps"], "k3")
-            kl_term = kl * torch.exp(logps - old) if args.kl_bias_correction else kl
-            per_token = per_token + args.beta * kl_term
-        mode = self.loss_aggregation
-        GA = self.current_gradient_accumulation_steps if model.training else 1
-        if mode == "token" and args.loss_type == "bnpo":  # TRL's bnpo: token mean per micro-batch
-            loss = aggregate(per_token, loss_mask, "token") / GA
-        else:
-            loss = aggregate(per_token, loss_mask, mode, constant=args.max_completion_length,
-                             group_ids=inputs["group_ids"], num_items=inputs["step_tokens"],
-                             num_sequences=inputs["step_prompts"] if mode == "prompt" else inputs["step_sequences"])
-        self._health.check_finite(self.state.global_step, loss=loss, logps=flat, advantages=inputs["advantages"])
-        self._record_loss_metrics(logps.detach(), old, info, tis, kl, mask, loss_mask)
-        # How far the sampler's log-probs are from the trainer's for the same tokens (engine numerics,
-        # stale weights): the quantity importance_sampling_cap corrects, logged every step.
-        gap = (old - inputs["sampler_logps"]).abs()[mask]
-        if gap.numel():
-            self._step_metrics["sampler/logp_abs_diff_mean"].append(float(gap.mean()))
-            self._step_metrics["sampler/logp_abs_diff_max"].append(float(gap.max()))
-        return (loss, {"logps": flat.detach()}) if return_outputs else loss
+        loss_inputs = PolicyLossInputs(
+            logps=logps, old_logps=logps.detach() if old is None else old, advantages=inputs["advantages"],
+            loss_mask=inputs["loss_mask"], completion_mask=mask, sampler_logps=inputs["sampler_logps"],
+            ref_logps=inputs.get("ref_logps"), group_ids=inputs["group_ids"], step_tokens=inputs["step_tokens"],
+            step_sequences=inputs["step_sequences"], step_prompts=inputs["step_prompts"],
+            num_micro_batches=self.current_gradient_accumulation_steps if model.training else 1)
+        out = policy_objective(loss_inputs, self.compute_policy_loss, aggregation=self.loss_aggregation,
+                               settings=self.objective_settings)
+        self._health.check_finite(self.state.global_step, loss=out.loss, logps=flat, advantages=inputs["advantages"])
+        self._record_loss_metrics(loss_inputs, out)
+        return (out.loss, {"logps": flat.detach()}) if return_outputs else out.loss
 
     # ------------------------------------------------------------------------------ the step
 
@@ -648,10 +594,10 @@ class GRPOTrainer(Trainer):
             m[f"rewards/{name}/failures"] = float(self._reward_failures.get(name, 0))
         return m
 
-    def _record_loss_metrics(self, logps, old, info, tis, kl, mask, loss_mask) -> None:
+    def _record_loss_metrics(self, inputs: PolicyLossInputs, out: PolicyLossOutput) -> None:
         s = self._step_metrics
-        denom = max(int(loss_mask.sum()), 1)
-        lm = loss_mask
+        info, tis, kl, mask, lm = out.info, out.importance_weights, out.kl, inputs.completion_mask, inputs.loss_mask
+        denom = max(int(lm.sum()), 1)
         if "clipped_low" in info:
             s["clip_ratio/low_mean"].append(float((info["clipped_low"] & lm).sum()) / denom)
             s["clip_ratio/high_mean"].append(float((info["clipped_high"] & lm).sum()) / denom)
@@ -663,6 +609,12 @@ class GRPOTrainer(Trainer):
             s["importance_ratio/max_max"].append(float(sel.max()) if sel.numel() else 1.0)
         if kl is not None:
             s["kl"].append(float((kl.detach() * mask).sum() / max(int(mask.sum()), 1)))
+        # How far the sampler's log-probs are from the trainer's for the same tokens (engine numerics, stale
+        # weights): the quantity importance_sampling_cap corrects, logged every step.
+        gap = (inputs.old_logps - inputs.sampler_logps).abs()[mask]
+        if gap.numel():
+            s["sampler/logp_abs_diff_mean"].append(float(gap.mean()))
+            s["sampler/logp_abs_diff_max"].append(float(gap.max()))
         head = unwrap_model(self.model).get_output_embeddings()
         ent = chunked_entropy(self._last_hidden, head.weight.detach(), temperature=self.args.temperature,
                               chunk_size=self.args.logps_chunk_size)
@@ -735,11 +687,27 @@ def _index_collator(features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
     return {"row_index": torch.tensor([f["row_index"] for f in features], dtype=torch.long)}
 
 
-def _weighted_total(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Sum of weight x reward over the functions that judged each row; NaN where none did."""
-    judged = ~torch.isnan(rewards_per_func)
-    total = (torch.where(judged, rewards_per_func, torch.zeros_like(rewards_per_func)) * weights[:, None]).sum(0)
-    return torch.where(judged.any(0), total, torch.full_like(total, float("nan")))
+def _adapt_legacy_policy_loss_seam(cls: type) -> None:
+    """A subclass overriding `compute_policy_loss(logps, old_logps, advantages, mask)` (the toolkit 0.1 seam):
+    wrap it once into the 0.2 form `compute_policy_loss(inputs)`, with a deprecation warning."""
+    override = next(k.__dict__["compute_policy_loss"] for k in cls.__mro__ if "compute_policy_loss" in k.__dict__)
+    if getattr(override, "_toolkit_adapted", False) or override is GRPOTrainer.compute_policy_loss:
+        return
+    if "inputs" in inspect.signature(override).parameters:
+        return
+    warnings.warn(f"{cls.__name__}.compute_policy_loss(logps, old_logps, advantages, mask) is the toolkit 0.1 seam, "
+                  "deprecated in 0.2 and removed in 0.4: override compute_policy_loss(self, inputs: PolicyLossInputs) "
+                  "and read inputs.logps, inputs.old_logps, inputs.advantages, inputs.loss_mask.",
+                  ToolkitDeprecationWarning, stacklevel=3)
+
+    def adapted(self, inputs: PolicyLossInputs):
+        return override(self, inputs.logps, inputs.old_logps, inputs.advantages, inputs.loss_mask)
+
+    adapted._toolkit_adapted = True  # type: ignore[attr-defined]
+    for klass in cls.__mro__:
+        if "compute_policy_loss" in klass.__dict__:
+            setattr(klass, "compute_policy_loss", adapted)
+            break
 
 
 def _pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:

@@ -29,24 +29,31 @@ Hooks come in two lifecycle groups:
 
 from __future__ import annotations
 
+__all__ = [
+    "HOOKS_VERSION",
+    "REGISTRATION_HOOKS",
+    "ToolkitDeprecationWarning",
+    "hookimpl",
+    "hookspec",
+]
+
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pluggy
 
+from .errors import ToolkitDeprecationWarning
+
 PROJECT_NAME = "toolkit"
-#: Bumped on every added, deprecated or removed hook or hook argument.
-HOOKS_VERSION = "1.0"
+#: Bumped on every added, deprecated or removed hook, hook argument or registered-object form.
+#: 1.1 (toolkit 0.2): losses and estimators are registered as objects on typed inputs (PolicyLoss,
+#: PreferenceLoss, AdvantageEstimator); the 1.0 callable form still works, with a ToolkitDeprecationWarning,
+#: until hooks 2.0.
+HOOKS_VERSION = "1.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-
-class ToolkitDeprecationWarning(FutureWarning):
-    """Raised through pluggy's warn_on_impl(_args) when a plugin implements a deprecated hook or argument.
-
-    A FutureWarning (shown by default), because plugin authors, not only toolkit developers, must see it.
-    """
 
 
 # --------------------------------------------------------------------------------------------------
@@ -55,53 +62,64 @@ class ToolkitDeprecationWarning(FutureWarning):
 
 
 @hookspec
-def toolkit_register_policy_losses() -> Mapping[str, Callable[..., Any]]:
+def toolkit_register_policy_losses() -> Mapping[str, Any]:
     """Policy losses for GRPO-family trainers, by `loss_type` name.
 
-    Added in hooks 1.0 (toolkit 0.1).
+    Added in hooks 1.0 (toolkit 0.1); objects on typed inputs since hooks 1.1 (toolkit 0.2).
 
     Returns:
-        {name: loss}. `loss(logps, old_logps, advantages, *, config, mask)` gets the trainer's
-        per-token log-probs `logps` [B, T] (with gradient), the log-probs of the policy that
-        sampled the completions `old_logps` [B, T] (no gradient), per-sequence `advantages` [B],
-        the trainer's config and the boolean loss `mask` [B, T]; it returns `(per_token_loss
-        [B, T], info)` where `info` maps metric names to [B, T] bool tensors ("clipped_low",
-        "clipped_high" are logged as clip ratios). The trainer applies the sampler correction, the
-        KL term and the aggregation; the loss only shapes each token's term.
+        {name: toolkit.PolicyLoss}. A `PolicyLoss(fn, settings=<dataclass>, aggregation=...)` wraps
+        `fn(inputs: PolicyLossInputs, settings) -> (per_token_loss [B, T], info)`: `inputs` holds the
+        trainer's per-token log-probs (with gradient), pi_old's, the sampler's and the reference's,
+        advantages, the loss and completion masks, group ids and the step's token/sequence/prompt counts;
+        `settings` is an instance of the loss's own settings dataclass, filled from the config's
+        `loss_kwargs` and from config fields of the same name (e.g. `epsilon`), validated before any model
+        loads. `info` maps metric names to [B, T] bool tensors ("clipped_low", "clipped_high" are logged as
+        clip ratios). The trainer config is never passed: the loss depends only on what it declares.
+        `toolkit.core.objectives.policy_objective` applies the sampler correction, the KL term and the
+        `aggregation` ("token" | "sequence" | "constant" | "prompt" | "micro_batch_token").
 
-        Optional attributes on the callable: `aggregation` ("token" | "sequence" | "constant" |
-        "prompt", default "token") and `check_config(config)`, called when the config is built so
-        that bad settings (e.g. unknown `loss_kwargs`) fail before any model loads. Loss-specific
-        settings are read from `config.loss_kwargs`.
+        Deprecated (hooks 1.1, removed in 2.0): a plain callable `loss(logps, old_logps, advantages, *,
+        config, mask)` with optional `aggregation` / `check_config(config)` attributes still works and
+        emits a ToolkitDeprecationWarning naming the plugin.
     """
 
 
 @hookspec
-def toolkit_register_preference_losses() -> Mapping[str, Callable[..., Any]]:
+def toolkit_register_preference_losses() -> Mapping[str, Any]:
     """Preference losses for DPO-family trainers, by `loss_type` name.
 
-    Added in hooks 1.0 (toolkit 0.1).
+    Added in hooks 1.0 (toolkit 0.1); objects on typed inputs since hooks 1.1 (toolkit 0.2).
 
     Returns:
-        {name: loss}. `loss(chosen_logratios, rejected_logratios, *, config, chosen_lengths,
-        rejected_lengths)` gets log pi(y|x) - log pi_ref(y|x) summed over each answer's tokens
-        ([B] each; with `reference_free` the reference term is 0) and the answers' token counts;
-        it returns the per-pair loss [B]. The trainer weights it (`loss_weights`) and averages.
-        Optional `check_config(config)` as for policy losses.
+        {name: toolkit.PreferenceLoss}. `PreferenceLoss(fn, settings=<dataclass>)` wraps
+        `fn(inputs: PreferenceLossInputs, settings) -> per-pair loss [B]`; `inputs` holds the chosen and
+        rejected log-ratios log pi(y|x) - log pi_ref(y|x) summed over each answer ([B] each; with
+        `reference_free` the reference term is 0) and the answers' token counts; `settings` is filled from
+        the config's `loss_kwargs` and same-named config fields (`beta`, `label_smoothing`). The trainer
+        weights the losses (`loss_weights`) and averages.
+
+        Deprecated (hooks 1.1, removed in 2.0): a plain callable `loss(chosen_logratios,
+        rejected_logratios, *, config, chosen_lengths, rejected_lengths)`; it warns.
     """
 
 
 @hookspec
-def toolkit_register_advantage_estimators() -> Mapping[str, Callable[..., Any]]:
+def toolkit_register_advantage_estimators() -> Mapping[str, Any]:
     """Advantage estimators for GRPO-family trainers, by `advantage_estimator` name.
 
-    Added in hooks 1.0 (toolkit 0.1).
+    Added in hooks 1.0 (toolkit 0.1); objects on typed inputs since hooks 1.1 (toolkit 0.2).
 
     Returns:
-        {name: estimator}. `estimator(rewards, *, group_size, config)` gets the total reward of
-        every completion [R] (groups of `group_size` contiguous rows; NaN marks a row without a
-        reward) and returns `(advantages [R], zero_std [R] bool)`; `zero_std` marks rows whose
-        group carries no learning signal (they are dropped when `zero_variance_filter` is on).
+        {name: toolkit.AdvantageEstimator}. `AdvantageEstimator(fn, settings=<dataclass>)` wraps
+        `fn(inputs: AdvantageInputs, settings) -> (advantages [R], zero_std [R] bool)`: `inputs.rewards` is
+        the total reward of every completion [R] (groups of `inputs.group_size` contiguous rows; NaN marks a
+        row without a reward); `zero_std` marks rows whose group carries no learning signal (dropped when
+        `zero_variance_filter` is on). Settings come from `advantage_estimator_kwargs` and same-named
+        config fields (`scale_rewards`).
+
+        Deprecated (hooks 1.1, removed in 2.0): a plain callable `estimator(rewards, *, group_size,
+        config)`; it warns.
     """
 
 

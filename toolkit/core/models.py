@@ -8,6 +8,19 @@ about a second. The cache folder is `$TOOLKIT_CACHE` (default `~/.cache/toolkit`
 
 from __future__ import annotations
 
+__all__ = [
+    "DEFAULT_MODEL",
+    "apply_cpu_training_defaults",
+    "apply_peft",
+    "cache_dir",
+    "embedded_model_path",
+    "is_embedded_name",
+    "load_model",
+    "load_tokenizer",
+    "resolve_model_path",
+    "unwrap_model",
+]
+
 import importlib.util
 import json
 import logging

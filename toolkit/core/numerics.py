@@ -16,12 +16,24 @@ import torch
 
 __all__ = [
     "AGGREGATIONS",
+    "DEFAULT_CHUNK_SIZE",
+    "SCALE_REWARDS",
+    "Aggregation",
     "aggregate",
     "chunked_entropy",
     "chunked_token_logps",
+    "clipped_surrogate",
+    "clipped_value_loss",
+    "explained_variance",
+    "gae",
+    "group_advantages",
     "kl_estimate",
     "masked_mean",
     "masked_sum",
+    "masked_whiten",
+    "preference_loss",
+    "rloo_advantages",
+    "truncated_importance_weights",
 ]
 
 #: Default number of token positions whose logits exist at once: 512 x 49,152 x 4 bytes = 100 MB.

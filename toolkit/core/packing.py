@@ -9,6 +9,16 @@ rows get a right-padded batch instead; the log-probs are the same (tested).
 
 from __future__ import annotations
 
+__all__ = [
+    "completion_hidden",
+    "completion_logps",
+    "group_by_prompt",
+    "pack_completions",
+    "pack_shared_prompts",
+    "sequence_sums",
+    "to_padded",
+]
+
 from collections.abc import Sequence
 from typing import Any
 

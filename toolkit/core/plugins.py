@@ -18,6 +18,21 @@ names up with `registry().get(kind, name)` and validate configs with `registry()
 
 from __future__ import annotations
 
+__all__ = [
+    "AUTOLOAD_ENV",
+    "ENTRY_POINT_GROUP",
+    "PLUGINS_ENV",
+    "PluginError",
+    "PluginRegistry",
+    "Registered",
+    "notify_checkpoint_saved",
+    "notify_step_metrics",
+    "register",
+    "registry",
+    "reset_registry",
+    "resolve_reward",
+]
+
 import difflib
 import importlib
 import importlib.metadata
@@ -32,7 +47,11 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .errors import ToolkitError
+from .errors import ConfigError, ToolkitError
+from .objectives import AdvantageEstimator, PolicyLoss, PreferenceLoss
+from .objectives.advantages import legacy_advantage_estimator
+from .objectives.policy import legacy_policy_loss
+from .objectives.preference import legacy_preference_loss
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +90,20 @@ def _autoload_disabled() -> bool:
 
 
 def _toolkit_version() -> str:
-    from toolkit import __version__
+    from .._version import __version__
 
     return __version__
+
+
+def _coerce(kind: str, name: str, obj: Any, origin: str) -> Any:
+    """Registered objects as the hooks-1.1 types; hooks-1.0 plain callables adapted (with a deprecation warning)."""
+    if kind == "policy_loss" and not isinstance(obj, PolicyLoss):
+        return legacy_policy_loss(obj, name=name, origin=origin)
+    if kind == "preference_loss" and not isinstance(obj, PreferenceLoss):
+        return legacy_preference_loss(obj, name=name, origin=origin)
+    if kind == "advantage_estimator" and not isinstance(obj, AdvantageEstimator):
+        return legacy_advantage_estimator(obj, name=name, origin=origin)
+    return obj
 
 
 class PluginRegistry:
@@ -191,6 +221,7 @@ class PluginRegistry:
                             f"({first.package}) and by plugin '{plugin}' ({package}). Names must be unique; "
                             f"uninstall one of the packages, or set {AUTOLOAD_ENV}=1 and load the one you want "
                             f"with {PLUGINS_ENV}=<module>.")
+                    obj = _coerce(kind, name, obj, f"plugin '{plugin}' ({package})")
                     tables[kind][name] = Registered(kind, name, obj, plugin, package)
         self._tables = tables
         return tables
@@ -199,9 +230,7 @@ class PluginRegistry:
         return sorted(self.tables()[kind])
 
     def get(self, kind: str, name: str, *, field: str | None = None) -> Any:
-        """The callable registered as `name`; a ConfigError naming the field and close names otherwise."""
-        from .errors import ConfigError
-
+        """The object registered as `name`; a ConfigError naming the field and close names otherwise."""
         table = self.tables()[kind]
         if name in table:
             return table[name].obj
@@ -263,6 +292,20 @@ def reset_registry(new: PluginRegistry | None = None) -> PluginRegistry | None:
 def register(plugin: Any, name: str | None = None) -> None:
     """Register a plugin object or module with the process-wide registry (no packaging needed)."""
     registry().register(plugin, name)
+
+
+def resolve_reward(spec: str | Callable[..., Any]) -> Callable[..., Any]:
+    """A callable as is; a name from the plugin registry (built-ins included); else a parameterised spec."""
+    if callable(spec):
+        return spec
+    reg = registry()
+    if spec in reg.names("reward"):
+        return reg.get("reward", spec)
+    made = reg.make_reward(spec) if isinstance(spec, str) else None
+    if made is not None:
+        return made
+    raise ConfigError(f"reward_funcs: unknown reward '{spec}'. Registered: {reg.names('reward')}, plus "
+                      "'format:<regex>'; or pass a callable. Plugins add names (`toolkit plugins` lists them).")
 
 
 def notify_step_metrics(trainer: str, step: int, metrics: Mapping[str, float]) -> None:

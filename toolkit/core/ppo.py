@@ -9,7 +9,7 @@ and writes its own loop, because one PPO update is not one optimizer step. One u
    model on prompt + completion; `missing_eos_penalty` for completions that never stop.
 3. Without gradients, one packed forward each: the policy's log-probs (pi_old), the reference's,
    and the critic's values V(s_t) at every completion token.
-4. Per-token rewards: -kl_coef x KL_t (k1 or k3 against the reference) on every token, plus the
+4. Per-token rewards: -beta x KL_t (k1 or k3 against the reference) on every token, plus the
    score on the last token; GAE (`gamma`, `lam`) gives advantages and returns; advantages are
    whitened over the rollout's tokens.
 5. `num_ppo_epochs` passes over `num_mini_batches` shuffled mini-batches: clipped policy loss plus
@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import shutil
+import warnings
 import logging
 import math
 import time
@@ -53,13 +55,12 @@ from transformers.trainer_utils import TrainOutput
 from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import COMPLETE_MARKER, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
-from .errors import ConfigError, DataError, TrainingHealthError
+from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import SamplingParams
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import (
     DEFAULT_CHUNK_SIZE,
     chunked_entropy,
-    clipped_surrogate,
     clipped_value_loss,
     explained_variance,
     gae,
@@ -67,14 +68,27 @@ from .numerics import (
     masked_mean,
     masked_whiten,
 )
+from .objectives import ClipSettings, PolicyLossInputs, clipped_surrogate_term, resolve_settings
 from .packing import completion_hidden, completion_logps, pack_completions
-from .plugins import notify_checkpoint_saved, notify_step_metrics, registry
-from .rewards import RewardRunner
+from .plugins import notify_checkpoint_saved, notify_step_metrics, registry, resolve_reward
+from .rewards import RewardRunner, score_completions
+from .rollout import generation_seed, order_seed
+
+__all__ = [
+    "AdaptiveKLController",
+    "PPOConfig",
+    "PPORollout",
+    "PPOTrainer",
+    "ScalarHead",
+    "sequence_classifier_parts",
+]
 
 logger = logging.getLogger(__name__)
 
 CRITICS = ("separate", "head", "base")
-STATE_FILE = "ppo_state.pt"
+STATE_FILE = "ppo_state.pt"          # optimizer and scheduler tensors, loaded with weights_only=True
+STATE_JSON = "ppo_state.json"        # the rest of the loop's state: plain JSON
+CRITIC_FILE = "critic.safetensors"
 
 
 @dataclass
@@ -116,14 +130,17 @@ class PPOConfig(TrainingArguments):
         "help": "separate (own backbone: a copy of the policy's, or value_model) | head (value head on the "
                 "policy's hidden states, one shared forward) | base (PEFT: value head on the adapter-free base)."})
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
-    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio."})
+    epsilon: float = field(default=0.2, metadata={
+        "help": "Clip range of the policy ratio, [1 - epsilon, 1 + epsilon] (GRPO's name; TRL's PPO calls it cliprange)."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value update."})
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
-    kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient (initial value if adaptive)."})
+    beta: float = field(default=0.05, metadata={
+        "help": "KL penalty coefficient to the reference (initial value if adaptive; GRPO's name, TRL's PPO calls it "
+                "kl_coef)."})
     kl_estimator: str = field(default="k1", metadata={"help": "Per-token KL in the reward: k1 | k3."})
     target_kl: float | None = field(default=None, metadata={
-        "help": "Adaptive KL controller target (KL summed over a completion); None keeps kl_coef fixed."})
+        "help": "Adaptive KL controller target (KL summed over a completion); None keeps beta fixed."})
     kl_horizon: int = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller."})
     missing_eos_penalty: float | None = field(default=None, metadata={
         "help": "Subtracted from the score of completions that hit max_completion_length without a stop token."})
@@ -138,8 +155,20 @@ class PPOConfig(TrainingArguments):
     fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
     model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
+    kl_coef: float | None = field(default=None, metadata={
+        "help": "Deprecated alias of beta (toolkit 0.1's and TRL's PPO name); removed in toolkit 0.4."})
+    cliprange: float | None = field(default=None, metadata={
+        "help": "Deprecated alias of epsilon (toolkit 0.1's and TRL's PPO name); removed in toolkit 0.4."})
 
     def __post_init__(self):
+        # One name per concept across trainers: beta (KL coefficient) and epsilon (ratio clip), as in GRPO.
+        for old, new in (("kl_coef", "beta"), ("cliprange", "epsilon")):
+            value = getattr(self, old)
+            if value is not None:
+                warnings.warn(f"PPOConfig.{old} is deprecated since toolkit 0.2 and removed in 0.4; use {new} (the "
+                              f"name GRPO uses). Using {new}={value}.", ToolkitDeprecationWarning, stacklevel=3)
+                setattr(self, new, value)
+                setattr(self, old, None)
         # PPO's micro-batches are small, so recomputing activations costs more than the memory it saves:
         # measured on SmolLM2 (8 x ~56 tokens, policy + critic), 26.4 s/update with checkpointing vs 19.4 without.
         ckpt = "activation_checkpointing" if hasattr(self, "activation_checkpointing") else "gradient_checkpointing"
@@ -169,11 +198,11 @@ class PPOConfig(TrainingArguments):
             raise ConfigError(f"kl_estimator: '{self.kl_estimator}' is not k1 | k3.")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ConfigError(f"gamma, lam: must be in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
-        for name in ("cliprange", "cliprange_value"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}.")
-        if self.kl_coef < 0:
-            raise ConfigError(f"kl_coef: must be >= 0, got {self.kl_coef}.")
+        resolve_settings(ClipSettings, self, kwargs=None, kwargs_field="", owner="PPO")  # checks epsilon
+        if self.cliprange_value <= 0:
+            raise ConfigError(f"cliprange_value: must be > 0, got {self.cliprange_value}.")
+        if self.beta < 0:
+            raise ConfigError(f"beta: must be >= 0, got {self.beta}.")
         if self.target_kl is not None and self.target_kl <= 0:
             raise ConfigError(f"target_kl: must be > 0 or None, got {self.target_kl}.")
         if self.early_stop_approx_kl is not None and self.early_stop_approx_kl <= 0:
@@ -184,7 +213,7 @@ class PPOConfig(TrainingArguments):
 
 
 class AdaptiveKLController:
-    """Ziegler et al. (2019): move kl_coef by at most +-20% x n/horizon toward the KL target."""
+    """Ziegler et al. (2019): move the KL coefficient (beta) by at most +-20% x n/horizon toward the KL target."""
 
     def __init__(self, init: float, target: float | None, horizon: int):
         self.value, self.target, self.horizon = init, target, horizon
@@ -289,7 +318,8 @@ class PPOTrainer(Trainer):
                               "critic='separate' to use value_model.")
         if train_dataset is None:
             raise ConfigError("train_dataset: PPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
-        self.reward_runner = RewardRunner(reward_funcs, timeout=args.reward_timeout) if reward_funcs else None
+        self.reward_runner = (RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout)
+                              if reward_funcs else None)
         weights = args.reward_weights or [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
             raise ConfigError(f"reward_weights: {len(weights)} weights for {len(reward_funcs)} reward functions; "
@@ -300,16 +330,11 @@ class PPOTrainer(Trainer):
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="PPO")
+        self._prepare_prompts(train_dataset, tokenizer, args)
+        rows = self.rows
         if len(rows) < args.rollout_batch_size:
             raise ConfigError(f"train_dataset: {len(rows)} prompts, fewer than one update needs (rollout_batch_size="
                               f"{args.rollout_batch_size}).")
-        self.rows, self.dataset_format = rows, prompt_fmt
-        self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
-                                                  chat_template_kwargs=args.chat_template_kwargs)
-        if n_cut:
-            logger.warning("PPO: %d of %d prompts were longer than max_prompt_length=%s and were cut from the left.",
-                           n_cut, len(rows), args.max_prompt_length)
 
         # 2. Models: policy, reference, critic, reward model.
         init_kwargs = dict(model_init_kwargs or {})
@@ -351,13 +376,14 @@ class PPOTrainer(Trainer):
         )
         self.generation_backend = generation_backend if generation_backend is not None else registry().get(
             "generation_backend", args.generation_backend, field="generation_backend")(policy, tokenizer, args)
-        self.kl_controller = AdaptiveKLController(args.kl_coef, args.target_kl, args.kl_horizon)
+        self.kl_controller = AdaptiveKLController(args.beta, args.target_kl, args.kl_horizon)
+        self.clip_settings = ClipSettings(epsilon=args.epsilon)
         logger.info(
-            "PPO: %d prompts, %d completions per update, %d epochs x %d mini-batches; critic=%s; kl_coef=%s (%s%s); "
-            "gamma=%s lam=%s cliprange=%s cliprange_value=%s vf_coef=%s; rewards: %s%s.",
+            "PPO: %d prompts, %d completions per update, %d epochs x %d mini-batches; critic=%s; beta=%s (%s%s); "
+            "gamma=%s lam=%s epsilon=%s cliprange_value=%s vf_coef=%s; rewards: %s%s.",
             len(rows), args.rollout_batch_size, args.num_ppo_epochs, args.num_mini_batches, args.critic,
-            args.kl_coef, args.kl_estimator, f", adaptive to {args.target_kl}" if args.target_kl else ", fixed",
-            args.gamma, args.lam, args.cliprange, args.cliprange_value, args.vf_coef,
+            args.beta, args.kl_estimator, f", adaptive to {args.target_kl}" if args.target_kl else ", fixed",
+            args.gamma, args.lam, args.epsilon, args.cliprange_value, args.vf_coef,
             self.reward_runner.names if self.reward_runner else "[]", " + reward model" if reward_model else "")
 
         super().__init__(model=policy, args=args, train_dataset=Dataset.from_list([{"row_index": 0}]),
@@ -366,9 +392,23 @@ class PPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------------ data plumbing
 
+    # Copied from toolkit.core.grpo.GRPOTrainer._prepare_prompts with GRPO->PPO
+    def _prepare_prompts(self, train_dataset: Any, tokenizer: Any, args: Any) -> None:
+        """Validate the prompt rows and render each prompt to token ids once (before any model loads)."""
+        rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="PPO")
+        self.rows, self.dataset_format = rows, prompt_fmt
+        self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
+                                                  chat_template_kwargs=args.chat_template_kwargs)
+        logger.info("PPO data: %s, %d prompts, longest prompt %d tokens%s.", prompt_fmt.describe(), len(rows),
+                    max(len(p) for p in self.prompt_ids),
+                    f"; {n_cut} prompts cut to max_prompt_length={args.max_prompt_length}" if n_cut else "")
+        if n_cut:
+            logger.warning("PPO: %d of %d prompts were longer than max_prompt_length=%s and were cut from the left.",
+                           n_cut, len(rows), args.max_prompt_length)
+
     def build_prompt_order(self, epoch: int) -> list[int]:
         """The prompt order of one pass over the data (the sampler seam); deterministic per (seed, epoch)."""
-        g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(order_seed(self.args.seed, epoch))
         return torch.randperm(len(self.rows), generator=g).tolist()
 
     def _prompts_for_update(self, update: int) -> list[int]:
@@ -394,7 +434,7 @@ class PPOTrainer(Trainer):
         args = self.args
         t0 = time.perf_counter()
         prompts = [self.prompt_ids[i] for i in row_indices]
-        seed = (args.seed * 1_000_003 + update * 7919) % (2**63)
+        seed = generation_seed(args.seed, update)
         self.generation_backend.sync_weights(self.model)
         groups = self.generation_backend.generate(prompts, self.sampling, n=1, seed=seed)
         completions = [g[0].token_ids for g in groups]
@@ -444,11 +484,9 @@ class PPOTrainer(Trainer):
         """[B] scores: weighted reward functions plus the reward model. Override to score differently."""
         total = torch.zeros(len(rows))
         if self.reward_runner is not None:
-            texts = self.processing_class.batch_decode(completions, skip_special_tokens=True)
-            conv = self.dataset_format.conversational
-            shown = [[{"role": "assistant", "content": t}] for t in texts] if conv else texts
-            columns = {c: [r[c] for r in rows] for c in self.dataset_format.extra_columns}
-            outcome = self.reward_runner([r["prompt"] for r in rows], shown, completions, columns)
+            outcome, _ = score_completions(self.reward_runner, self.processing_class, rows, completions,
+                                           conversational=self.dataset_format.conversational,
+                                           extra_columns=self.dataset_format.extra_columns)
             per_func = torch.tensor(outcome.rewards, dtype=torch.float32)  # [F, B], NaN = failed
             for name, values in zip(self.reward_runner.names, per_func):
                 self._step_metrics[f"rewards/{name}/mean"].append(float(values.nanmean()))
@@ -494,9 +532,9 @@ class PPOTrainer(Trainer):
         return self.critic(hidden=hidden)
 
     def compute_policy_loss(self, logps, old_logps, advantages, mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token clipped surrogate [b, T] and clip masks."""
-        return clipped_surrogate(logps, old_logps, advantages, epsilon_low=self.args.cliprange,
-                                 epsilon_high=self.args.cliprange)
+        """Per-token clipped surrogate [b, T] and clip masks (the objectives room's term, per-token advantages)."""
+        return clipped_surrogate_term(PolicyLossInputs(logps, old_logps, advantages, loss_mask=mask),
+                                      self.clip_settings)
 
     def compute_value_loss(self, values, old_values, returns, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token clipped value loss [b, T] and where the clip won."""
@@ -554,7 +592,7 @@ class PPOTrainer(Trainer):
         self.model.train()
         self.critic.train()
         for epoch in range(args.num_ppo_epochs):
-            g = torch.Generator().manual_seed(args.seed * 1_000_003 + update * 7919 + epoch)
+            g = torch.Generator().manual_seed(generation_seed(args.seed, update, epoch))
             perm = torch.randperm(B, generator=g).tolist()
             for m in range(args.num_mini_batches):
                 idx = perm[m * mb:(m + 1) * mb]
@@ -664,23 +702,58 @@ class PPOTrainer(Trainer):
     # ----------------------------------------------------------------------------- checkpoints
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The policy (a loadable transformers model or adapter) plus the critic's weights in `critic.pt`."""
+        """The policy (a loadable transformers model or adapter) plus the critic's weights in `critic.safetensors`.
+
+        Only the main process writes (`should_save`), as Trainer.save_model does.
+        """
+        if not self.args.should_save:
+            return
+        from safetensors.torch import save_file
+
         out = Path(output_dir or self.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out)
         self.processing_class.save_pretrained(out)
-        torch.save({k: v for k, v in self.critic.state_dict().items()}, out / "critic.pt")
+        save_file({k: v.detach().contiguous() for k, v in self.critic.state_dict().items()},
+                  str(out / CRITIC_FILE))
 
     def _save_checkpoint_ppo(self) -> None:
+        """checkpoint-N with policy, critic, optimizer, scheduler, KL coefficient and trainer state; marker last.
+
+        PPO owns its loop, so it owns its checkpoints too (Trainer's _save_checkpoint is never called): the
+        same layout and completion marker as the other trainers, `save_total_limit` honoured by deleting old
+        checkpoints only after the new one is complete, and no pickle (tensors load with weights_only=True).
+        """
+        if not self.args.should_save:
+            return
         folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        # A folder being rewritten (a resumed run passing an old step again) stops counting as complete first.
+        (folder / COMPLETE_MARKER).unlink(missing_ok=True)
         self.save_model(str(folder))
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.lr_scheduler.state_dict(),
-                    "kl_coef": self.kl_controller.value, "global_step": self.state.global_step}, folder / STATE_FILE)
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.lr_scheduler.state_dict()},
+                   folder / STATE_FILE)
+        write_atomic(folder / STATE_JSON, json.dumps({"kl_coef": self.kl_controller.value,
+                                                      "global_step": self.state.global_step}))
         self.state.save_to_json(str(folder / "trainer_state.json"))
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         # Written last: a folder without it was interrupted mid-save and is never resumed from.
         write_atomic(folder / COMPLETE_MARKER, json.dumps({"global_step": self.state.global_step}))
         notify_checkpoint_saved("ppo", self.state.global_step, str(folder))
+        self._rotate_checkpoints(keep=folder)
+
+    def _rotate_checkpoints(self, keep: Path) -> None:
+        """Delete checkpoints beyond `save_total_limit`, oldest first, never `keep` (just completed)."""
+        limit = self.args.save_total_limit
+        if not limit or limit < 1:
+            return
+        root = Path(self.args.output_dir)
+        found = sorted((int(c.name.split("-")[1]), c) for c in root.glob("checkpoint-*")
+                       if c.is_dir() and c.name.split("-")[1].isdigit())
+        complete = [c for _, c in found if (c / COMPLETE_MARKER).exists()]
+        for old in complete[:-limit]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _load_checkpoint(self, path: str) -> int:
         from safetensors.torch import load_file
@@ -697,17 +770,22 @@ class PPOTrainer(Trainer):
             if unexpected or [k for k in missing if k not in tied]:
                 raise ConfigError(f"resume_from_checkpoint: '{path}' does not match this policy (missing "
                                   f"{missing[:3]}, unexpected {unexpected[:3]}).")
-        self.critic.load_state_dict(torch.load(folder / "critic.pt", weights_only=True))
-        state = torch.load(folder / STATE_FILE, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["scheduler"])
-        self.kl_controller.value = state["kl_coef"]
+        self.critic.load_state_dict(load_file(folder / CRITIC_FILE))
+        if not (folder / STATE_JSON).exists():
+            raise ConfigError(f"resume_from_checkpoint: '{path}' has no {STATE_JSON}; it was written by toolkit 0.1, "
+                              "whose PPO state was a pickle that toolkit no longer loads. Start a new run.")
+        tensors = torch.load(folder / STATE_FILE, weights_only=True)  # never unpickles code
+        loop = json.loads((folder / STATE_JSON).read_text())
+        self.optimizer.load_state_dict(tensors["optimizer"])
+        self.lr_scheduler.load_state_dict(tensors["scheduler"])
+        self.kl_controller.value = loop["kl_coef"]
         previous = TrainerState.load_from_json(str(folder / "trainer_state.json"))
         self.state.log_history = previous.log_history
-        return int(state["global_step"])
+        return int(loop["global_step"])
 
     # ------------------------------------------------------------------------------ helpers
 
+    # Copied from toolkit.core.grpo.GRPOTrainer._to_rows
     @staticmethod
     def _to_rows(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Flat per-token values (row-major) -> [B, T] with zeros outside the mask."""

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "AccuracyCallback",
+    "write_report",
+]
+
 import json
 import logging
 from pathlib import Path

@@ -28,7 +28,22 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+import torch
+
 from .errors import ConfigError
+
+__all__ = [
+    "RewardFunction",
+    "RewardOutcome",
+    "RewardRunner",
+    "format_reward",
+    "length_penalty",
+    "numeric_match",
+    "parse_number",
+    "reward_name",
+    "score_completions",
+    "weighted_total",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,22 +129,6 @@ def length_penalty(max_tokens: int, *, target: int | None = None, scale: float =
     return reward
 
 
-def resolve_reward(spec: str | RewardFunction) -> RewardFunction:
-    """A callable as is; a name from the plugin registry (built-ins included); else a parameterised spec."""
-    if callable(spec):
-        return spec
-    from .plugins import registry
-
-    reg = registry()
-    if spec in reg.names("reward"):
-        return reg.get("reward", spec)
-    made = reg.make_reward(spec) if isinstance(spec, str) else None
-    if made is not None:
-        return made
-    raise ConfigError(f"reward_funcs: unknown reward '{spec}'. Registered: {reg.names('reward')}, plus "
-                      "'format:<regex>'; or pass a callable. Plugins add names (`toolkit plugins` lists them).")
-
-
 def reward_name(fn: RewardFunction) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
@@ -152,8 +151,12 @@ class RewardOutcome:
 class RewardRunner:
     """Calls every reward function on a batch; async ones run concurrently, each under `timeout` seconds."""
 
-    def __init__(self, funcs: Sequence[str | RewardFunction], *, timeout: float = 60.0):
-        self.funcs = [resolve_reward(f) for f in funcs]
+    def __init__(self, funcs: Sequence[RewardFunction], *, timeout: float = 60.0):
+        named = [f for f in funcs if not callable(f)]
+        if named:
+            raise ConfigError(f"reward_funcs: RewardRunner takes callables; resolve names such as {named[0]!r} with "
+                              "toolkit.core.plugins.resolve_reward first (the trainers do).")
+        self.funcs = list(funcs)
         if not self.funcs:
             raise ConfigError("reward_funcs: give at least one reward function.")
         self.names = [reward_name(f) for f in self.funcs]
@@ -231,3 +234,27 @@ class RewardRunner:
                 results[i] = self._fail(self.names[i], n, e)
         return RewardOutcome(rewards=[r for r in results], names=list(self.names), failures=dict(self.failures),
                              seconds=time.perf_counter() - started)
+
+
+def score_completions(runner: RewardRunner, tokenizer: Any, rows: Sequence[dict[str, Any]],
+                      completion_ids: Sequence[Sequence[int]], *, conversational: bool,
+                      extra_columns: Sequence[str]) -> tuple[RewardOutcome, list[str]]:
+    """Decode sampled ids and run every reward function on them: the one scoring path of GRPO, PPO and the
+    async worker. Returns the outcome and the decoded texts (for logs).
+
+    Conversational data gets completions as `[{"role": "assistant", "content": text}]`; every extra dataset
+    column arrives as a keyword argument with one value per completion.
+    """
+    texts = tokenizer.batch_decode([list(ids) for ids in completion_ids], skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    columns = {c: [r[c] for r in rows] for c in extra_columns}
+    outcome = runner([r["prompt"] for r in rows], completions, [list(ids) for ids in completion_ids], columns)
+    return outcome, texts
+
+
+def weighted_total(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[R] sum of weight x reward over the functions that judged each row ([F, R] in, NaN = not judged);
+    NaN where no function did."""
+    judged = ~torch.isnan(rewards_per_func)
+    total = (torch.where(judged, rewards_per_func, torch.zeros_like(rewards_per_func)) * weights[:, None]).sum(0)
+    return torch.where(judged.any(0), total, torch.full_like(total, float("nan")))

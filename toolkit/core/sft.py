@@ -20,6 +20,11 @@ per-token log-probs are computed), `compute_sft_loss` (the loss from those log-p
 
 from __future__ import annotations
 
+__all__ = [
+    "SFTConfig",
+    "SFTTrainer",
+]
+
 import logging
 import math
 import time
@@ -44,7 +49,7 @@ from .data import (
 from .errors import ConfigError, TrainingHealthError
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
-from .plugins import notify_step_metrics
+from .plugins import notify_checkpoint_saved, notify_step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +204,8 @@ class SFTTrainer(Trainer):
             self.dataset_format.describe(), completion_only, args.assistant_only_loss, args.packing,
             packed, args.max_length, args.gradient_checkpointing, report.loss_tokens,
         )
-        callbacks = list(callbacks or []) + [CompleteCheckpointCallback("sft")]
+        callbacks = list(callbacks or []) + [CompleteCheckpointCallback(
+            on_complete=lambda step, path: notify_checkpoint_saved("sft", step, path))]
         super().__init__(
             model=model, args=args, data_collator=collator,
             train_dataset=Dataset.from_list(train_tok),

@@ -8,6 +8,13 @@ problems are removed from the training set).
 
 from __future__ import annotations
 
+__all__ = [
+    "PROMPT_SUFFIX",
+    "arithmetic",
+    "arithmetic_splits",
+    "greedy_accuracy",
+]
+
 import random
 from typing import Any
 

@@ -23,6 +23,15 @@ not replay the exact samples it would have drawn (the transformers backend does)
 
 from __future__ import annotations
 
+__all__ = [
+    "INSTALL_HINT",
+    "VLLMBackend",
+    "VLLMServerBackend",
+    "engine_weights",
+    "parse_safetensors",
+    "require_vllm",
+]
+
 import concurrent.futures
 import json
 import logging

@@ -16,6 +16,12 @@ health check answers while a generation runs. Prints "READY <url>" once the engi
 
 from __future__ import annotations
 
+__all__ = [
+    "make_server",
+    "serve",
+    "serve_in_thread",
+]
+
 import json
 import logging
 import os

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from toolkit_cispo import cispo_loss
+from toolkit_cispo import CISPO, CISPOSettings
 
 import toolkit
 from toolkit import ConfigError, GRPOConfig, GRPOTrainer
@@ -12,9 +12,15 @@ from toolkit.testing import fixed_rollout, tiny_model, tiny_tokenizer, trl_grpo_
 
 def test_registered_through_the_installed_entry_point():
     entry = toolkit.registry().tables()["policy_loss"]["cispo"]
-    assert entry.obj is cispo_loss
+    assert entry.obj is CISPO                            # a hooks-1.1 PolicyLoss: no deprecation shim
     assert entry.plugin == "cispo"                       # the entry-point name
-    assert entry.package == "toolkit-cispo 0.1.0"        # found through the package's metadata
+    assert entry.package == "toolkit-cispo 0.2.0"        # found through the package's metadata
+
+
+def cispo_loss(logps, old, adv, *, settings=CISPOSettings()):
+    """The loss on typed inputs, as the trainer calls it."""
+    return CISPO(toolkit.PolicyLossInputs(logps, old, adv, loss_mask=torch.ones_like(logps, dtype=torch.bool)),
+                 settings)
 
 
 def _grads(loss_fn, logps0, old, adv, **kw):
@@ -25,14 +31,13 @@ def _grads(loss_fn, logps0, old, adv, **kw):
 
 
 def test_keeps_the_gradient_where_ppo_clips():
-    cfg = GRPOConfig(output_dir="/tmp/unused", loss_type="cispo", num_generations=2, per_device_train_batch_size=2)
     logps = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, -3.0]])
     # token ratios pi/pi_old: row 0 = [e^0.5, 1, e^2.5] (A>0), row 1 = [e^-0.5, 1, e^1] (A<0)
     old = logps - torch.tensor([[0.5, 0.0, 2.5], [-0.5, 0.0, 1.0]])
     adv = torch.tensor([1.0, -2.0])
     ratio = torch.exp(logps - old)
 
-    g_cispo, info = _grads(cispo_loss, logps, old, adv, config=cfg)
+    g_cispo, info = _grads(cispo_loss, logps, old, adv)
     g_ppo, _ = _grads(lambda lp, o, a: clipped_surrogate(lp, o, a, epsilon_low=0.2, epsilon_high=0.2), logps, old,
                       adv)
     # CISPO: d/dlogp of -w A logp with w = sg(min(ratio, 5)) is -w A, on every token.
@@ -49,11 +54,15 @@ def test_keeps_the_gradient_where_ppo_clips():
 def test_epsilon_settings_and_bad_kwargs_fail_before_any_model():
     cfg = GRPOConfig(output_dir="/tmp/unused", loss_type="cispo", num_generations=2, per_device_train_batch_size=2,
                      loss_kwargs={"epsilon_max": 2.0, "epsilon_min": 0.5})
+    from toolkit.core.objectives import resolve_policy_loss_settings
+
+    settings = resolve_policy_loss_settings(CISPO, cfg, name="cispo")
+    assert settings == CISPOSettings(epsilon_max=2.0, epsilon_min=0.5)
     logps = torch.tensor([[0.0, 0.0]])
     old = torch.tensor([[-3.0, 3.0]])  # ratios e^3 and e^-3
-    g, _ = _grads(cispo_loss, logps, old, torch.tensor([1.0]), config=cfg)
+    g, _ = _grads(cispo_loss, logps, old, torch.tensor([1.0]), settings=settings)
     torch.testing.assert_close(g, torch.tensor([[-2.0, -0.5]]))
-    with pytest.raises(ConfigError, match=r"loss_kwargs: cispo does not know \['eps_max'\]"):
+    with pytest.raises(ConfigError, match=r"loss_kwargs: loss_type 'cispo' does not know 'eps_max'"):
         GRPOConfig(output_dir="/tmp/unused", loss_type="cispo", num_generations=2, per_device_train_batch_size=2,
                    loss_kwargs={"eps_max": 3.0})
     with pytest.raises(ConfigError, match="epsilon_min"):
@@ -73,7 +82,8 @@ def test_grpo_trains_with_cispo_end_to_end(tmp_path):
                      loss_kwargs={"epsilon_max": 1.05})
     trainer = GRPOTrainer(model, _reward, cfg, train_dataset=[{"prompt": f"Count {i}"} for i in range(8)],
                           processing_class=tiny_tokenizer())
-    assert trainer.policy_loss_fn is cispo_loss and trainer.loss_aggregation == "token"
+    assert trainer.policy_loss is CISPO and trainer.loss_aggregation == "token"
+    assert trainer.loss_settings == CISPOSettings(epsilon_max=1.05)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)

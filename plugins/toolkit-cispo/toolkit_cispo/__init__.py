@@ -10,59 +10,53 @@ stop its gradient, so every token keeps a REINFORCE gradient, only re-weighted:
 On-policy (r = 1) its gradient equals the clipped surrogate's; it differs exactly where PPO clips.
 Token-level aggregation over the whole optimizer step (as DAPO), which is what both papers use.
 
-Settings go in the GRPO config's `loss_kwargs`:
+Settings (`CISPOSettings`) go in the GRPO config's `loss_kwargs`, checked before any model loads:
     epsilon_max: upper bound of the IS weight (default 5.0, ScaleRL's recommendation);
     epsilon_min: lower bound (default None: no lower bound, as in MiniMax-M1).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from toolkit import ConfigError, hookimpl
+from toolkit import PolicyLoss, PolicyLossInputs, SettingsError, hookimpl
 
-__version__ = "0.1.0"
-
-DEFAULTS = {"epsilon_max": 5.0, "epsilon_min": None}
+__version__ = "0.2.0"
 
 
-def _settings(config) -> dict:
-    return {**DEFAULTS, **(getattr(config, "loss_kwargs", None) or {})}
+@dataclass(frozen=True)
+class CISPOSettings:
+    epsilon_max: float = 5.0
+    epsilon_min: float | None = None
+
+    def __post_init__(self):
+        if self.epsilon_max <= 0:
+            raise SettingsError("epsilon_max", f"must be a number > 0, got {self.epsilon_max!r}.")
+        if self.epsilon_min is not None and not 0 <= self.epsilon_min < self.epsilon_max:
+            raise SettingsError("epsilon_min", f"must be in [0, epsilon_max={self.epsilon_max}) or None, got "
+                                               f"{self.epsilon_min!r}.")
 
 
-def cispo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, *, config, mask=None, **_):
+def cispo_term(inputs: PolicyLossInputs, settings: CISPOSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token CISPO loss [B, T] and clip masks for the trainer's metrics."""
-    s = _settings(config)
-    ratio = torch.exp(logps.detach() - old_logps)
-    weight = ratio.clamp(min=s["epsilon_min"], max=s["epsilon_max"])  # clamp accepts None for "no bound"
-    adv = advantages[:, None]
-    loss = -weight * adv * logps
+    ratio = torch.exp(inputs.logps.detach() - inputs.old_logps)
+    weight = ratio.clamp(min=settings.epsilon_min, max=settings.epsilon_max)  # clamp accepts None for "no bound"
+    adv = inputs.advantages[:, None]
+    loss = -weight * adv * inputs.logps
     info = {
-        "clipped_high": (ratio > s["epsilon_max"]) & (adv > 0),
-        "clipped_low": ((ratio < s["epsilon_min"]) & (adv < 0)) if s["epsilon_min"] is not None
+        "clipped_high": (ratio > settings.epsilon_max) & (adv > 0),
+        "clipped_low": ((ratio < settings.epsilon_min) & (adv < 0)) if settings.epsilon_min is not None
         else torch.zeros_like(ratio, dtype=torch.bool),
     }
     return loss, info
 
 
-def check_config(config) -> None:
-    """Unknown or inconsistent loss_kwargs fail when the config is built, before any model loads."""
-    given = getattr(config, "loss_kwargs", None) or {}
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ConfigError(f"loss_kwargs: cispo does not know {unknown}; it takes {sorted(DEFAULTS)}.")
-    s = _settings(config)
-    if not isinstance(s["epsilon_max"], (int, float)) or s["epsilon_max"] <= 0:
-        raise ConfigError(f"loss_kwargs.epsilon_max: must be a number > 0, got {s['epsilon_max']!r}.")
-    if s["epsilon_min"] is not None and not 0 <= s["epsilon_min"] < s["epsilon_max"]:
-        raise ConfigError(f"loss_kwargs.epsilon_min: must be in [0, epsilon_max={s['epsilon_max']}) or None, got "
-                          f"{s['epsilon_min']!r}.")
-
-
-cispo_loss.aggregation = "token"
-cispo_loss.check_config = check_config
+CISPO = PolicyLoss(cispo_term, settings=CISPOSettings, aggregation="token",
+                   description="CISPO: clipped, stop-gradient IS weight x advantage x log-prob (MiniMax-M1, ScaleRL)")
 
 
 @hookimpl
 def toolkit_register_policy_losses():
-    return {"cispo": cispo_loss}
+    return {"cispo": CISPO}

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from toolkit_preference_losses import nca_pair, sppo_hard
+from toolkit_preference_losses import BetaSettings, nca_pair, sppo_hard
 
 import toolkit
-from toolkit import DPOConfig, DPOTrainer
+from toolkit import DPOConfig, DPOTrainer, PreferenceLossInputs
 from toolkit.testing import tiny_model, tiny_tokenizer, trl_dpo_inputs
 
 
@@ -27,18 +27,24 @@ def cfg(tmp_path, **kw):
 def test_registered_through_the_installed_entry_point():
     table = toolkit.registry().tables()["preference_loss"]
     assert table["nca_pair"].obj is nca_pair and table["sppo_hard"].obj is sppo_hard
-    assert {table[k].package for k in ("nca_pair", "sppo_hard")} == {"toolkit-preference-losses 0.1.0"}
+    assert {table[k].package for k in ("nca_pair", "sppo_hard")} == {"toolkit-preference-losses 0.2.0"}
+
+
+def _call(loss, z_w, z_l, beta=0.3):
+    from toolkit.core.objectives import resolve_preference_loss_settings
+
+    settings = resolve_preference_loss_settings(loss, cfg(Path("/tmp/unused"), beta=beta), name="x")
+    assert settings == BetaSettings(beta=beta)  # beta comes from the config field of that name
+    return loss(PreferenceLossInputs(z_w, z_l, torch.ones_like(z_w), torch.ones_like(z_l)), settings)
 
 
 def test_formulas_on_known_values():
-    c = cfg(Path("/tmp/unused"))
     z_w, z_l = torch.tensor([2.0, -1.0]), torch.tensor([-3.0, 0.5])
     s = torch.nn.functional.logsigmoid
-    torch.testing.assert_close(nca_pair(z_w, z_l, config=c),
-                               -s(0.3 * z_w) - 0.5 * s(-0.3 * z_w) - 0.5 * s(-0.3 * z_l))
-    torch.testing.assert_close(sppo_hard(z_w, z_l, config=c), (z_w - 0.5 / 0.3) ** 2 + (z_l + 0.5 / 0.3) ** 2)
+    torch.testing.assert_close(_call(nca_pair, z_w, z_l), -s(0.3 * z_w) - 0.5 * s(-0.3 * z_w) - 0.5 * s(-0.3 * z_l))
+    torch.testing.assert_close(_call(sppo_hard, z_w, z_l), (z_w - 0.5 / 0.3) ** 2 + (z_l + 0.5 / 0.3) ** 2)
     # sppo_hard is minimal exactly at z_w = 1/(2 beta), z_l = -1/(2 beta)
-    assert sppo_hard(torch.tensor([0.5 / 0.3]), torch.tensor([-0.5 / 0.3]), config=c).item() == pytest.approx(0.0)
+    assert _call(sppo_hard, torch.tensor([0.5 / 0.3]), torch.tensor([-0.5 / 0.3])).item() == pytest.approx(0.0)
 
 
 @pytest.mark.parametrize("loss_type", ["nca_pair", "sppo_hard"])

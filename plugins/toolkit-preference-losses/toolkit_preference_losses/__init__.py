@@ -11,28 +11,43 @@ answer's tokens) of the chosen (w) and rejected (l) answers:
   win probability 1 for the chosen and 0 for the rejected answer):
       (z_w - 1/(2b))^2 + (z_l + 1/(2b))^2
 
-b is the config's `beta`. Definitions follow TRL's DPOTrainer names, and the tests check the values
-against it.
+b is the config's `beta` (read into `BetaSettings`). Definitions follow TRL's DPOTrainer names, and
+the tests check the values against it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from toolkit import hookimpl
+from toolkit import PreferenceLoss, PreferenceLossInputs, SettingsError, hookimpl
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
-def nca_pair(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, *, config, **_) -> torch.Tensor:
-    w, lo = config.beta * chosen_logratios, config.beta * rejected_logratios
+@dataclass(frozen=True)
+class BetaSettings:
+    beta: float = 0.1
+
+    def __post_init__(self):
+        if self.beta <= 0:
+            raise SettingsError("beta", f"must be > 0, got {self.beta}.")
+
+
+def nca_pair_term(inputs: PreferenceLossInputs, settings: BetaSettings) -> torch.Tensor:
+    w, lo = settings.beta * inputs.chosen_logratios, settings.beta * inputs.rejected_logratios
     return -F.logsigmoid(w) - 0.5 * F.logsigmoid(-w) - 0.5 * F.logsigmoid(-lo)
 
 
-def sppo_hard(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, *, config, **_) -> torch.Tensor:
-    half = 0.5 / config.beta
-    return (chosen_logratios - half) ** 2 + (rejected_logratios + half) ** 2
+def sppo_hard_term(inputs: PreferenceLossInputs, settings: BetaSettings) -> torch.Tensor:
+    half = 0.5 / settings.beta
+    return (inputs.chosen_logratios - half) ** 2 + (inputs.rejected_logratios + half) ** 2
+
+
+nca_pair = PreferenceLoss(nca_pair_term, BetaSettings, "NCA pairwise (Chen et al. 2024)")
+sppo_hard = PreferenceLoss(sppo_hard_term, BetaSettings, "SPPO with hard win probabilities (Wu et al. 2024)")
 
 
 @hookimpl

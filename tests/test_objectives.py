@@ -1,0 +1,159 @@
+"""The objectives room: built-in losses and estimators as named objects, settings checked in one place, and
+`policy_objective` (sampler correction, KL, aggregation) against a naive re-implementation."""
+
+import math
+
+import pytest
+import torch
+
+from toolkit import (
+    ConfigError,
+    DPOConfig,
+    GRPOConfig,
+    PolicyLossInputs,
+    PolicyObjectiveSettings,
+    PPOConfig,
+    ToolkitDeprecationWarning,
+    policy_objective,
+    registry,
+)
+from toolkit.core.objectives import BUILTIN_POLICY_LOSSES, ClipSettings, resolve_settings
+
+
+def _batch(seed=0, B=4, T=5):
+    g = torch.Generator().manual_seed(seed)
+    logps = (-torch.rand(B, T, generator=g) * 3).requires_grad_(True)
+    old = logps.detach() + 0.3 * torch.randn(B, T, generator=g)
+    sampler = old + 0.2 * torch.randn(B, T, generator=g)
+    ref = old + 0.5 * torch.randn(B, T, generator=g)
+    lengths = torch.tensor([5, 3, 4, 1])
+    mask = torch.arange(T)[None] < lengths[:, None]
+    loss_mask = mask & torch.tensor([True, True, False, True])[:, None]
+    return PolicyLossInputs(logps=logps, old_logps=old, advantages=torch.tensor([1.0, -0.5, 0.7, 2.0]),
+                            loss_mask=loss_mask, completion_mask=mask, sampler_logps=sampler, ref_logps=ref,
+                            group_ids=torch.tensor([0, 0, 1, 1]), step_tokens=20.0, step_sequences=6.0,
+                            step_prompts=3.0, num_micro_batches=2)
+
+
+def _naive(inputs, aggregation, *, eps, eps_high, beta, cap, constant):
+    """Token by token, with Python loops: the composition the docstring of objectives/policy.py describes."""
+    B, T = inputs.logps.shape
+    terms = [[None] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            if not inputs.completion_mask[b, t]:
+                terms[b][t] = inputs.logps[b, t] * 0
+                continue
+            ratio = torch.exp(inputs.logps[b, t] - inputs.old_logps[b, t])
+            a = inputs.advantages[b]
+            term = -torch.min(ratio * a, ratio.clamp(1 - eps, 1 + eps_high) * a)
+            w = min(math.exp(float(inputs.old_logps[b, t] - inputs.sampler_logps[b, t])), cap)
+            term = term * w
+            r = inputs.ref_logps[b, t] - inputs.logps[b, t]
+            term = term + beta * (torch.exp(r) - r - 1) * ratio
+            terms[b][t] = term
+    sel = [(b, t) for b in range(B) for t in range(T) if inputs.loss_mask[b, t]]
+    if aggregation == "token":
+        return sum(terms[b][t] for b, t in sel) / inputs.step_tokens
+    if aggregation == "micro_batch_token":
+        return sum(terms[b][t] for b, t in sel) / len(sel) / inputs.num_micro_batches
+    if aggregation == "constant":
+        return sum(terms[b][t] for b, t in sel) / (inputs.step_sequences * constant)
+    if aggregation == "sequence":
+        total = 0
+        for b in range(B):
+            ts = [t for t in range(T) if inputs.loss_mask[b, t]]
+            if ts:
+                total = total + sum(terms[b][t] for t in ts) / len(ts)
+        return total / inputs.step_sequences
+    if aggregation == "prompt":
+        total = 0
+        for g in inputs.group_ids.unique().tolist():
+            cells = [(b, t) for b, t in sel if inputs.group_ids[b] == g]
+            if cells:
+                total = total + sum(terms[b][t] for b, t in cells) / len(cells)
+        return total / inputs.step_prompts
+    raise AssertionError(aggregation)
+
+
+@pytest.mark.parametrize("loss_type", sorted(BUILTIN_POLICY_LOSSES))
+def test_policy_objective_equals_a_naive_composition_for_every_builtin(loss_type):
+    loss = BUILTIN_POLICY_LOSSES[loss_type]
+    settings = ClipSettings(epsilon=0.2, epsilon_high=0.28)
+    objective = PolicyObjectiveSettings(beta=0.04, importance_sampling_cap=1.5, aggregation_constant=7)
+    inputs = _batch()
+    out = policy_objective(inputs, lambda i: loss(i, settings), aggregation=loss.aggregation, settings=objective)
+    (grad,) = torch.autograd.grad(out.loss, inputs.logps)
+    inputs2 = _batch()
+    want = _naive(inputs2, loss.aggregation, eps=0.2, eps_high=0.28, beta=0.04, cap=1.5, constant=7)
+    (want_grad,) = torch.autograd.grad(want, inputs2.logps)
+    torch.testing.assert_close(out.loss, want)
+    torch.testing.assert_close(grad, want_grad)
+    assert out.kl is not None and out.importance_weights is not None and out.importance_weights.max() <= 1.5
+
+
+def test_no_correction_and_no_kl_leave_the_term_alone():
+    inputs = _batch()
+    term = torch.ones_like(inputs.logps) * inputs.logps
+    out = policy_objective(inputs, lambda i: (term, {}), aggregation="token",
+                           settings=PolicyObjectiveSettings(beta=0.0, importance_sampling_cap=None))
+    assert out.kl is None and out.importance_weights is None
+    torch.testing.assert_close(out.per_token, term)
+
+
+def test_every_builtin_is_registered_as_an_object_with_settings():
+    reg = registry()
+    for kind in ("policy_loss", "preference_loss", "advantage_estimator"):
+        for name in reg.names(kind):
+            entry = reg.tables()[kind][name]
+            if entry.plugin == "toolkit.builtin":
+                assert hasattr(entry.obj, "settings") and entry.obj.description, (kind, name)
+
+
+def test_settings_errors_name_the_field_value_and_range(tmp_path):
+    base = dict(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2)
+    with pytest.raises(ConfigError, match=r"^epsilon: must be in \(0, 1\).*got -0.2 \(loss_type 'dapo'\)"):
+        GRPOConfig(**base, epsilon=-0.2)
+    with pytest.raises(ConfigError, match=r"^epsilon_high: must be > 0"):
+        GRPOConfig(**base, epsilon_high=0.0)
+    with pytest.raises(ConfigError, match=r"^scale_rewards: 'groups' is not one of"):
+        GRPOConfig(**base, scale_rewards="groups")
+    with pytest.raises(ConfigError, match=r"^importance_sampling_level: 'seq' is not token \| sequence"):
+        GRPOConfig(**base, importance_sampling_level="seq")
+    with pytest.raises(ConfigError, match=r"^beta: must be >= 0"):
+        GRPOConfig(**base, beta=-1.0)
+    with pytest.raises(ConfigError, match=r"advantage_estimator_kwargs: advantage_estimator 'rloo' takes no settings"):
+        GRPOConfig(**base, advantage_estimator="rloo", advantage_estimator_kwargs={"x": 1})
+    # label_smoothing above 0.5 would train towards the rejected answers
+    with pytest.raises(ConfigError, match=r"^label_smoothing: must be in \[0, 0.5\].*got 0.9 \(loss_type 'sigmoid'\)"):
+        DPOConfig(output_dir=str(tmp_path), label_smoothing=0.9)
+    with pytest.raises(ConfigError, match=r"^label_smoothing: robust DPO needs \[0, 0.5\)"):
+        DPOConfig(output_dir=str(tmp_path), loss_type="robust", label_smoothing=0.5)
+    with pytest.raises(ConfigError, match=r"loss_kwargs: no loss in loss_type \['hinge', 'sigmoid'\] takes \['margin'\]"):
+        DPOConfig(output_dir=str(tmp_path), loss_type=["sigmoid", "hinge"], loss_kwargs={"margin": 1.0})
+
+
+def test_resolve_settings_type_check_and_precedence():
+    class Cfg:
+        epsilon = 0.3
+
+    s = resolve_settings(ClipSettings, Cfg(), kwargs={"epsilon_high": 0.4}, kwargs_field="loss_kwargs", owner="x")
+    assert s == ClipSettings(epsilon=0.3, epsilon_high=0.4)
+    with pytest.raises(ConfigError, match=r"loss_kwargs.epsilon_high: x expects"):
+        resolve_settings(ClipSettings, Cfg(), kwargs={"epsilon_high": "high"}, kwargs_field="loss_kwargs", owner="x")
+    with pytest.raises(ConfigError, match=r"^epsilon: x expects float, got True"):
+        Cfg.epsilon = True
+        resolve_settings(ClipSettings, Cfg(), kwargs=None, kwargs_field="loss_kwargs", owner="x")
+
+
+def test_ppo_uses_grpo_names_and_keeps_the_old_ones_as_deprecated_aliases(tmp_path):
+    cfg = PPOConfig(output_dir=str(tmp_path), beta=0.1, epsilon=0.3)
+    assert (cfg.beta, cfg.epsilon) == (0.1, 0.3)
+    with pytest.warns(ToolkitDeprecationWarning, match=r"PPOConfig.kl_coef is deprecated.*use beta"):
+        old = PPOConfig(output_dir=str(tmp_path), kl_coef=0.02)
+    assert old.beta == 0.02 and old.kl_coef is None
+    with pytest.warns(ToolkitDeprecationWarning, match=r"PPOConfig.cliprange is deprecated.*use epsilon"):
+        old = PPOConfig(output_dir=str(tmp_path), cliprange=0.1)
+    assert old.epsilon == 0.1
+    with pytest.raises(ConfigError, match=r"^epsilon: must be in \(0, 1\)"):
+        PPOConfig(output_dir=str(tmp_path), epsilon=1.5)

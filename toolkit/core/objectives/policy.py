@@ -1,0 +1,233 @@
+"""Policy losses for the GRPO family, and the one function that turns a per-token term into the loss.
+
+"Change the GRPO loss" means this file. A trainer computes log-probs and hands over a
+`PolicyLossInputs`; `policy_objective` does the rest, in this order (each step says why):
+
+1. the per-token term of the chosen `PolicyLoss` (e.g. PPO's clipped surrogate with DAPO's clip-higher);
+2. truncated importance sampling: multiply by min(pi_old / pi_sampler, cap), because the engine that
+   sampled is not exactly the policy the ratio is taken against (kernels, stale weights; field note 8);
+3. the KL term beta x k3(pi || ref), times pi / pi_old when `kl_bias_correction` (the tokens were sampled
+   from pi_old, so this makes it an estimate of KL(pi || ref) and of its gradient);
+4. aggregation to a scalar, by the loss's `aggregation` (numerics.aggregate; "micro_batch_token" is TRL's
+   bnpo: a token mean per micro-batch divided by the number of micro-batches).
+
+Shapes: B completions (rows), T completion positions (right-padded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, ToolkitDeprecationWarning
+from ..numerics import AGGREGATIONS, aggregate, clipped_surrogate, kl_estimate, truncated_importance_weights
+from .settings import NoSettings, _LegacyConfigSettings, SettingsError, resolve_settings
+
+__all__ = [
+    "BUILTIN_POLICY_LOSSES",
+    "POLICY_AGGREGATIONS",
+    "ClipSettings",
+    "PolicyLoss",
+    "PolicyLossInputs",
+    "PolicyLossOutput",
+    "PolicyObjectiveSettings",
+    "clipped_surrogate_term",
+    "policy_objective",
+    "resolve_policy_loss_settings",
+]
+
+#: numerics.AGGREGATIONS plus TRL's bnpo ("micro_batch_token").
+POLICY_AGGREGATIONS = (*AGGREGATIONS, "micro_batch_token")
+
+
+@dataclass
+class PolicyLossInputs:
+    """Everything a policy loss may read about one micro-batch; no trainer config.
+
+    Tensors are on the model's device; `logps` carries the gradient, everything else does not.
+    """
+
+    logps: torch.Tensor                          # [B, T] the policy being trained, per completion token
+    old_logps: torch.Tensor                      # [B, T] pi_old: the ratio's denominator (= logps.detach() on-policy)
+    advantages: torch.Tensor                     # [B] per completion (GRPO) or [B, T] per token (PPO)
+    loss_mask: torch.Tensor                      # [B, T] bool: tokens that count in the loss
+    completion_mask: torch.Tensor | None = None  # [B, T] bool: tokens that exist (default: loss_mask)
+    sampler_logps: torch.Tensor | None = None    # [B, T] the behaviour policy, as the generation engine reported it
+    ref_logps: torch.Tensor | None = None        # [B, T] the reference policy (when beta > 0)
+    group_ids: torch.Tensor | None = None        # [B] index of each row's prompt within the step
+    step_tokens: float | torch.Tensor | None = None     # tokens in the loss over the whole optimizer step
+    step_sequences: float | torch.Tensor | None = None  # completions in the loss over the whole step
+    step_prompts: float | torch.Tensor | None = None    # prompts with a completion in the loss over the step
+    num_micro_batches: int = 1                   # gradient accumulation steps of this optimizer step
+
+    def __post_init__(self):
+        if self.completion_mask is None:
+            self.completion_mask = self.loss_mask
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A named per-token policy loss: `fn(inputs, settings) -> (per_token [B, T], info)`.
+
+    `info` maps metric names to [B, T] bool tensors; "clipped_low" / "clipped_high" are logged as clip
+    ratios. `settings` is the loss's settings dataclass (resolved by `resolve_settings`), `aggregation`
+    one of `POLICY_AGGREGATIONS`.
+    """
+
+    fn: Callable[[PolicyLossInputs, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    settings: type = NoSettings
+    aggregation: str = "token"
+    description: str = ""
+
+    def __post_init__(self):
+        if self.aggregation not in POLICY_AGGREGATIONS:
+            raise ValueError(f"PolicyLoss.aggregation: '{self.aggregation}' is not one of {POLICY_AGGREGATIONS}.")
+        if not dataclasses.is_dataclass(self.settings):
+            raise TypeError(f"PolicyLoss.settings: must be a dataclass type, got {self.settings!r}.")
+
+    def __call__(self, inputs: PolicyLossInputs, settings: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.fn(inputs, settings)
+
+
+@dataclass(frozen=True)
+class ClipSettings:
+    """PPO's clip range with DAPO's clip-higher: ratio clipped to [1 - epsilon, 1 + epsilon_high]."""
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None   # None: epsilon (symmetric)
+
+    def __post_init__(self):
+        if not 0 < self.epsilon < 1:
+            raise SettingsError("epsilon", f"must be in (0, 1) (the ratio is clipped at 1 - epsilon), got {self.epsilon}.")
+        if self.epsilon_high is not None and self.epsilon_high <= 0:
+            raise SettingsError("epsilon_high", f"must be > 0 or None (= epsilon), got {self.epsilon_high}.")
+
+
+def clipped_surrogate_term(inputs: PolicyLossInputs, settings: ClipSettings) -> tuple[torch.Tensor, dict]:
+    """-min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) per token (PPO, eq. 7 of Schulman et al. 2017)."""
+    high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
+    return clipped_surrogate(inputs.logps, inputs.old_logps, inputs.advantages, epsilon_low=settings.epsilon,
+                             epsilon_high=high)
+
+
+def _clip_loss(aggregation: str, description: str) -> PolicyLoss:
+    return PolicyLoss(clipped_surrogate_term, settings=ClipSettings, aggregation=aggregation, description=description)
+
+
+#: The built-in policy losses (registered through the plugin hooks by builtin_plugin). The GRPO-family names
+#: share one per-token term and differ in how it is averaged: that is what TRL's `loss_type` selects.
+BUILTIN_POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "grpo": _clip_loss("sequence", "clipped surrogate, mean over each completion, then over completions "
+                                   "(DeepSeekMath)"),
+    "bnpo": _clip_loss("micro_batch_token", "clipped surrogate, token mean per micro-batch (TRL's bnpo)"),
+    "dr_grpo": _clip_loss("constant", "clipped surrogate, sum / (completions x max_completion_length) (Dr. GRPO)"),
+    "dapo": _clip_loss("token", "clipped surrogate, token mean over the whole optimizer step (DAPO; default)"),
+    "prompt": _clip_loss("prompt", "clipped surrogate, token mean per prompt's group, then over prompts (ScaleRL)"),
+}
+
+
+@dataclass(frozen=True)
+class PolicyObjectiveSettings:
+    """What `policy_objective` adds around the loss's term; the GRPO config fields of the same names."""
+
+    beta: float = 0.0                              # KL coefficient to the reference; 0: no KL term
+    kl_bias_correction: bool = True
+    importance_sampling_cap: float | None = 2.0    # None: no sampler correction
+    importance_sampling_level: str = "token"       # token | sequence
+    aggregation_constant: float | None = None      # the "constant" aggregation's normaliser (max_completion_length)
+
+    def __post_init__(self):
+        if self.beta < 0:
+            raise SettingsError("beta", f"must be >= 0, got {self.beta}.")
+        if self.importance_sampling_cap is not None and self.importance_sampling_cap <= 0:
+            raise SettingsError("importance_sampling_cap", f"must be > 0 or None, got {self.importance_sampling_cap}.")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise SettingsError("importance_sampling_level",
+                                f"'{self.importance_sampling_level}' is not token | sequence.")
+
+
+@dataclass
+class PolicyLossOutput:
+    """The scalar loss and what a trainer logs about it."""
+
+    loss: torch.Tensor                                    # scalar
+    per_token: torch.Tensor                               # [B, T] after correction and KL, before aggregation
+    info: dict[str, torch.Tensor] = field(default_factory=dict)  # the loss's own per-token masks
+    importance_weights: torch.Tensor | None = None        # [B, T] TIS weights (None: no correction)
+    kl: torch.Tensor | None = None                        # [B, T] k3 estimate (None: beta = 0)
+
+
+def policy_objective(
+    inputs: PolicyLossInputs,
+    term: Callable[[PolicyLossInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    *,
+    aggregation: str,
+    settings: PolicyObjectiveSettings,
+) -> PolicyLossOutput:
+    """The policy loss of one micro-batch: the per-token `term`, sampler correction, KL, aggregation.
+
+    `term` is usually `lambda i: loss(i, loss_settings)`; trainers pass their `compute_policy_loss` seam.
+    """
+    per_token, info = term(inputs)
+    weights = None
+    if settings.importance_sampling_cap is not None and inputs.sampler_logps is not None:
+        weights = truncated_importance_weights(inputs.old_logps, inputs.sampler_logps, settings.importance_sampling_cap,
+                                               level=settings.importance_sampling_level, mask=inputs.completion_mask)
+        per_token = per_token * weights
+    kl = None
+    if settings.beta > 0:
+        if inputs.ref_logps is None:
+            raise ValueError("policy_objective: beta > 0 needs inputs.ref_logps")
+        kl = kl_estimate(inputs.logps, inputs.ref_logps, "k3")
+        kl_term = kl * torch.exp(inputs.logps - inputs.old_logps) if settings.kl_bias_correction else kl
+        per_token = per_token + settings.beta * kl_term
+    mask = inputs.loss_mask
+    if aggregation == "micro_batch_token":
+        loss = aggregate(per_token, mask, "token") / inputs.num_micro_batches
+    else:
+        loss = aggregate(per_token, mask, aggregation, constant=settings.aggregation_constant,
+                         group_ids=inputs.group_ids, num_items=inputs.step_tokens,
+                         num_sequences=inputs.step_prompts if aggregation == "prompt" else inputs.step_sequences)
+    return PolicyLossOutput(loss=loss, per_token=per_token, info=info, importance_weights=weights, kl=kl)
+
+
+# ------------------------------------------------------------------------------------------------
+# Settings resolution and the hooks-1.0 callable form
+# ------------------------------------------------------------------------------------------------
+
+
+
+def resolve_policy_loss_settings(loss: PolicyLoss, config: Any, *, name: str) -> Any:
+    """The settings of policy loss `name` from `config.loss_kwargs` and same-named config fields."""
+    if loss.settings is _LegacyConfigSettings:
+        check = getattr(loss.fn, "check_config", None)
+        if check is not None:
+            check(config)
+        elif getattr(config, "loss_kwargs", None):
+            raise ConfigError(f"loss_kwargs: loss_type '{name}' takes no settings, got {config.loss_kwargs}.")
+        return _LegacyConfigSettings(config)
+    return resolve_settings(loss.settings, config, kwargs=getattr(config, "loss_kwargs", None),
+                            kwargs_field="loss_kwargs", owner=f"loss_type '{name}'")
+
+
+def legacy_policy_loss(fn: Callable[..., Any], *, name: str, origin: str) -> PolicyLoss:
+    """Adapt a hooks-1.0 policy loss `fn(logps, old_logps, advantages, *, config, mask)` (deprecated in hooks 1.1)."""
+    warnings.warn(
+        f"policy loss '{name}' from {origin} uses the hooks-1.0 callable form fn(logps, old_logps, advantages, *, "
+        "config, mask), deprecated in hooks 1.1 (toolkit 0.2) and removed in hooks 2.0: register a "
+        "toolkit.PolicyLoss(fn(inputs, settings), settings=<dataclass>, aggregation=...) instead (docs/plugins.md).",
+        ToolkitDeprecationWarning, stacklevel=2)
+
+    def adapted(inputs: PolicyLossInputs, settings: _LegacyConfigSettings):
+        return fn(inputs.logps, inputs.old_logps, inputs.advantages, config=settings.config, mask=inputs.loss_mask)
+
+    adapted.check_config = getattr(fn, "check_config", None)  # type: ignore[attr-defined]
+    if adapted.check_config is None:
+        del adapted.check_config
+    return PolicyLoss(adapted, settings=_LegacyConfigSettings, aggregation=getattr(fn, "aggregation", "token"),
+                      description=(fn.__doc__ or "").strip().split("\n")[0])

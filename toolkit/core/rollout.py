@@ -1,0 +1,114 @@
+"""Rollouts shared by every online trainer: prompt order, generation seeds, sample-then-score.
+
+GRPO, async GRPO's worker process and PPO draw prompts, seed the sampler and score completions with
+this one code, so a prompt order or seed formula cannot drift between them (async GRPO at
+max_staleness 0 equals synchronous GRPO because both call `generate_and_score` with the same seed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .generation import Completion, GenerationBackend, SamplingParams
+
+__all__ = ["RoundSampler", "ScoredGroups", "generate_and_score", "generation_seed", "order_seed"]
+
+
+def order_seed(seed: int, epoch: int) -> int:
+    """Seed of the prompt permutation of `epoch` (GRPO rounds, PPO passes)."""
+    return seed * 1_000_003 + epoch
+
+
+def generation_seed(seed: int, step: int, offset: int = 0) -> int:
+    """Seed of the sampler at optimizer step / round / update `step`; `offset` is the rank (or PPO's epoch).
+
+    Seeding generation per step (not once per run) is what makes a resumed run draw the same samples.
+    """
+    return (seed * 1_000_003 + step * 7919 + offset) % (2**63)
+
+
+class RoundSampler:
+    """Yields each round's prompt indices `repeat` times (once per micro-step of the round).
+
+    Rounds draw `prompts_per_round` prompt indices per process from a permutation seeded by
+    (seed, epoch), skipping prompts marked solved. Deterministic, so a resumed run sees the same
+    order; with several processes, consecutive batches go to consecutive ranks. Subclass and
+    override `order` for a curriculum (the wrapper seam; GRPOTrainer.build_prompt_sampler).
+    """
+
+    def __init__(self, n_rows: int, prompts_per_round: int, repeat: int, *, seed: int, num_processes: int = 1,
+                 solved: set[int] | None = None):
+        self.n_rows, self.per_round, self.repeat = n_rows, prompts_per_round, repeat
+        self.seed, self.num_processes = seed, num_processes
+        self.solved = solved if solved is not None else set()
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        """The prompt indices of the current epoch, in order (solved prompts left out)."""
+        g = torch.Generator().manual_seed(order_seed(self.seed, self.epoch))
+        return [i for i in torch.randperm(self.n_rows, generator=g).tolist() if i not in self.solved]
+
+    def round(self, r: int) -> list[int]:
+        """Row indices of round r counted over epochs (one process, no solved prompts): the async worker's view."""
+        per_epoch = self.n_rows // (self.per_round * self.num_processes)
+        self.set_epoch(r // per_epoch)
+        k = r % per_epoch
+        return self.order()[k * self.per_round:(k + 1) * self.per_round]
+
+    def __iter__(self):
+        order = self.order()
+        per_step = self.per_round * self.num_processes
+        for start in range(0, len(order) - per_step + 1, per_step):
+            chunk = order[start:start + per_step]
+            parts = [chunk[p * self.per_round:(p + 1) * self.per_round] for p in range(self.num_processes)]
+            for _ in range(self.repeat):
+                yield from parts
+
+    def __len__(self) -> int:
+        # Counts every prompt (solved ones included) so Trainer's step arithmetic stays fixed.
+        return (self.n_rows // (self.per_round * self.num_processes)) * self.repeat * self.num_processes
+
+
+@dataclass
+class ScoredGroups:
+    """`n` completions per prompt, generated and scored. Rows are prompt-major (row i*n+j: completion j of prompt i)."""
+
+    groups: list[list[Completion]]
+    rewards_per_func: torch.Tensor   # [F, R], NaN = not judged
+    generation_s: float
+    scoring_s: float
+
+    @property
+    def completion_ids(self) -> list[list[int]]:
+        return [c.token_ids for g in self.groups for c in g]
+
+
+def generate_and_score(
+    backend: GenerationBackend,
+    prompt_ids: Sequence[Sequence[int]],
+    rows: Sequence[dict[str, Any]],
+    *,
+    sampling: SamplingParams,
+    n: int,
+    seed: int,
+    score: Callable[[list[dict[str, Any]], list[list[int]]], torch.Tensor],
+) -> ScoredGroups:
+    """Sample `n` completions per prompt as token ids, then score them with `score(rows, completion_ids)`.
+
+    `rows[i]` is prompt i's dataset row; `score` receives it repeated per completion and returns [F, R].
+    """
+    t0 = time.perf_counter()
+    groups = backend.generate([list(p) for p in prompt_ids], sampling, n=n, seed=seed)
+    t1 = time.perf_counter()
+    completion_ids = [c.token_ids for g in groups for c in g]
+    rewards = score([row for row in rows for _ in range(n)], completion_ids)
+    return ScoredGroups(groups=groups, rewards_per_func=rewards, generation_s=t1 - t0,
+                        scoring_s=time.perf_counter() - t1)

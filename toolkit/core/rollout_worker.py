@@ -1,0 +1,134 @@
+"""The async GRPO rollout worker: a spawned process that generates and scores rounds for the trainer.
+
+It runs the very rollout code GRPOTrainer runs (toolkit.core.rollout: the same prompt order, the same
+per-round seed, `generate_and_score`; toolkit.core.rewards.score_completions for scoring), so round r
+in the worker is GRPO's step r. What it adds is the process plumbing: weights read from shared memory
+when their version moves, a bounded queue of scored rounds, a heartbeat, and the traceback sent back
+on failure. The trainer side (staleness, restarts, checkpoints) is toolkit.core.async_grpo.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import TrainingHealthError
+from .generation import TransformersBackend
+from .rewards import RewardRunner, score_completions
+from .rollout import RoundSampler, generate_and_score, generation_seed
+
+__all__ = ["ScoredRound", "worker_main"]
+
+
+@dataclass
+class ScoredRound:
+    """What the worker sends: one round, generated with weights `version`, scored."""
+
+    round: int
+    version: int
+    row_indices: list[int]
+    completions: list[list[tuple[list[int], list[float], str]]]
+    rewards_per_func: list[list[float]]
+    failures: dict[str, int]
+    gen_s: float
+    score_s: float
+    wait_s: float
+    tokens: int
+
+
+def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load the published weights; any key mismatch is an error (a silent mismatch would sample from random weights).
+
+    Only a tied LM head may be absent from the published state (it is the embedding)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
+    really_missing = [k for k in missing if k not in tied]
+    if unexpected or really_missing:
+        raise TrainingHealthError(f"async GRPO worker: the published weights do not match the worker's model "
+                                  f"(missing {really_missing[:3]}, unexpected {unexpected[:3]}).")
+
+
+def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, lock, out_q, err_q, heartbeat, stop,
+                start_round: int) -> None:
+    """The rollout worker's process: generate and score rounds until told to stop."""
+    try:
+        torch.set_num_threads(spec["threads"])
+
+        def beat():
+            while not stop.is_set():
+                heartbeat.value = time.time()
+                time.sleep(0.5)
+
+        threading.Thread(target=beat, daemon=True).start()
+        from transformers import AutoModelForCausalLM
+
+        runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"])
+        if spec["backend"] == "transformers":
+            model = AutoModelForCausalLM.from_config(spec["config"]).eval()
+            if spec["varlen"]:
+                from .attention import use_varlen_attention
+
+                use_varlen_attention(model)  # the trainer's attention, so both sides compute the same numbers
+            backend = TransformersBackend(model, pad_token_id=spec["pad_token_id"],
+                                          max_batch_size=spec["max_batch_size"])
+
+            def load_weights():
+                _load_strict(model, shared)
+        else:
+            # vLLM (in this worker process) or a vLLM server: weights go in through the backend's own sync.
+            from .vllm_backend import VLLMBackend, VLLMServerBackend
+
+            kwargs = dict(spec["backend_kwargs"])
+            backend = (VLLMBackend(kwargs.pop("model_path"), **kwargs) if spec["backend"] == "vllm"
+                       else VLLMServerBackend(**kwargs))
+
+            def load_weights():
+                backend.load_weights(list(shared.items()))
+
+        def score(rows, completion_ids):
+            outcome, _ = score_completions(runner, spec["tokenizer"], rows, completion_ids,
+                                           conversational=spec["conversational"],
+                                           extra_columns=spec["extra_columns"])
+            score.failures = dict(outcome.failures)
+            return torch.tensor(outcome.rewards, dtype=torch.float32)
+
+        rows = spec["rows"]
+        sampler = RoundSampler(len(rows), spec["per_round"], 1, seed=spec["seed"])
+        local_version, r = -1, start_round
+        while not stop.is_set():
+            t_wait = time.perf_counter()
+            while version.value < r - spec["max_staleness"] and not stop.is_set():
+                time.sleep(0.002)
+            if stop.is_set():
+                break
+            if version.value != local_version:
+                with lock:
+                    load_weights()
+                    local_version = version.value
+            wait_s = time.perf_counter() - t_wait
+            idx = sampler.round(r)
+            scored = generate_and_score(backend, [spec["prompt_ids"][i] for i in idx], [rows[i] for i in idx],
+                                        sampling=spec["sampling"], n=spec["num_generations"],
+                                        seed=generation_seed(spec["seed"], r), score=score)
+            item = ScoredRound(round=r, version=local_version, row_indices=idx,
+                               completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g]
+                                            for g in scored.groups],
+                               rewards_per_func=scored.rewards_per_func.tolist(), failures=score.failures,
+                               gen_s=scored.generation_s, score_s=scored.scoring_s, wait_s=wait_s,
+                               tokens=sum(len(i) for i in scored.completion_ids))
+            while not stop.is_set():
+                try:
+                    out_q.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            r += 1
+    except BaseException:
+        err_q.put(traceback.format_exc())
+        raise
