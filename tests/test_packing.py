@@ -45,3 +45,23 @@ def test_shared_layout_rejects_bad_groups():
         pack_shared_prompts(prompts, completions, [[0, 1], [2, 3, 4]])
     with pytest.raises(ValueError, match="every row exactly once"):
         pack_shared_prompts(prompts, completions, [[0, 2], [1, 4]])
+
+
+def test_plain_sdpa_mixes_packed_examples_and_varlen_keeps_them_apart():
+    """Why toolkit_varlen exists (attention.py's docstring): position_ids alone do not separate packed rows."""
+    import torch
+
+    from toolkit.core.attention import use_varlen_attention, varlen_kwargs
+    from toolkit.testing import tiny_model
+
+    model = tiny_model().eval()
+    model.config._attn_implementation = "sdpa"
+    a, b = torch.tensor([[5, 9, 11, 13]]), torch.tensor([[7, 8, 21]])
+    packed, pos = torch.cat([a, b], 1), torch.tensor([[0, 1, 2, 3, 0, 1, 2]])
+    with torch.no_grad():
+        alone = model(input_ids=b).logits[0]
+        mixed = model(input_ids=packed, position_ids=pos).logits[0, 4:]
+        use_varlen_attention(model)
+        apart = model(input_ids=packed, position_ids=pos, **varlen_kwargs(torch.tensor([0, 4, 7]))).logits[0, 4:]
+    assert not torch.allclose(mixed, alone, atol=1e-4)
+    torch.testing.assert_close(apart, alone, atol=1e-5, rtol=1e-4)

@@ -77,7 +77,7 @@ def test_a_few_updates_change_policy_and_critic_and_log_what_a_person_needs(tmp_
 def test_the_critic_learns_the_returns(tmp_path):
     """A constant reward is easy to predict: explained variance must rise as the value loss falls."""
     t = make(tmp_path, rewards=(lambda prompts, completions, completion_ids, **kw: [1.0] * len(completions),),
-             max_steps=6, learning_rate=3e-3, kl_coef=0.0, whiten_advantages=False)
+             max_steps=6, learning_rate=3e-3, beta=0.0, whiten_advantages=False)
     t.train()
     losses = logged(t, "loss/value_avg")
     assert losses[-1] < 0.2 * losses[0]
@@ -150,6 +150,31 @@ def test_exact_resume_equals_uninterrupted(tmp_path):
         for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items()):
             torch.testing.assert_close(w, v, rtol=0, atol=0, msg=k)
     assert logged(resumed, "loss") == pytest.approx(logged(full, "loss"), abs=0)
+
+
+def test_own_checkpoints_honour_save_total_limit_and_hold_no_pickle(tmp_path):
+    import json
+    import pickle
+
+    t = make(tmp_path, max_steps=3, save_strategy="steps", save_steps=1, save_total_limit=1)
+    t.train()
+    out = tmp_path / "out"
+    assert sorted(c.name for c in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    folder = out / "checkpoint-3"
+    assert (folder / COMPLETE_MARKER).exists() and (folder / "critic.safetensors").exists()
+    assert json.loads((folder / "ppo_state.json").read_text())["global_step"] == 3
+    torch.load(folder / "ppo_state.pt", weights_only=True)  # tensors and plain types only
+
+    # A crafted state file that would run code when unpickled is refused, never executed.
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("open(%r, 'w').write('pwned')" % str(tmp_path / "pwned"),))
+
+    (folder / "ppo_state.pt").write_bytes(pickle.dumps({"optimizer": Boom()}))
+    resumed = make(tmp_path, max_steps=4, save_strategy="no")
+    with pytest.raises(pickle.UnpicklingError):
+        resumed.train(resume_from_checkpoint=str(folder))
+    assert not (tmp_path / "pwned").exists()
 
 
 def test_early_stop_on_approximate_kl(tmp_path):

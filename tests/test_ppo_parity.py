@@ -63,7 +63,7 @@ def test_one_update_equals_trl_experimental_ppo(tmp_path, kl_estimator):
     special = {tok.pad_token_id, tok.eos_token_id, tok.bos_token_id}
     cfg = PPOConfig(output_dir=str(tmp_path / "ours"), per_device_train_batch_size=4, num_mini_batches=1,
                     num_ppo_epochs=settings["num_ppo_epochs"], max_completion_length=C, temperature=1.0,
-                    kl_coef=settings["kl_coef"], kl_estimator=kl_estimator, cliprange=settings["cliprange"],
+                    beta=settings["kl_coef"], kl_estimator=kl_estimator, epsilon=settings["cliprange"],
                     cliprange_value=settings["cliprange_value"], vf_coef=settings["vf_coef"], gamma=settings["gamma"],
                     lam=settings["lam"], learning_rate=settings["learning_rate"], lr_scheduler_type="constant",
                     optim="adamw_torch", max_grad_norm=0.0, max_steps=1, save_strategy="no", report_to="none",

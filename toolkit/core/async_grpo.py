@@ -158,6 +158,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._shared = {k: v.detach().clone().contiguous().share_memory_() for k, v in state.items()}
             self._version = self._ctx.Value("q", 0)
             self._lock = self._ctx.Lock()
+        # No worker is running here. One killed while it was reading the weights took the lock down with it:
+        # a fresh lock (the new worker receives it) instead of a trainer that waits forever.
+        if not self._lock.acquire(timeout=0):
+            self._lock = self._ctx.Lock()
+        else:
+            self._lock.release()
         with self._lock:
             for k, v in state.items():
                 self._shared[k].copy_(v)
@@ -214,10 +220,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self._proc is None:
             return
         state = self._engine_state()
-        with self._lock:
+        while not self._lock.acquire(timeout=0.5):
+            if not self._proc.is_alive():
+                return  # the worker died holding the lock; the failure check restarts it with a fresh lock
+        try:
             for k, v in state.items():
                 self._shared[k].copy_(v)
             self._version.value = self.state.global_step
+        finally:
+            self._lock.release()
 
     def _worker_failure(self) -> str | None:
         try:

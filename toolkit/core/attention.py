@@ -1,10 +1,16 @@
 """Padding-free attention on CPU and any device without flash-attention.
 
-transformers already keeps packed examples apart when it sees `position_ids` that restart at 0
-(it builds a block-diagonal mask), but sdpa then still computes the full [T, T] score matrix of
-the packed row and throws most of it away: with eight 300-token examples in a row that is 8x the
-attention work. `varlen_sdpa` runs causal sdpa once per packed example instead, so attention cost
-is what it would be without packing and no padding is computed at all.
+Plain sdpa does *not* keep packed examples apart: given one packed row with `position_ids` that
+restart at 0 and no mask, transformers (5.2x, measured) runs ordinary causal attention over the whole
+row, so the second example attends to the first (its logits differ from the example run alone). So
+packed rows must never reach plain sdpa. `varlen_sdpa` runs causal sdpa once per packed example
+(boundaries from `cu_seq_lens_q`), so each example attends only to itself, attention costs what it
+would without packing, and no padding is computed.
+
+It also serves the shared-prompt layout of GRPO and DPO (`toolkit_shared_prefix`: a prompt once, then
+its completions, each seeing the prompt and itself). Only `varlen_sdpa` reads that argument;
+flash-attention derives boundaries from `position_ids` alone and would let sibling completions see
+each other, so that layout is for `toolkit_varlen` (tracked in the multi-GPU issue).
 
 It is registered with transformers' public `AttentionInterface` under the name `toolkit_varlen`
 (and the sdpa mask under the same name), so a padded batch through the same model still takes the

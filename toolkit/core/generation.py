@@ -82,7 +82,7 @@ class GenerationBackend(Protocol):
     """What a generation backend must do. Implementations do not inherit behaviour from anything.
 
     generate: for each prompt (a list of token ids), `n` completions, returned grouped by prompt:
-        result[i][j] is completion j of prompt i. `seed` makes sampling reproducible.
+        `result[i][j]` is completion j of prompt i. `seed` makes sampling reproducible.
     sync_weights: make the backend sample from `model`'s current weights (a no-op for backends
         that sample with the training model itself).
     """

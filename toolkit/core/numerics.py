@@ -416,8 +416,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
     """Generalized Advantage Estimation (Schulman et al., 2016) over right-padded token sequences.
 
     Args:
-        rewards, values: [B, T] per-token rewards r_t and value estimates V(s_t), where s_t is the
-            prefix before token t.
+        rewards: [B, T] per-token rewards r_t.
+        values: [B, T] value estimates V(s_t), where s_t is the prefix before token t.
         mask: [B, T] bool, the valid tokens of each row (a prefix of the row).
     Returns:
         (advantages [B, T], returns [B, T]), 0 outside the mask. delta_t = r_t + gamma V(s_{t+1}) -

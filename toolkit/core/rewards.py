@@ -140,7 +140,7 @@ def reward_name(fn: RewardFunction) -> str:
 
 @dataclass
 class RewardOutcome:
-    """rewards[f][i]: value of function f for row i (NaN = excluded). failures[f]: batches lost to errors."""
+    """`rewards[f][i]`: value of function f for row i (NaN = excluded). `failures[f]`: batches lost to errors."""
 
     rewards: list[list[float]]
     names: list[str]
