@@ -71,9 +71,9 @@ def worker(kind: str, steps: int) -> dict:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
             server = subprocess.Popen([sys.executable, "-m", "toolkit.core.cli", "vllm-serve", "--model", path,
-                                       "--port", str(port), "--max_model_len", "256"],
+                                       "--port", str(port), "--max_model_len", "256", "--token", "bench-token"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            kwargs = {"url": f"http://127.0.0.1:{port}", "startup_timeout": 300}
+            kwargs = {"url": f"http://127.0.0.1:{port}", "startup_timeout": 300, "token": "bench-token"}
         trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common, generation_backend=kind,
                                                                 generation_backend_kwargs=kwargs),
                               train_dataset=rows, callbacks=[timer])

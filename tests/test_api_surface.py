@@ -44,6 +44,16 @@ def test_an_unrecorded_change_is_caught(monkeypatch):
     assert len(changes) == 4, text
 
 
+def test_reordering_fields_is_a_change(monkeypatch):
+    """Inputs and settings dataclasses may be built positionally, so field order is part of the API."""
+    from toolkit.core.objectives import ClipSettings
+
+    fields = dict(ClipSettings.__dataclass_fields__)
+    monkeypatch.setattr(ClipSettings, "__dataclass_fields__", {k: fields[k] for k in reversed(fields)})
+    text = "\n".join(api_snapshot.compare())
+    assert "changed: modules.toolkit.core.objectives.ClipSettings.fields[0]" in text
+
+
 def test_every_core_module_declares_its_exports_and_core_is_derived_from_them():
     for info in pkgutil.walk_packages(toolkit.core.__path__, "toolkit.core."):
         module = importlib.import_module(info.name)

@@ -163,11 +163,25 @@ def test_a_worker_that_died_holding_the_weights_lock_does_not_hang_the_trainer(t
     holder = t._ctx.Process(target=_take_lock_and_die, args=(t._lock,))
     holder.start()
     holder.join(timeout=30)
-    started = time.time()
-    t._start_worker()  # must not wait forever on the dead holder's lock
+    starter = threading.Thread(target=t._start_worker, daemon=True)  # must not wait on the dead holder's lock
+    starter.start()
+    starter.join(timeout=20)
     try:
-        assert time.time() - started < 10
+        assert not starter.is_alive(), "the trainer waits forever on a lock its dead worker held"
         assert t._lock.acquire(timeout=5)
         t._lock.release()
     finally:
-        t.stop_worker()
+        if not starter.is_alive():
+            t.stop_worker()
+
+
+def test_async_refuses_seams_its_worker_would_not_run(tmp_path):
+    class Curriculum(AsyncGRPOTrainer):
+        def build_prompt_sampler(self):
+            return super().build_prompt_sampler()
+
+    with pytest.raises(ConfigError, match=r"Curriculum.build_prompt_sampler: async GRPO generates and scores in its "
+                                          "worker process"):
+        Curriculum(tiny_model(), "numeric_match", AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=2,
+                                                                   per_device_train_batch_size=2),
+                   train_dataset=[{"prompt": "1+1=", "answer": "2"}] * 4, processing_class=tiny_tokenizer())

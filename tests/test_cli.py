@@ -9,6 +9,7 @@ from toolkit.core.cli import main
 from toolkit.core.config import RunArgs, build_configs, load_run_file, parse_overrides
 from toolkit.core.errors import ConfigError
 from toolkit.core.sft import SFTConfig
+from toolkit.testing import tiny_model, tiny_tokenizer
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
 
@@ -86,8 +87,6 @@ def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
     assert "Did you mean 'learning_rate'?" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"\n')
-    from toolkit.testing import tiny_model, tiny_tokenizer
-
     tiny_model().save_pretrained(tmp_path / "m")
     tiny_tokenizer().save_pretrained(tmp_path / "m")
     assert main(["sft", "--model", str(tmp_path / "m"), "--dataset", str(bad)]) == 2
@@ -176,3 +175,30 @@ def test_the_grpo_run_file_also_runs_async(tmp_path, capsys):
     summary = json.loads((tmp_path / "out" / "report" / "summary.json").read_text())
     assert {"heldout_accuracy_before", "heldout_accuracy_after"} <= set(summary)
     assert "Async GRPO summary" in capsys.readouterr().out
+
+
+def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 8)
+    base = ["grpo", "--model", str(tmp_path / "m"), "--dataset", str(data), "--output_dir", str(tmp_path / "o"),
+            "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_steps", "1"]
+    # an invalid regex: a ConfigError naming the reward, exit 2, no traceback
+    assert main(base + ["--reward_funcs", '["format:(unclosed"]']) == 2
+    err = capsys.readouterr().err
+    assert "reward_funcs: 'format:(unclosed' is not a valid regular expression" in err and "Traceback" not in err
+    # numbers checked before any model loads
+    assert main(base + ["--learning_rate", "-1e-5"]) == 2
+    assert "learning_rate: must be a finite number >= 0" in capsys.readouterr().err
+    # an error toolkit did not anticipate: one line, exit 1, and the traceback only with --debug
+    assert main(["grpo", "--model", str(tmp_path / "missing-model"), "--dataset", str(data)]) in (1, 2)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    with pytest.raises(Exception):
+        main(["grpo", "--model", str(tmp_path / "missing-model"), "--dataset", str(data), "--debug"])
+
+
+def test_resume_from_checkpoint_true_is_accepted_in_a_run_file():
+    _, cfg = build_configs({"resume_from_checkpoint": True, "output_dir": "/tmp/unused"}, SFTConfig)
+    assert cfg.resume_from_checkpoint is True

@@ -252,3 +252,38 @@ def test_template_whose_prompt_is_not_a_text_prefix(tok):
         learned = tok.decode([t for t, m in zip(ex["input_ids"], ex["completion_mask"]) if m])
         # the boundary is the longest common token prefix: the answer and its end are learned, the prompt is not
         assert r["completion"][0]["content"] in learned and "What is" not in learned
+
+
+# ------------------------------------------------------------------------ edge cases (issue 13)
+
+
+def test_a_datasetdict_is_named_with_the_fix():
+    from datasets import Dataset, DatasetDict
+
+    from toolkit.core.data import as_rows
+
+    dd = DatasetDict({"train": Dataset.from_list([{"text": "a"}]), "test": Dataset.from_list([{"text": "b"}])})
+    with pytest.raises(DataError, match=r"got a DatasetDict with splits \['test', 'train'\]; pass one split, e\.g\. "
+                                        r"dataset\['train'\]"):
+        as_rows(dd)
+
+
+def test_a_column_named_like_a_reward_argument_is_refused_before_any_model(tmp_path):
+    from toolkit.core.data import prompt_rows
+    from toolkit.testing import tiny_tokenizer
+
+    with pytest.raises(DataError, match=r"GRPO: the dataset has a column named \['completions'\]"):
+        prompt_rows([{"prompt": "p", "completions": "x"}], tiny_tokenizer(), trainer="GRPO")
+
+
+def test_a_tokenizer_without_eos_is_refused_where_it_would_silently_break(tmp_path):
+    from toolkit.core.data import detect_format, prompt_rows, tokenize_for_sft
+    from toolkit.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.eos_token = None
+    with pytest.raises(DataError, match=r"GRPO: the tokenizer has no EOS token"):
+        prompt_rows([{"prompt": "p"}], tok, trainer="GRPO")
+    rows = [{"text": "hello"}]
+    with pytest.raises(DataError, match=r"SFT: the tokenizer has no EOS token"):
+        tokenize_for_sft(rows, detect_format(rows), tok, max_length=64, completion_only_loss=None, assistant_only_loss=False)

@@ -111,13 +111,24 @@ def test_failing_reward_is_counted_logged_once_and_does_not_stop_the_run(tmp_pat
     def broken(prompts, completions, completion_ids, **kw):
         raise RuntimeError("reward server unreachable")
 
-    t = make(tmp_path, rewards=(length_reward, broken), max_steps=3)
+    t = make(tmp_path, rewards=(length_reward, broken), max_steps=3, reward_max_consecutive_failures=4)
     with caplog.at_level(logging.ERROR, logger="toolkit.core.rewards"):
         t.train()
     assert logged(t, "rewards/broken/failures")[-1] == 3
     errors = [r for r in caplog.records if "reward function 'broken' failed" in r.getMessage()]
     assert len(errors) == 1 and "reward server unreachable" in errors[0].getMessage()
     assert all(math.isfinite(x) for x in logged(t, "loss"))
+
+
+def test_a_reward_that_fails_every_batch_stops_the_run_naming_it_its_error_and_the_columns(tmp_path):
+    def misspelt(prompts, completions, completion_ids, answr, **kw):  # the dataset's column is 'answer'
+        return [1.0] * len(completions)
+
+    t = make(tmp_path, rewards=(length_reward, misspelt), max_steps=5)
+    with pytest.raises(TrainingHealthError, match=r"reward function 'misspelt' failed on 3 batches in a row \(last: "
+                                                   r"TypeError: .*answr.*\).*columns \['answer'\]"):
+        t.train()
+    assert t.state.global_step == 2  # stopped at the third batch, not after training on without it
 
 
 def test_async_rewards_run_concurrently_and_time_out(tmp_path):

@@ -157,3 +157,34 @@ def test_ppo_uses_grpo_names_and_keeps_the_old_ones_as_deprecated_aliases(tmp_pa
     assert old.epsilon == 0.1
     with pytest.raises(ConfigError, match=r"^epsilon: must be in \(0, 1\)"):
         PPOConfig(output_dir=str(tmp_path), epsilon=1.5)
+
+
+def test_only_the_named_config_fields_are_shared_with_a_loss():
+    """A plugin setting that happens to share a name with a TrainingArguments attribute stays the plugin's."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Sampling:
+        temperature: float = 0.5
+        seed: int = 3
+
+    cfg = GRPOConfig(output_dir="/tmp/unused", num_generations=2, per_device_train_batch_size=2, temperature=0.9)
+    assert resolve_settings(Sampling, cfg, kwargs=None, kwargs_field="loss_kwargs", owner="x") == Sampling()
+    assert resolve_settings(Sampling, cfg, kwargs={"temperature": 0.7}, kwargs_field="loss_kwargs",
+                            owner="x") == Sampling(temperature=0.7)
+
+
+def test_ppo_refuses_both_a_name_and_its_alias_and_what_its_loop_does_not_do(tmp_path):
+    with pytest.raises(ConfigError, match=r"kl_coef: the deprecated alias of beta; both are set"):
+        PPOConfig(output_dir=str(tmp_path), beta=0.1, kl_coef=0.2)
+    with pytest.raises(ConfigError, match=r"save_strategy: PPO saves every save_steps updates"):
+        PPOConfig(output_dir=str(tmp_path), save_strategy="epoch")
+    with pytest.raises(ConfigError, match=r"save_steps: PPO counts updates, so save_steps must be a whole number"):
+        PPOConfig(output_dir=str(tmp_path), save_strategy="steps", save_steps=0.5)
+
+
+def test_complete_checkpoint_callback_names_the_0_1_form():
+    from toolkit.core.checkpoint import CompleteCheckpointCallback
+
+    with pytest.raises(TypeError, match=r"toolkit 0.1's CompleteCheckpointCallback\(trainer_kind\) is gone"):
+        CompleteCheckpointCallback("grpo")

@@ -1,10 +1,11 @@
 """Built-in verifiable rewards and the reward runner's contract."""
 
+import math
 from fractions import Fraction
 
 import pytest
 
-from toolkit.core.errors import ConfigError
+from toolkit.core.errors import ConfigError, TrainingHealthError
 from toolkit.core.rewards import RewardRunner, format_reward, length_penalty, numeric_match, parse_number
 
 
@@ -49,3 +50,78 @@ def test_runner_rejects_wrong_shapes_and_values_without_stopping():
 def test_runner_needs_a_reward():
     with pytest.raises(ConfigError, match="at least one reward"):
         RewardRunner([])
+
+
+# ------------------------------------------------------------------------------------ isolation
+
+
+def test_a_hung_sync_reward_is_abandoned_at_its_timeout_and_does_not_starve_the_next_batch():
+    import time
+
+    def hangs(prompts, completions, completion_ids, **kw):
+        time.sleep(30)
+
+    def healthy(prompts, completions, completion_ids, **kw):
+        return [1.0] * len(completions)
+
+    runner = RewardRunner([healthy, hangs], timeout=0.5, max_consecutive_failures=5)
+    for _ in range(2):  # the second batch does not queue behind the first batch's hung call
+        started = time.perf_counter()
+        out = runner(["p"], ["a"], [[1]], {})
+        assert time.perf_counter() - started < 2.0
+        assert out.rewards[0] == [1.0] and math.isnan(out.rewards[1][0])
+    assert runner.failures == {"healthy": 0, "hangs": 2} and out.abandoned == 2
+
+
+def test_an_async_reward_that_blocks_its_loop_is_cut_at_its_timeout():
+    import time
+
+    async def blocks(prompts, completions, completion_ids, **kw):
+        time.sleep(30)  # a blocking call inside async def: it never yields to the loop
+
+    runner = RewardRunner([blocks], timeout=0.5)
+    started = time.perf_counter()
+    out = runner(["p"], ["a"], [[1]], {})
+    assert time.perf_counter() - started < 2.0 and math.isnan(out.rewards[0][0])
+
+
+def test_nan_is_a_failure_none_is_not_and_consecutive_failures_stop_with_the_columns():
+    def nan_once(prompts, completions, completion_ids, **kw):
+        return [float("nan"), None]
+
+    runner = RewardRunner([nan_once], timeout=5, max_consecutive_failures=2)
+    runner(["p", "q"], ["a", "b"], [[1], [2]], {"answer": ["1", "2"]})
+    assert runner.failures == {"nan_once": 1}
+    with pytest.raises(TrainingHealthError, match=r"'nan_once' failed on 2 batches in a row \(last: it returned nan "
+                                                  r"for row 0.*columns \['answer'\]"):
+        runner(["p", "q"], ["a", "b"], [[1], [2]], {"answer": ["1", "2"]})
+
+    def none_only(prompts, completions, completion_ids, **kw):
+        return [None, None]
+
+    runner = RewardRunner([none_only], timeout=5, max_consecutive_failures=1)
+    out = runner(["p", "q"], ["a", "b"], [[1], [2]], {})
+    assert runner.failures == {"none_only": 0} and all(math.isnan(v) for v in out.rewards[0])
+
+
+def test_a_process_with_a_hung_reward_still_exits(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        from toolkit.core.rewards import RewardRunner
+
+        def hangs(prompts, completions, completion_ids, **kw):
+            time.sleep(600)
+
+        RewardRunner([hangs], timeout=0.2)(["p"], ["a"], [[1]], {})
+        print("scored")
+    """))
+    started = time.time()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "scored" in out.stdout
+    assert time.time() - started < 60  # import time included; the hung call does not hold the exit

@@ -135,6 +135,8 @@ def free_port():
 @pytest.fixture(scope="module")
 def server(path):
     port = free_port()
+    # The server refuses requests without its token; server and clients read it from the environment.
+    os.environ["TOOLKIT_VLLM_TOKEN"] = "stage-4-test-token"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "toolkit.core.cli", "vllm-serve", "--model", path, "--port",
                              str(port), "--max_model_len", "256"], env=env, stdout=subprocess.PIPE,

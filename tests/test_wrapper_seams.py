@@ -1,10 +1,11 @@
 """A wrapper (think Unsloth or Axolotl) swaps log-probs, loss, advantages, sampler and generation backend
 through public methods only: no patching of toolkit source. Each swap must take effect."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from toolkit import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, ToolkitDeprecationWarning
 from toolkit.core.generation import TransformersBackend
 from toolkit.core.rollout import RoundSampler
 from toolkit.core.models import unwrap_model
@@ -76,11 +77,20 @@ class WrapperGRPO(GRPOTrainer):
 
 
 class LegacySeamGRPO(GRPOTrainer):
-    """A wrapper written against toolkit 0.1's seam signature (logps, old_logps, advantages, mask)."""
+    """A wrapper written against toolkit 0.1's seam signature (logps, old_logps, advantages, mask), which also
+    calls the base implementation the 0.1 way."""
 
     def compute_policy_loss(self, logps, old_logps, advantages, mask):
         self.legacy_calls = getattr(self, "legacy_calls", 0) + 1
-        return -advantages[:, None] * logps, {}
+        base, info = super().compute_policy_loss(logps, old_logps, advantages, mask)
+        return 0.5 * base, info
+
+
+class LegacyOrder(RoundSampler):
+    """A toolkit 0.1 curriculum: it overrode the then-private `_order`."""
+
+    def _order(self):
+        return [7, 6] * (self.n_rows // 2)
 
 
 def test_grpo_wrapper_swaps_every_seam(tmp_path):
@@ -112,20 +122,27 @@ def test_grpo_wrapper_swaps_every_seam(tmp_path):
 
 
 def test_a_wrapper_on_the_old_policy_loss_seam_still_works_and_warns(tmp_path):
-    import pytest
-
-    from toolkit import ToolkitDeprecationWarning
-
     tok = tiny_tokenizer()
     cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, num_generations=4,
                      max_completion_length=4, learning_rate=1e-2, save_strategy="no", report_to="none",
                      disable_tqdm=True)
-    reward = lambda prompts, completions, completion_ids, **kw: [float(len(c) % 3) for c in completion_ids]  # noqa: E731
+    reward = lambda prompts, completions, completion_ids, **kw: [float(sum(c) % 3) for c in completion_ids]  # noqa: E731
     with pytest.warns(ToolkitDeprecationWarning, match=r"LegacySeamGRPO.compute_policy_loss\(logps, old_logps"):
         t = LegacySeamGRPO(tiny_model(), reward, cfg, train_dataset=[{"prompt": f"P{i}"} for i in range(8)],
                            processing_class=tok)
-    t.train()
+    before = {k: v.clone() for k, v in t.model.named_parameters()}
+    with pytest.warns(ToolkitDeprecationWarning, match="removed in 0.3"):  # the 0.1-style super() call
+        t.train()
     assert t.legacy_calls == 1
+    assert any(not torch.equal(before[k], v) for k, v in t.model.named_parameters())
+    assert LegacySeamGRPO.__dict__["compute_policy_loss"].__code__.co_varnames[:5] == (
+        "self", "logps", "old_logps", "advantages", "mask")  # the user's class is left as written
+
+
+def test_a_curriculum_on_the_old_private_order_still_works_and_warns():
+    sampler = LegacyOrder(8, 2, 1, seed=0)
+    with pytest.warns(ToolkitDeprecationWarning, match=r"LegacyOrder._order\(\) is the toolkit 0.1 name"):
+        assert sampler.order()[:4] == [7, 6, 7, 6]
 
 
 class WrapperDPO(DPOTrainer):

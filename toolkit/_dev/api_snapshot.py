@@ -50,14 +50,23 @@ def _default(f: dataclasses.Field) -> str:
     return "required"
 
 
-def _own_fields(cls: type) -> dict[str, dict[str, str]]:
-    """Dataclass fields declared by toolkit classes in the MRO (not by transformers' TrainingArguments)."""
+def _own_fields(cls: type) -> list[list[str]] | dict[str, dict[str, str]]:
+    """The dataclass fields toolkit classes declare (not transformers' TrainingArguments fields).
+
+    Inputs and settings dataclasses may be built positionally, so for them the order is API too: a list of
+    [name, type, default] in declaration order. Configs are built by keyword (in Python, run files and the
+    CLI), so a new config field anywhere is an addition, not a reordering: a mapping by name.
+    """
+    from transformers import TrainingArguments
+
     own: set[str] = set()
     for klass in cls.__mro__:
         if klass.__module__.startswith("toolkit"):
             own.update(getattr(klass, "__annotations__", {}))
-    return {f.name: {"type": str(f.type), "default": _default(f)}
-            for f in dataclasses.fields(cls) if f.name in own}
+    fields = [f for f in dataclasses.fields(cls) if f.name in own]
+    if issubclass(cls, TrainingArguments):
+        return {f.name: {"type": str(f.type), "default": _default(f)} for f in fields}
+    return [[f.name, str(f.type), _default(f)] for f in fields]
 
 
 def _describe(obj: Any) -> dict[str, Any]:
@@ -124,6 +133,18 @@ def diff(recorded: dict[str, Any], now: dict[str, Any], prefix: str = "") -> lis
                 out.append(f"added:   {path}")
             else:
                 out += diff(recorded[key], now[key], path)
+    elif (isinstance(recorded, list) and isinstance(now, list) and all(isinstance(x, str) for x in recorded + now)
+          and (recorded or now)):  # name lists (toolkit.core.__all__): say which names came and went
+        out += [f"removed: {prefix}: {n}" for n in sorted(set(recorded) - set(now))]
+        out += [f"added:   {prefix}: {n}" for n in sorted(set(now) - set(recorded))]
+    elif isinstance(recorded, list) and isinstance(now, list) and recorded and isinstance(recorded[0], list):
+        for i in range(max(len(recorded), len(now))):  # field records: [name, type, default], in order
+            if i >= len(now):
+                out.append(f"removed: {prefix}[{i}]: {recorded[i]!r}")
+            elif i >= len(recorded):
+                out.append(f"added:   {prefix}[{i}]: {now[i]!r}")
+            elif recorded[i] != now[i]:
+                out.append(f"changed: {prefix}[{i}]: {recorded[i]!r} -> {now[i]!r}")
     elif recorded != now:
         out.append(f"changed: {prefix}: {recorded!r} -> {now!r}")
     return out

@@ -121,6 +121,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         args = args if args is not None else AsyncGRPOConfig()
         if not isinstance(args, AsyncGRPOConfig):
             raise ConfigError(f"args: AsyncGRPOTrainer needs an AsyncGRPOConfig, got {type(args).__name__}.")
+        # The worker process runs GRPO's own prompt order and scoring; a subclass's override of these seams
+        # would silently not run there, so it is refused.
+        for seam in ("build_prompt_sampler", "compute_rewards"):
+            if getattr(type(self), seam) is not getattr(GRPOTrainer, seam):
+                raise ConfigError(f"{type(self).__name__}.{seam}: async GRPO generates and scores in its worker "
+                                  f"process, which runs GRPO's own {seam}; the override would not run there. Use "
+                                  "GRPOTrainer for a custom sampler or scorer.")
         funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
         try:
             pickle.dumps(funcs)
@@ -128,7 +135,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
             raise ConfigError(f"reward_funcs: async GRPO runs rewards in the worker process, so they must be "
                               f"importable (module-level functions or built-in names), not lambdas or closures "
                               f"({type(e).__name__}: {e}).") from e
-        # Our callback goes before GRPO's own, so the worker position lands in a checkpoint before its marker.
         callbacks = list(callbacks or []) + [_AsyncStateCallback(self)]
         super().__init__(model, funcs, args, train_dataset=train_dataset, processing_class=processing_class,
                          peft_config=peft_config, generation_backend=_InWorker(), callbacks=callbacks,
@@ -178,7 +184,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             config = self.model.get_base_model().config
         spec = {
             "threads": args.worker_threads, "config": config, "reward_funcs": self.reward_runner.funcs,
-            "reward_timeout": args.reward_timeout, "pad_token_id": self.processing_class.pad_token_id,
+            "reward_timeout": args.reward_timeout, "reward_max_failures": args.reward_max_consecutive_failures,
+            "pad_token_id": self.processing_class.pad_token_id,
             "max_batch_size": args.generation_batch_size, "tokenizer": self.processing_class, "rows": self.rows,
             "prompt_ids": self.prompt_ids, "num_generations": args.num_generations, "per_round": self.prompts_per_round,
             "seed": args.seed, "sampling": self.sampling, "max_staleness": args.max_staleness,
@@ -291,6 +298,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         return str(folder)
 
+    def _write_checkpoint_state(self, folder: Path) -> None:
+        """GRPO's state plus the worker's position, before the checkpoint is marked complete."""
+        super()._write_checkpoint_state(folder)
+        write_atomic(folder / STATE_FILE, json.dumps({"next_round": self._next_round, "dropped": self._dropped}))
+
     # --------------------------------------------------------------------------------- rollout
 
     def generate_rollout(self, row_indices) -> Rollout:
@@ -347,7 +359,7 @@ class _InWorker:
 
 
 class _AsyncStateCallback(TrainerCallback):
-    """Publishes weights after optimizer steps and saves the worker's position into checkpoints."""
+    """Publishes weights to the worker after optimizer steps."""
 
     def __init__(self, trainer: AsyncGRPOTrainer):
         self.trainer = trainer
@@ -355,10 +367,3 @@ class _AsyncStateCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.sync_every == 0:
             self.trainer.publish_weights()
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if args.should_save and folder.is_dir():
-            write_atomic(folder / STATE_FILE, json.dumps({"next_round": self.trainer._next_round,
-                                                          "dropped": self.trainer._dropped}))
-

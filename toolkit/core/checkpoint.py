@@ -1,29 +1,82 @@
-"""Checkpoints you can trust: a checkpoint counts only once it is complete.
+"""Checkpoints you can trust: a `checkpoint-N` folder is complete or absent, never in between.
 
-transformers writes `checkpoint-N/` file by file; a crash in the middle leaves a folder that looks
-like a checkpoint and that `resume_from_checkpoint=True` would happily pick. We write a marker
-file, atomically (temp file + rename), after everything else in the folder is on disk, and resume
-only from folders that carry it.
+Every trainer writes a checkpoint the same way (`save_trainer_checkpoint` for the trainers on
+`transformers.Trainer`'s loop, `begin_checkpoint` / `commit_checkpoint` for PPO's own loop):
+
+1. everything (model, optimizer, scheduler, RNG, trainer state, the trainer's own state files) is
+   written into a staging folder `output_dir/.staging/checkpoint-N`, never into `checkpoint-N` itself;
+2. the completion marker is written last, atomically, inside the staging folder;
+3. the staging folder is renamed into place: one `rename`, which the file system does atomically. If a
+   `checkpoint-N` already exists (a resumed run passing the same step again), it is first renamed aside
+   and deleted only after the new one is in place, so a kill at any moment leaves either the old
+   complete folder or the new complete one;
+4. only then are old checkpoints rotated away (`save_total_limit`), oldest first, so the newest
+   complete checkpoint always survives.
+
+Resume picks the newest folder with the marker. A plain `transformers.Trainer` or TRL checkpoint (no
+marker, but a `trainer_state.json`, which Trainer writes after the weights) is accepted with a warning.
+
+`TOOLKIT_FAULT_AT=<point>:<step>` kills the process with SIGKILL at a named point of a checkpoint
+write (`staged`, `marked`, `swapped`, `rotating`); the crash tests (tests/test_crash_resume.py) use it
+to aim kills inside the write. It costs one environment lookup per checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import shutil
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from transformers import TrainerCallback
 
 from .errors import ConfigError
 
-COMPLETE_MARKER = "toolkit_checkpoint_complete.json"
-__all__ = ["COMPLETE_MARKER", "CompleteCheckpointCallback", "is_complete", "latest_complete_checkpoint",
-           "resolve_resume", "write_atomic"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "CompleteCheckpointCallback",
+    "begin_checkpoint",
+    "commit_checkpoint",
+    "is_complete",
+    "latest_complete_checkpoint",
+    "resolve_resume",
+    "resume_already_finished",
+    "rotate_checkpoints",
+    "save_trainer_checkpoint",
+    "write_atomic",
+]
 
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = "toolkit_checkpoint_complete.json"
+STAGING_DIR = ".staging"
+_TRASH_PREFIX = ".trash-"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _fault(point: str, step: int) -> None:
+    """Die here if the crash tests asked for it (TOOLKIT_FAULT_AT=point:step)."""
+    if os.environ.get("TOOLKIT_FAULT_AT") == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
@@ -45,57 +98,208 @@ def is_complete(folder: str | os.PathLike) -> bool:
     return (Path(folder) / COMPLETE_MARKER).exists()
 
 
+def _checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), c) for c in root.iterdir() if (m := _CHECKPOINT_RE.match(c.name)) and c.is_dir()]
+    return sorted(found)
+
+
 def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The `checkpoint-N` folder with the highest N that carries the completion marker."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return None
-    found = []
-    for child in root.iterdir():
-        m = _CHECKPOINT_RE.match(child.name)
-        if m and child.is_dir() and is_complete(child):
-            found.append((int(m.group(1)), child))
-    return str(max(found)[1]) if found else None
+    found = [c for _, c in _checkpoints(Path(output_dir)) if is_complete(c)]
+    return str(found[-1]) if found else None
+
+
+def _looks_like_trainer_checkpoint(folder: Path) -> bool:
+    """A plain transformers/TRL checkpoint: Trainer writes trainer_state.json after the weights."""
+    return (folder / "trainer_state.json").exists() and any(
+        (folder / name).exists() for name in ("model.safetensors", "adapter_model.safetensors",
+                                              "model.safetensors.index.json", "pytorch_model.bin"))
 
 
 def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
-    """Turn `True` into the latest complete checkpoint; check that an explicit path is complete."""
+    """Turn `True` into the newest complete checkpoint; check an explicit path.
+
+    A folder without toolkit's marker is accepted, with a warning, when it is a whole transformers/TRL
+    checkpoint (weights and trainer_state.json); otherwise it is refused, naming the last good one.
+    """
     if resume_from_checkpoint in (None, False):
         return None
     if resume_from_checkpoint is True:
         found = latest_complete_checkpoint(output_dir)
-        if found is None:
-            raise ConfigError(
-                f"resume_from_checkpoint=True, but '{output_dir}' holds no complete checkpoint "
-                f"(a folder checkpoint-N with {COMPLETE_MARKER}). Start without resuming, or pass a checkpoint path."
-            )
-        return found
-    path = str(resume_from_checkpoint)
-    if not Path(path).is_dir():
-        raise ConfigError(f"resume_from_checkpoint: '{path}' is not a folder.")
-    if not is_complete(path):
+        if found is not None:
+            return found
+        plain = [c for _, c in _checkpoints(Path(output_dir)) if _looks_like_trainer_checkpoint(c)]
+        if plain:
+            logger.warning("resume_from_checkpoint=True: '%s' holds no toolkit checkpoint; resuming from %s, a "
+                           "transformers/TRL checkpoint (no completion marker, so completeness is assumed from its "
+                           "trainer_state.json).", output_dir, plain[-1])
+            return str(plain[-1])
         raise ConfigError(
-            f"resume_from_checkpoint: '{path}' is incomplete (no {COMPLETE_MARKER}); the run that wrote it probably "
-            f"stopped while saving. Use the previous checkpoint: {latest_complete_checkpoint(Path(path).parent)}."
-        )
-    return path
+            f"resume_from_checkpoint=True, but '{output_dir}' holds no complete checkpoint (a folder checkpoint-N "
+            f"with {COMPLETE_MARKER}). Start without resuming, or pass a checkpoint path.")
+    path = Path(str(resume_from_checkpoint))
+    if not path.is_dir():
+        raise ConfigError(f"resume_from_checkpoint: '{path}' is not a folder.")
+    if is_complete(path):
+        return str(path)
+    if _looks_like_trainer_checkpoint(path):
+        logger.warning("resume_from_checkpoint: '%s' has no toolkit completion marker; resuming from it as a "
+                       "transformers/TRL checkpoint (completeness assumed from its trainer_state.json).", path)
+        return str(path)
+    raise ConfigError(
+        f"resume_from_checkpoint: '{path}' is incomplete (no {COMPLETE_MARKER}, no trainer_state.json); the run "
+        f"that wrote it probably stopped while saving. Use the previous checkpoint: "
+        f"{latest_complete_checkpoint(path.parent)}.")
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing: stage, mark, swap into place, rotate
+# ------------------------------------------------------------------------------------------------
+
+
+def begin_checkpoint(output_dir: str | os.PathLike, step: int) -> Path:
+    """An empty staging folder for checkpoint `step` (a leftover from a crashed write is removed first)."""
+    staging = Path(output_dir) / STAGING_DIR / f"checkpoint-{step}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit_checkpoint(staging: str | os.PathLike, output_dir: str | os.PathLike, step: int, *,
+                      save_total_limit: int | None = None, keep: tuple[str, ...] = ()) -> Path:
+    """Mark `staging` complete, move it to `output_dir/checkpoint-<step>` atomically, then rotate old ones.
+
+    `keep`: folders rotation must not delete (e.g. the best model's checkpoint).
+    """
+    staging, root = Path(staging), Path(output_dir)
+    final = root / f"checkpoint-{step}"
+    _fault("staged", step)
+    write_atomic(staging / COMPLETE_MARKER, json.dumps({"global_step": step}))
+    _fsync_dir(staging)
+    _fault("marked", step)
+    trash = None
+    if final.exists():
+        # A resumed run passing this step again: the old folder steps aside (still complete) until the
+        # new one is in place, so no moment exists without a complete checkpoint-<step>.
+        trash = root / f"{_TRASH_PREFIX}checkpoint-{step}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(final, trash)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    _fault("swapped", step)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    rotate_checkpoints(root, save_total_limit, keep=(str(final), *keep), step=step)
+    return final
+
+
+def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None, *, keep: tuple[str, ...] = (),
+                       step: int = -1) -> None:
+    """Delete complete checkpoints beyond the newest `save_total_limit` (never those in `keep`), and leftovers of
+    interrupted writes (staging and trash folders, and incomplete checkpoint folders older than the newest
+    complete one)."""
+    root = Path(output_dir)
+    for leftover in root.glob(f"{_TRASH_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    found = _checkpoints(root)
+    complete = [c for _, c in found if is_complete(c)]
+    if not complete:
+        return
+    newest = complete[-1]
+    doomed = [c for n, c in found if not is_complete(c) and n < int(newest.name.split("-")[1])
+              and not _looks_like_trainer_checkpoint(c)]
+    if save_total_limit is not None and save_total_limit > 0:
+        doomed += complete[:-save_total_limit]
+    keep_set = {str(Path(k)) for k in keep}
+    for i, folder in enumerate(doomed):
+        if str(folder) in keep_set:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        if i == 0:
+            _fault("rotating", step)
+
+
+def save_trainer_checkpoint(trainer: Any, save: Callable[[Any, Any], None], model: Any, trial: Any,
+                            write_state: Callable[[Path], None] | None = None) -> None:
+    """`Trainer._save_checkpoint`, made atomic: `save(model, trial)` (Trainer's own) writes into the staging
+    folder, `write_state(folder)` adds the trainer's own files, then `commit_checkpoint`.
+
+    Trainer rotates checkpoints inside its save; here that happens in the staging parent, where there is
+    nothing to rotate, and `commit_checkpoint` rotates the real folder afterwards, once the new
+    checkpoint is complete (transformers deletes before the new checkpoint counts, which left no complete
+    checkpoint when a kill came in between).
+    """
+    args, state = trainer.args, trainer.state
+    step = state.global_step
+    root = Path(trainer._get_output_dir(trial=trial))
+    staging_root = root / STAGING_DIR
+    if args.should_save:
+        begin_checkpoint(root, step)
+    trainer.accelerator.wait_for_everyone()
+    trainer._get_output_dir = lambda trial=None: str(staging_root)  # Trainer writes checkpoint-N under it
+    try:
+        save(model, trial)
+    finally:
+        del trainer._get_output_dir
+    staging = staging_root / f"checkpoint-{step}"
+    keep: tuple[str, ...] = ()
+    if state.best_global_step:
+        best = root / f"checkpoint-{state.best_global_step}"
+        if best.exists() or state.best_global_step == step:
+            state.best_model_checkpoint = str(best)
+            keep = (str(best),)
+    if args.should_save:
+        state.save_to_json(str(staging / "trainer_state.json"))  # with the best checkpoint's final path
+        if write_state is not None:
+            write_state(staging)
+        commit_checkpoint(staging, root, step, save_total_limit=args.save_total_limit, keep=keep)
+    trainer.accelerator.wait_for_everyone()
+
+
+def resume_already_finished(trainer: Any, path: str | None) -> Any | None:
+    """Resuming from a checkpoint that already reached `max_steps`: load it and train nothing.
+
+    transformers' loop checks `max_steps` only after a step, so a run resumed from its own last checkpoint
+    in the middle of an epoch trained one step more than asked (found by tests/test_crash_resume.py: a
+    kill after the final save, then a resume, gave GRPO a step 5 of 4). Returns the TrainOutput to return
+    from `train()` in that case, None otherwise.
+    """
+    from transformers import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    if path is None or trainer.args.max_steps <= 0 or not (Path(path) / "trainer_state.json").exists():
+        return None
+    state = TrainerState.load_from_json(str(Path(path) / "trainer_state.json"))
+    if state.global_step < trainer.args.max_steps:
+        return None
+    logger.info("%s is at step %d, which already reaches max_steps=%d: loading it, nothing left to train.", path,
+                state.global_step, trainer.args.max_steps)
+    trainer._load_from_checkpoint(path)
+    trainer.state = state
+    return TrainOutput(state.global_step, 0.0, {"train_runtime": 0.0, "train_loss": 0.0})
 
 
 class CompleteCheckpointCallback(TrainerCallback):
-    """Marks `checkpoint-N` complete after Trainer has written model, optimizer, scheduler, RNG and state.
+    """Tells `on_complete(step, path)` that checkpoint-N is complete (its marker is on disk).
 
-    Put it after every other callback that writes into the folder. `on_complete(step, path)` runs once
-    the marker is on disk (trainers pass the plugin notification `toolkit_on_checkpoint_saved`).
+    The checkpoint itself is written by `save_trainer_checkpoint`; trainers pass the plugin notification
+    `toolkit_on_checkpoint_saved` as `on_complete`.
     """
 
     def __init__(self, on_complete: Callable[[int, str], None] | None = None):
+        if on_complete is not None and not callable(on_complete):
+            raise TypeError(f"CompleteCheckpointCallback(on_complete=...) takes a callable (step, path), got "
+                            f"{on_complete!r}; toolkit 0.1's CompleteCheckpointCallback(trainer_kind) is gone: pass "
+                            "lambda step, path: toolkit.core.plugins.notify_checkpoint_saved(kind, step, path).")
         self.on_complete = on_complete
 
     def on_save(self, args, state, control, **kwargs):
         if not args.should_save:
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if folder.is_dir():
-            write_atomic(folder / COMPLETE_MARKER, json.dumps({"global_step": state.global_step}))
-            if self.on_complete is not None:
-                self.on_complete(state.global_step, str(folder))
+        if is_complete(folder) and self.on_complete is not None:
+            self.on_complete(state.global_step, str(folder))

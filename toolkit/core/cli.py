@@ -9,6 +9,7 @@
     toolkit model-path                      # where the embedded SmolLM2 checkpoint is cached
     toolkit vllm-serve --model <folder>     # a vLLM engine over HTTP for generation_backend = "vllm-server"
     toolkit plugins                         # losses, estimators, rewards, backends by name, and their packages
+    toolkit <command> ... --debug           # show the traceback of an error (otherwise one line, exit 1 or 2)
 """
 
 from __future__ import annotations
@@ -242,11 +243,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown command '{argv[0]}'; commands: {', '.join(commands)}")
             return 2
         return 0
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     try:
         return commands[argv[0]](argv[1:])
     except ToolkitError as e:
+        if debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a person gets one line; --debug gives the traceback
+        if debug:
+            raise
+        print(f"error: {type(e).__name__}: {e}\n(run again with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 def _plugins(argv: list[str]) -> int:

@@ -162,6 +162,8 @@ def build_configs(values: dict[str, Any], config_cls: type) -> tuple[RunArgs, An
         except Exception:
             hints.update({f.name: f.type for f in dataclasses.fields(cls)})
     for key, value in values.items():
+        if key == "resume_from_checkpoint" and isinstance(value, bool):
+            continue  # `true` = the newest complete checkpoint (the trainers' train() accepts it)
         _check_type(key, value, hints.get(key, "Any"))
     run = RunArgs(**{k: v for k, v in values.items() if valid[k] is RunArgs})
     cfg = config_cls(**{k: v for k, v in values.items() if valid[k] is config_cls})

@@ -97,6 +97,10 @@ def as_rows(data: Any) -> list[dict[str, Any]]:
             return rows
         loaded = json.loads(text)
         return as_rows(loaded)
+    if isinstance(data, Mapping) and data and all(hasattr(v, "column_names") for v in data.values()):
+        # a datasets.DatasetDict: its values are splits, not columns
+        raise DataError(f"dataset: got a DatasetDict with splits {sorted(data)}; pass one split, e.g. "
+                        f"dataset['{'train' if 'train' in data else sorted(data)[0]}'].")
     if isinstance(data, Mapping):
         lengths = {k: len(v) for k, v in data.items()}
         if len(set(lengths.values())) > 1:
@@ -446,6 +450,10 @@ def tokenize_for_sft(
         raise DataError("assistant_only_loss=True needs conversational 'messages' rows; this dataset is "
                         f"{fmt.describe()}. For prompt-completion data use completion_only_loss instead.")
     eos = tokenizer.eos_token_id
+    if eos is None and not fmt.conversational:
+        # Plain text gets EOS appended so the model learns to stop; without one it never would, silently.
+        raise DataError("SFT: the tokenizer has no EOS token, so plain-text examples cannot end with one and the "
+                        "model would never learn to stop; set tokenizer.eos_token (e.g. to its end-of-turn token).")
     report = TokenizationReport(rows=len(rows))
     out: list[dict[str, list[int]]] = []
     for i, r in enumerate(rows):
@@ -720,6 +728,14 @@ def prompt_rows(dataset: Any, tokenizer: Any, *, trainer: str) -> tuple[list[dic
                         "that holds the prompts to 'prompt' (other columns are passed to reward functions).")
     prompt_fmt = DatasetFormat("prompt_only", fmt.conversational, ("prompt",),
                                tuple(c for c in rows[0] if c != "prompt"))
+    # Extra columns reach the reward functions as keyword arguments next to these three.
+    clash = sorted(set(prompt_fmt.extra_columns) & {"prompts", "completions", "completion_ids"})
+    if clash:
+        raise DataError(f"{trainer}: the dataset has a column named {clash}, which is also an argument every reward "
+                        "function receives (prompts, completions, completion_ids); rename the column.")
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"{trainer}: the tokenizer has no EOS token, so no completion could ever end (and the default "
+                        "stop token would be None); set tokenizer.eos_token, or a chat template's end token.")
     validate(rows, prompt_fmt, tokenizer=tokenizer)
     return rows, prompt_fmt
 

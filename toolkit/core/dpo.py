@@ -34,7 +34,12 @@ from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from .attention import supports_varlen, use_varlen_attention
-from .checkpoint import CompleteCheckpointCallback, resolve_resume
+from .checkpoint import (
+    CompleteCheckpointCallback,
+    resolve_resume,
+    resume_already_finished,
+    save_trainer_checkpoint,
+)
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from .errors import ConfigError, TrainingHealthError
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
@@ -156,7 +161,7 @@ class DPOTrainer(Trainer):
                          processing_class=tokenizer, callbacks=list(callbacks or []) + [CompleteCheckpointCallback(
                              on_complete=lambda step, path: notify_checkpoint_saved("dpo", step, path))],
                          optimizers=optimizers)
-        self.preference_losses = []  # (name, PreferenceLoss, its settings, weight)
+        self.preference_losses = []  # (name, PreferenceLoss, its settings at start-up, weight)
         for name, weight in zip(args.loss_types, args.loss_weight_values):
             loss = registry().get("preference_loss", name, field="loss_type")
             self.preference_losses.append((name, loss, resolve_preference_loss_settings(loss, args, name=name), weight))
@@ -251,7 +256,9 @@ class DPOTrainer(Trainer):
         chosen_len, rejected_len = lengths.chunk(2)
         inputs = PreferenceLossInputs(chosen_logratios, rejected_logratios, chosen_len.float(), rejected_len.float())
         loss = chosen_logratios.new_zeros(())
-        for _, preference_loss, settings, weight in self.preference_losses:
+        for name, preference_loss, _, weight in self.preference_losses:
+            # Settings are read from args at every step, so a callback that schedules beta takes effect.
+            settings = resolve_preference_loss_settings(preference_loss, self.args, name=name)
             loss = loss + weight * preference_loss(inputs, settings).mean()
         return loss
 
@@ -308,8 +315,15 @@ class DPOTrainer(Trainer):
                     "not moving away from the reference. Raise the learning rate or beta, and check that chosen and "
                     "rejected really differ.", self.state.global_step, k)
 
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint, written atomically: complete or absent (toolkit.core.checkpoint)."""
+        save_trainer_checkpoint(self, super()._save_checkpoint, model, trial)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        finished = resume_already_finished(self, path)
+        if finished is not None:
+            return finished
         return super().train(resume_from_checkpoint=path, **kwargs)
 
 

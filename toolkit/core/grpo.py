@@ -46,10 +46,16 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from .attention import supports_varlen, use_varlen_attention
-from .checkpoint import CompleteCheckpointCallback, resolve_resume, write_atomic
+from .checkpoint import (
+    CompleteCheckpointCallback,
+    resolve_resume,
+    resume_already_finished,
+    save_trainer_checkpoint,
+    write_atomic,
+)
 from .data import prompt_rows, tokenize_prompts
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
@@ -131,6 +137,9 @@ class GRPOConfig(TrainingArguments):
     scale_rewards: str = field(default="group", metadata={"help": "Advantage scaling: group | batch | none."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function."})
     reward_timeout: float = field(default=60.0, metadata={"help": "Seconds a reward function may take per batch."})
+    reward_max_consecutive_failures: int = field(default=3, metadata={
+        "help": "Stop the run (naming the function, its error and the columns it got) when a reward function fails "
+                "on this many batches in a row; a failure is an exception, a timeout, a wrong length, or NaN."})
     importance_sampling_cap: float | None = field(default=2.0, metadata={
         "help": "Truncated importance sampling between sampler and trainer log-probs: weights min(ratio, cap). "
                 "None turns the correction off."})
@@ -158,6 +167,15 @@ class GRPOConfig(TrainingArguments):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         super().__post_init__()
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ConfigError(f"max_prompt_length: must be >= 1 or None (no cut), got {self.max_prompt_length}.")
+        if self.max_completion_length < 1:
+            raise ConfigError(f"max_completion_length: must be >= 1, got {self.max_completion_length}.")
+        if not self.reward_timeout > 0:
+            raise ConfigError(f"reward_timeout: must be > 0 seconds, got {self.reward_timeout}.")
+        if self.reward_max_consecutive_failures < 1:
+            raise ConfigError(f"reward_max_consecutive_failures: must be >= 1, got "
+                              f"{self.reward_max_consecutive_failures}.")
         if self.num_generations < 2:
             raise ConfigError(f"num_generations: must be >= 2 (advantages are relative to the group), got "
                               f"{self.num_generations}.")
@@ -206,18 +224,6 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class _StateCallback(TrainerCallback):
-    """Saves the trainer's own state (solved prompts, rollout counter) into each checkpoint."""
-
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if args.should_save and folder.is_dir():
-            write_atomic(folder / "grpo_state.json", json.dumps({"solved": sorted(self.trainer.solved)}))
-
-
 class GRPOTrainer(Trainer):
     """GRPO on prompt-only (or prompt-completion; the completion is ignored) data with reward functions.
 
@@ -247,7 +253,8 @@ class GRPOTrainer(Trainer):
             raise ConfigError("train_dataset: GRPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
-        self.reward_runner = RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout)
+        self.reward_runner = RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout,
+                                          max_consecutive_failures=args.reward_max_consecutive_failures)
         weights = args.reward_weights or [1.0] * len(self.reward_runner.funcs)
         if len(weights) != len(self.reward_runner.funcs):
             raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.reward_runner.funcs)} reward "
@@ -299,7 +306,7 @@ class GRPOTrainer(Trainer):
         self.advantage_estimator = reg.get("advantage_estimator", args.advantage_estimator, field="advantage_estimator")
         self.advantage_settings = resolve_estimator_settings(self.advantage_estimator, args,
                                                              name=args.advantage_estimator)
-        _adapt_legacy_policy_loss_seam(type(self))
+        self._policy_term = _policy_term_of(self)
         self.generation_backend = generation_backend if generation_backend is not None else reg.get(
             "generation_backend", args.generation_backend, field="generation_backend")(model, tokenizer, args)
         logger.info(
@@ -312,8 +319,7 @@ class GRPOTrainer(Trainer):
             self.reward_runner.names, weights,
         )
 
-        # Our state goes into the folder before the completion marker: the marker comes last.
-        callbacks = list(callbacks or []) + [_StateCallback(self), CompleteCheckpointCallback(
+        callbacks = list(callbacks or []) + [CompleteCheckpointCallback(
             on_complete=lambda step, path: notify_checkpoint_saved("grpo", step, path))]
         super().__init__(model=model, args=args, data_collator=_index_collator,
                          train_dataset=Dataset.from_list([{"row_index": i} for i in range(len(rows))]),
@@ -504,13 +510,23 @@ class GRPOTrainer(Trainer):
         return completion_logps(model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
                                 upcast=self.args.fp32_lm_head, hidden=hidden)
 
-    def compute_policy_loss(self, inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def compute_policy_loss(self, inputs: PolicyLossInputs, *legacy: torch.Tensor
+                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token policy loss [B, T] and metric masks: the registered `loss_type` (the wrapper seam).
 
-        Before toolkit 0.2 this seam took `(logps, old_logps, advantages, mask)`; a subclass overriding it in
-        that form still works for one minor version, with a ToolkitDeprecationWarning.
+        Before toolkit 0.2 this seam took `(logps, old_logps, advantages, mask)`. Until 0.3 both forms work,
+        with a ToolkitDeprecationWarning for the old one: a subclass overriding it with four tensors is
+        called that way, and `super().compute_policy_loss(logps, old_logps, advantages, mask)` from such an
+        override is answered here.
         """
-        return self.policy_loss(inputs, self.loss_settings)
+        if legacy:
+            warnings.warn(_LEGACY_SEAM_MESSAGE.format(cls=type(self).__name__), ToolkitDeprecationWarning,
+                          stacklevel=2)
+            old_logps, advantages, mask = legacy
+            inputs = PolicyLossInputs(logps=inputs, old_logps=old_logps, advantages=advantages, loss_mask=mask)
+        # Settings are read from args at every step, so a callback that schedules epsilon takes effect.
+        return self.policy_loss(inputs, resolve_policy_loss_settings(self.policy_loss, self.args,
+                                                                     name=self.args.loss_type))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         flat = self.compute_token_logps(model, inputs)
@@ -523,8 +539,12 @@ class GRPOTrainer(Trainer):
             ref_logps=inputs.get("ref_logps"), group_ids=inputs["group_ids"], step_tokens=inputs["step_tokens"],
             step_sequences=inputs["step_sequences"], step_prompts=inputs["step_prompts"],
             num_micro_batches=self.current_gradient_accumulation_steps if model.training else 1)
-        out = policy_objective(loss_inputs, self.compute_policy_loss, aggregation=self.loss_aggregation,
-                               settings=self.objective_settings)
+        # beta, importance_sampling_cap, ... are read at every step (callbacks may schedule them).
+        objective_settings = dataclasses.replace(
+            resolve_settings(PolicyObjectiveSettings, self.args, kwargs=None, kwargs_field="", owner="GRPO"),
+            aggregation_constant=self.args.max_completion_length)
+        out = policy_objective(loss_inputs, self._policy_term, aggregation=self.loss_aggregation,
+                               settings=objective_settings)
         self._health.check_finite(self.state.global_step, loss=out.loss, logps=flat, advantages=inputs["advantages"])
         self._record_loss_metrics(loss_inputs, out)
         return (out.loss, {"logps": flat.detach()}) if return_outputs else out.loss
@@ -550,9 +570,20 @@ class GRPOTrainer(Trainer):
             float(micro["input_ids"].numel()) / max(time.perf_counter() - t, 1e-9))
         return loss
 
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint plus GRPO's own state, written atomically (toolkit.core.checkpoint)."""
+        save_trainer_checkpoint(self, super()._save_checkpoint, model, trial, self._write_checkpoint_state)
+
+    def _write_checkpoint_state(self, folder: Path) -> None:
+        """The trainer's own state, into the checkpoint folder before it is marked complete."""
+        write_atomic(folder / "grpo_state.json", json.dumps({"solved": sorted(self.solved)}))
+
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """As Trainer.train; `resume_from_checkpoint=True` picks the newest complete checkpoint."""
         path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        finished = resume_already_finished(self, path)
+        if finished is not None:
+            return finished
         if path is not None:
             state_file = Path(path) / "grpo_state.json"
             if state_file.exists():
@@ -687,27 +718,25 @@ def _index_collator(features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
     return {"row_index": torch.tensor([f["row_index"] for f in features], dtype=torch.long)}
 
 
-def _adapt_legacy_policy_loss_seam(cls: type) -> None:
-    """A subclass overriding `compute_policy_loss(logps, old_logps, advantages, mask)` (the toolkit 0.1 seam):
-    wrap it once into the 0.2 form `compute_policy_loss(inputs)`, with a deprecation warning."""
-    override = next(k.__dict__["compute_policy_loss"] for k in cls.__mro__ if "compute_policy_loss" in k.__dict__)
-    if getattr(override, "_toolkit_adapted", False) or override is GRPOTrainer.compute_policy_loss:
-        return
-    if "inputs" in inspect.signature(override).parameters:
-        return
-    warnings.warn(f"{cls.__name__}.compute_policy_loss(logps, old_logps, advantages, mask) is the toolkit 0.1 seam, "
-                  "deprecated in 0.2 and removed in 0.4: override compute_policy_loss(self, inputs: PolicyLossInputs) "
-                  "and read inputs.logps, inputs.old_logps, inputs.advantages, inputs.loss_mask.",
-                  ToolkitDeprecationWarning, stacklevel=3)
+_LEGACY_SEAM_MESSAGE = (
+    "{cls}.compute_policy_loss(logps, old_logps, advantages, mask) is the toolkit 0.1 seam, deprecated in 0.2 and "
+    "removed in 0.3: override compute_policy_loss(self, inputs: PolicyLossInputs) and read inputs.logps, "
+    "inputs.old_logps, inputs.advantages, inputs.loss_mask.")
 
-    def adapted(self, inputs: PolicyLossInputs):
-        return override(self, inputs.logps, inputs.old_logps, inputs.advantages, inputs.loss_mask)
 
-    adapted._toolkit_adapted = True  # type: ignore[attr-defined]
-    for klass in cls.__mro__:
-        if "compute_policy_loss" in klass.__dict__:
-            setattr(klass, "compute_policy_loss", adapted)
-            break
+def _policy_term_of(trainer: GRPOTrainer) -> Callable[[PolicyLossInputs], tuple[torch.Tensor, dict]]:
+    """The per-token term `policy_objective` calls: the `compute_policy_loss` seam, in either form.
+
+    An override with four positional tensor parameters is the toolkit 0.1 form: it is called that way (with a
+    deprecation warning once, here), without touching the user's class.
+    """
+    method = trainer.compute_policy_loss
+    params = [p for p in inspect.signature(method).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if type(trainer).compute_policy_loss is GRPOTrainer.compute_policy_loss or len(params) < 4:
+        return method
+    warnings.warn(_LEGACY_SEAM_MESSAGE.format(cls=type(trainer).__name__), ToolkitDeprecationWarning, stacklevel=3)
+    return lambda inputs: method(inputs.logps, inputs.old_logps, inputs.advantages, inputs.loss_mask)
 
 
 def _pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:

@@ -48,7 +48,7 @@ PROJECT_NAME = "toolkit"
 #: Bumped on every added, deprecated or removed hook, hook argument or registered-object form.
 #: 1.1 (toolkit 0.2): losses and estimators are registered as objects on typed inputs (PolicyLoss,
 #: PreferenceLoss, AdvantageEstimator); the 1.0 callable form still works, with a ToolkitDeprecationWarning,
-#: until hooks 2.0.
+#: until hooks 2.0 (toolkit 0.3).
 HOOKS_VERSION = "1.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

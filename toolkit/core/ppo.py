@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import shutil
 import warnings
 import logging
 import math
@@ -53,7 +52,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from .attention import supports_varlen, use_varlen_attention
-from .checkpoint import COMPLETE_MARKER, resolve_resume, write_atomic
+from .checkpoint import begin_checkpoint, commit_checkpoint, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import SamplingParams
@@ -151,21 +150,28 @@ class PPOConfig(TrainingArguments):
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function."})
     reward_model_weight: float = field(default=1.0, metadata={"help": "Weight of the reward model's score."})
     reward_timeout: float = field(default=60.0, metadata={"help": "Seconds a reward function may take per batch."})
+    reward_max_consecutive_failures: int = field(default=3, metadata={
+        "help": "Stop the run (naming the function, its error and the columns it got) when a reward function fails "
+                "on this many batches in a row; a failure is an exception, a timeout, a wrong length, or NaN."})
     logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
     fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
     model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
     kl_coef: float | None = field(default=None, metadata={
-        "help": "Deprecated alias of beta (toolkit 0.1's and TRL's PPO name); removed in toolkit 0.4."})
+        "help": "Deprecated alias of beta (toolkit 0.1's and TRL's PPO name); removed in toolkit 0.3."})
     cliprange: float | None = field(default=None, metadata={
-        "help": "Deprecated alias of epsilon (toolkit 0.1's and TRL's PPO name); removed in toolkit 0.4."})
+        "help": "Deprecated alias of epsilon (toolkit 0.1's and TRL's PPO name); removed in toolkit 0.3."})
 
     def __post_init__(self):
         # One name per concept across trainers: beta (KL coefficient) and epsilon (ratio clip), as in GRPO.
+        defaults = {"beta": 0.05, "epsilon": 0.2}
         for old, new in (("kl_coef", "beta"), ("cliprange", "epsilon")):
             value = getattr(self, old)
             if value is not None:
-                warnings.warn(f"PPOConfig.{old} is deprecated since toolkit 0.2 and removed in 0.4; use {new} (the "
+                if getattr(self, new) != defaults[new] and getattr(self, new) != value:
+                    raise ConfigError(f"{old}: the deprecated alias of {new}; both are set ({old}={value}, "
+                                      f"{new}={getattr(self, new)}). Keep only {new}.")
+                warnings.warn(f"PPOConfig.{old} is deprecated since toolkit 0.2 and removed in 0.3; use {new} (the "
                               f"name GRPO uses). Using {new}={value}.", ToolkitDeprecationWarning, stacklevel=3)
                 setattr(self, new, value)
                 setattr(self, old, None)
@@ -176,6 +182,23 @@ class PPOConfig(TrainingArguments):
             setattr(self, ckpt, False)
         apply_cpu_training_defaults(self)
         super().__post_init__()
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ConfigError(f"max_prompt_length: must be >= 1 or None (no cut), got {self.max_prompt_length}.")
+        if self.max_completion_length < 1:
+            raise ConfigError(f"max_completion_length: must be >= 1, got {self.max_completion_length}.")
+        if not self.reward_timeout > 0:
+            raise ConfigError(f"reward_timeout: must be > 0 seconds, got {self.reward_timeout}.")
+        if self.reward_max_consecutive_failures < 1:
+            raise ConfigError(f"reward_max_consecutive_failures: must be >= 1, got "
+                              f"{self.reward_max_consecutive_failures}.")
+        # PPO owns its loop (docs/ppo.md): it saves every `save_steps` updates or not at all.
+        strategy = str(getattr(self.save_strategy, "value", self.save_strategy))
+        if strategy not in ("no", "steps"):
+            raise ConfigError(f"save_strategy: PPO saves every save_steps updates ('steps') or never ('no'); "
+                              f"'{strategy}' is not supported.")
+        if strategy == "steps" and (self.save_steps < 1 or self.save_steps != int(self.save_steps)):
+            raise ConfigError(f"save_steps: PPO counts updates, so save_steps must be a whole number >= 1, got "
+                              f"{self.save_steps}.")
         for name in ("num_mini_batches", "num_ppo_epochs", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}.")
@@ -318,7 +341,8 @@ class PPOTrainer(Trainer):
                               "critic='separate' to use value_model.")
         if train_dataset is None:
             raise ConfigError("train_dataset: PPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
-        self.reward_runner = (RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout)
+        self.reward_runner = (RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout,
+                                           max_consecutive_failures=args.reward_max_consecutive_failures)
                               if reward_funcs else None)
         weights = args.reward_weights or [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
@@ -718,42 +742,25 @@ class PPOTrainer(Trainer):
                   str(out / CRITIC_FILE))
 
     def _save_checkpoint_ppo(self) -> None:
-        """checkpoint-N with policy, critic, optimizer, scheduler, KL coefficient and trainer state; marker last.
+        """checkpoint-N with policy, critic, optimizer, scheduler, KL coefficient and trainer state.
 
-        PPO owns its loop, so it owns its checkpoints too (Trainer's _save_checkpoint is never called): the
-        same layout and completion marker as the other trainers, `save_total_limit` honoured by deleting old
-        checkpoints only after the new one is complete, and no pickle (tensors load with weights_only=True).
+        PPO owns its loop, so it owns its checkpoints too (Trainer's _save_checkpoint is never called), with
+        the contract every trainer has (toolkit.core.checkpoint): written into a staging folder, marked
+        complete, renamed into place, and only then old checkpoints rotated (`save_total_limit`); no
+        pickle (tensors load with weights_only=True).
         """
         if not self.args.should_save:
             return
-        folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-        folder.mkdir(parents=True, exist_ok=True)
-        # A folder being rewritten (a resumed run passing an old step again) stops counting as complete first.
-        (folder / COMPLETE_MARKER).unlink(missing_ok=True)
-        self.save_model(str(folder))
+        step = self.state.global_step
+        staging = begin_checkpoint(self.args.output_dir, step)
+        self.save_model(str(staging))
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.lr_scheduler.state_dict()},
-                   folder / STATE_FILE)
-        write_atomic(folder / STATE_JSON, json.dumps({"kl_coef": self.kl_controller.value,
-                                                      "global_step": self.state.global_step}))
-        self.state.save_to_json(str(folder / "trainer_state.json"))
+                   staging / STATE_FILE)
+        write_atomic(staging / STATE_JSON, json.dumps({"kl_coef": self.kl_controller.value, "global_step": step}))
+        self.state.save_to_json(str(staging / "trainer_state.json"))
+        folder = commit_checkpoint(staging, self.args.output_dir, step, save_total_limit=self.args.save_total_limit)
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-        # Written last: a folder without it was interrupted mid-save and is never resumed from.
-        write_atomic(folder / COMPLETE_MARKER, json.dumps({"global_step": self.state.global_step}))
-        notify_checkpoint_saved("ppo", self.state.global_step, str(folder))
-        self._rotate_checkpoints(keep=folder)
-
-    def _rotate_checkpoints(self, keep: Path) -> None:
-        """Delete checkpoints beyond `save_total_limit`, oldest first, never `keep` (just completed)."""
-        limit = self.args.save_total_limit
-        if not limit or limit < 1:
-            return
-        root = Path(self.args.output_dir)
-        found = sorted((int(c.name.split("-")[1]), c) for c in root.glob("checkpoint-*")
-                       if c.is_dir() and c.name.split("-")[1].isdigit())
-        complete = [c for _, c in found if (c / COMPLETE_MARKER).exists()]
-        for old in complete[:-limit]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+        notify_checkpoint_saved("ppo", step, str(folder))
 
     def _load_checkpoint(self, path: str) -> int:
         from safetensors.torch import load_file

@@ -10,18 +10,20 @@ A reward function is any callable (plain or `async def`) with this signature, TR
 - `columns`: every other dataset column, one value per row (for example `answer`).
 
 Return one float per row, or None for rows the function does not judge (excluded for that row).
-A function that raises or exceeds its timeout is excluded for the whole batch; the failure is
-counted, and logged with its traceback once per function.
+A function that raises, exceeds its timeout or returns NaN is excluded for that batch (counted, and
+logged with its traceback once per function); one that fails `max_consecutive_failures` batches in a
+row stops the run with an error naming it (see `RewardRunner`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import math
 import re
+import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, TrainingHealthError
 
 __all__ = [
     "RewardFunction",
@@ -106,7 +108,10 @@ def numeric_match(prompts: Sequence[Any], completions: Sequence[Any], completion
 
 def format_reward(pattern: str, *, full_match: bool = True) -> RewardFunction:
     """A reward of 1.0 when the completion matches the regex `pattern` (whole text by default), else 0.0."""
-    regex = re.compile(pattern, re.DOTALL)
+    try:
+        regex = re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ConfigError(f"reward_funcs: 'format:{pattern}' is not a valid regular expression ({e}).") from None
 
     def reward(prompts, completions, completion_ids, **_):
         check = regex.fullmatch if full_match else regex.search
@@ -146,12 +151,51 @@ class RewardOutcome:
     names: list[str]
     failures: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    abandoned: int = 0   # calls still running past their timeout (left behind on daemon threads)
+
+
+class _Call:
+    """One reward call on its own daemon thread (an `async def` reward gets its own event loop there).
+
+    Python cannot kill a thread, so a call that outlives its timeout is abandoned: the batch goes on without
+    it, the next batch gets fresh threads (nothing queues behind a hung call), and a daemon thread never
+    keeps the process from exiting.
+    """
+
+    def __init__(self, fn: RewardFunction, kwargs: dict[str, Any], name: str):
+        self.fn, self.kwargs = fn, kwargs
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"toolkit-reward-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
+                self.value = asyncio.run(self.fn(**self.kwargs))
+            else:
+                self.value = self.fn(**self.kwargs)
+        except BaseException as e:  # noqa: BLE001 (reported to the runner, never raised in this thread)
+            self.error = e
+        finally:
+            self.done.set()
 
 
 class RewardRunner:
-    """Calls every reward function on a batch; async ones run concurrently, each under `timeout` seconds."""
+    """Calls every reward function on a batch, concurrently, each under `timeout` seconds.
 
-    def __init__(self, funcs: Sequence[RewardFunction], *, timeout: float = 60.0):
+    Failures never kill a run quietly and never hang it:
+    - a function that raises, times out, returns the wrong length or a non-number, or returns NaN, is
+      excluded for that batch (its rows get NaN), counted, and logged with its traceback once;
+    - a hung or blocking function (sync, or an `async def` that blocks its loop) is abandoned at its timeout
+      on a daemon thread: later batches do not wait behind it and the process can still exit;
+    - a function that fails on `max_consecutive_failures` batches in a row stops the run with a
+      TrainingHealthError naming the function, its last error and the columns it was given (a wrong column
+      name or a narrow signature fails on every batch; training on without it would learn nothing).
+    """
+
+    def __init__(self, funcs: Sequence[RewardFunction], *, timeout: float = 60.0, max_consecutive_failures: int = 3):
         named = [f for f in funcs if not callable(f)]
         if named:
             raise ConfigError(f"reward_funcs: RewardRunner takes callables; resolve names such as {named[0]!r} with "
@@ -159,17 +203,25 @@ class RewardRunner:
         self.funcs = list(funcs)
         if not self.funcs:
             raise ConfigError("reward_funcs: give at least one reward function.")
+        if not timeout > 0:
+            raise ConfigError(f"reward_timeout: must be > 0 seconds, got {timeout}.")
+        if max_consecutive_failures < 1:
+            raise ConfigError(f"reward_max_consecutive_failures: must be >= 1, got {max_consecutive_failures}.")
         self.names = [reward_name(f) for f in self.funcs]
         if len(set(self.names)) != len(self.names):
             self.names = [f"{n}_{i}" for i, n in enumerate(self.names)]
         self.timeout = timeout
+        self.max_consecutive_failures = max_consecutive_failures
         self.failures = {n: 0 for n in self.names}
+        self.consecutive = {n: 0 for n in self.names}
+        self.last_error: dict[str, str] = {}
+        self.abandoned: list[_Call] = []
         self._logged: set[str] = set()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(self.funcs)),
-                                                           thread_name_prefix="toolkit-reward")
 
     def _fail(self, name: str, n_rows: int, error: BaseException | str) -> list[float]:
         self.failures[name] += 1
+        self.consecutive[name] += 1
+        self.last_error[name] = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         if name not in self._logged:
             self._logged.add(name)
             detail = error if isinstance(error, str) else "".join(
@@ -184,56 +236,51 @@ class RewardRunner:
             return self._fail(name, n_rows, f"it returned {got}; a reward must return a list with one value per row "
                                             f"({n_rows}).")
         out = []
-        for v in values:
+        for i, v in enumerate(values):
             if v is None:
                 out.append(math.nan)
-            else:
-                try:
-                    out.append(float(v))
-                except (TypeError, ValueError):
-                    return self._fail(name, n_rows, f"it returned {v!r}, which is not a number or None.")
+                continue
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                return self._fail(name, n_rows, f"it returned {v!r} for row {i}, which is not a number or None.")
+            if math.isnan(x):
+                # NaN is not "no reward" (that is None): it is a bug in the function, so the batch counts as failed.
+                # (inf passes through: the trainers stop on it at once, naming the function.)
+                return self._fail(name, n_rows, f"it returned nan for row {i}; return a number, or None to leave a "
+                                                "row unjudged.")
+            out.append(x)
+        self.consecutive[name] = 0
         return out
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Any],
                  columns: dict[str, Sequence[Any]]) -> RewardOutcome:
-        import time
-
         started = time.perf_counter()
         n = len(completions)
         kwargs = dict(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids),
                       **{k: list(v) for k, v in columns.items()})
-        results: list[list[float] | None] = [None] * len(self.funcs)
-        futures = {}
-        async_idx = []
-        for i, (fn, name) in enumerate(zip(self.funcs, self.names)):
-            if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-                async_idx.append(i)
+        calls = [_Call(fn, kwargs, name) for fn, name in zip(self.funcs, self.names)]
+        deadline = started + self.timeout
+        results: list[list[float]] = []
+        for call, name in zip(calls, self.names):
+            if not call.done.wait(timeout=max(0.0, deadline - time.perf_counter())):
+                self.abandoned.append(call)
+                results.append(self._fail(name, n, f"it took longer than reward_timeout={self.timeout}s; the call "
+                                                   "was abandoned (it keeps a daemon thread until it returns)."))
+            elif call.error is not None:
+                results.append(self._fail(name, n, call.error))
             else:
-                futures[i] = self._pool.submit(fn, **kwargs)
-        if async_idx:
-            async def run_all():
-                async def one(i):
-                    return await asyncio.wait_for(self.funcs[i](**kwargs), timeout=self.timeout)
-                return await asyncio.gather(*(one(i) for i in async_idx), return_exceptions=True)
-
-            for i, value in zip(async_idx, asyncio.run(run_all())):
-                if isinstance(value, asyncio.TimeoutError):
-                    results[i] = self._fail(self.names[i], n, f"it took longer than reward_timeout={self.timeout}s.")
-                elif isinstance(value, BaseException):
-                    results[i] = self._fail(self.names[i], n, value)
-                else:
-                    results[i] = self._clean(self.names[i], value, n)
-        deadline = time.perf_counter() + self.timeout
-        for i, fut in futures.items():
-            try:
-                value = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
-                results[i] = self._clean(self.names[i], value, n)
-            except concurrent.futures.TimeoutError:
-                results[i] = self._fail(self.names[i], n, f"it took longer than reward_timeout={self.timeout}s.")
-            except Exception as e:
-                results[i] = self._fail(self.names[i], n, e)
-        return RewardOutcome(rewards=[r for r in results], names=list(self.names), failures=dict(self.failures),
-                             seconds=time.perf_counter() - started)
+                results.append(self._clean(name, call.value, n))
+        self.abandoned = [c for c in self.abandoned if not c.done.is_set()]
+        for name in self.names:
+            if self.consecutive[name] >= self.max_consecutive_failures:
+                raise TrainingHealthError(
+                    f"reward function '{name}' failed on {self.consecutive[name]} batches in a row (last: "
+                    f"{self.last_error.get(name)}). It is called as {name}(prompts, completions, completion_ids, "
+                    f"**columns) with columns {sorted(columns)}; a misspelt column or a signature without **kwargs "
+                    "fails every time. Fix it, or raise reward_max_consecutive_failures to tolerate flaky calls.")
+        return RewardOutcome(rewards=results, names=list(self.names), failures=dict(self.failures),
+                             seconds=time.perf_counter() - started, abandoned=len(self.abandoned))
 
 
 def score_completions(runner: RewardRunner, tokenizer: Any, rows: Sequence[dict[str, Any]],

@@ -1,19 +1,22 @@
-"""Rollouts shared by every online trainer: prompt order, generation seeds, sample-then-score.
+"""Rollouts shared by the online trainers: prompt order, generation seeds, sample-then-score.
 
-GRPO, async GRPO's worker process and PPO draw prompts, seed the sampler and score completions with
-this one code, so a prompt order or seed formula cannot drift between them (async GRPO at
-max_staleness 0 equals synchronous GRPO because both call `generate_and_score` with the same seed).
+GRPO and async GRPO's worker process draw prompts (`RoundSampler`), seed the sampler
+(`generation_seed`) and sample-then-score (`generate_and_score`) with this one code, so async GRPO at
+max_staleness 0 equals synchronous GRPO. PPO uses the same seed formulas (`generation_seed`,
+`order_seed`) and scoring (`rewards.score_completions`); it samples one completion per prompt itself.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .errors import ToolkitDeprecationWarning
 from .generation import Completion, GenerationBackend, SamplingParams
 
 __all__ = ["RoundSampler", "ScoredGroups", "generate_and_score", "generation_seed", "order_seed"]
@@ -53,6 +56,12 @@ class RoundSampler:
 
     def order(self) -> list[int]:
         """The prompt indices of the current epoch, in order (solved prompts left out)."""
+        legacy = getattr(type(self), "_order", None)
+        if legacy is not None:  # a toolkit 0.1 curriculum overrode the private `_order`
+            warnings.warn(f"{type(self).__name__}._order() is the toolkit 0.1 name of the prompt-order seam, "
+                          "deprecated in 0.2 and removed in 0.3: override order() instead.",
+                          ToolkitDeprecationWarning, stacklevel=2)
+            return legacy(self)
         g = torch.Generator().manual_seed(order_seed(self.seed, self.epoch))
         return [i for i in torch.randperm(self.n_rows, generator=g).tolist() if i not in self.solved]
 

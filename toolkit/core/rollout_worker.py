@@ -45,9 +45,10 @@ class ScoredRound:
 def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load the published weights; any key mismatch is an error (a silent mismatch would sample from random weights).
 
-    Only a tied LM head may be absent from the published state (it is the embedding)."""
+    Only a tied LM head may be absent from the published state (it is the embedding); an untied one may not."""
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
+    tied = ({"lm_head.weight"} | set(getattr(model, "_tied_weights_keys", None) or [])
+            if getattr(model.config, "tie_word_embeddings", False) else set())
     really_missing = [k for k in missing if k not in tied]
     if unexpected or really_missing:
         raise TrainingHealthError(f"async GRPO worker: the published weights do not match the worker's model "
@@ -68,7 +69,8 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
         threading.Thread(target=beat, daemon=True).start()
         from transformers import AutoModelForCausalLM
 
-        runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"])
+        runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"],
+                              max_consecutive_failures=spec["reward_max_failures"])
         if spec["backend"] == "transformers":
             model = AutoModelForCausalLM.from_config(spec["config"]).eval()
             if spec["varlen"]:

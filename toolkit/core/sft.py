@@ -36,7 +36,12 @@ from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from .attention import supports_varlen, use_varlen_attention, varlen_kwargs
-from .checkpoint import CompleteCheckpointCallback, resolve_resume
+from .checkpoint import (
+    CompleteCheckpointCallback,
+    resolve_resume,
+    resume_already_finished,
+    save_trainer_checkpoint,
+)
 from .data import (
     SFTCollator,
     as_rows,
@@ -292,9 +297,16 @@ class SFTTrainer(Trainer):
         super().log(logs, start_time)
         notify_step_metrics("sft", self.state.global_step, logs)
 
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint, written atomically: complete or absent (toolkit.core.checkpoint)."""
+        save_trainer_checkpoint(self, super()._save_checkpoint, model, trial)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """As Trainer.train; `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint."""
         path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        finished = resume_already_finished(self, path)
+        if finished is not None:
+            return finished
         if path is not None:
             logger.info("Resuming from %s", path)
         self._window_start = time.perf_counter()

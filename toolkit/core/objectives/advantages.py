@@ -91,7 +91,7 @@ def legacy_advantage_estimator(fn: Callable[..., Any], *, name: str, origin: str
     """Adapt a hooks-1.0 estimator `fn(rewards, *, group_size, config)` (deprecated in hooks 1.1)."""
     warnings.warn(
         f"advantage estimator '{name}' from {origin} uses the hooks-1.0 callable form fn(rewards, *, group_size, "
-        "config), deprecated in hooks 1.1 (toolkit 0.2) and removed in hooks 2.0: register a "
+        "config), deprecated in hooks 1.1 (toolkit 0.2) and removed in hooks 2.0 (toolkit 0.3): register a "
         "toolkit.AdvantageEstimator(fn(inputs, settings), settings=<dataclass>) instead (docs/plugins.md).",
         ToolkitDeprecationWarning, stacklevel=2)
 

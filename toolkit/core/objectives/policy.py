@@ -219,7 +219,7 @@ def legacy_policy_loss(fn: Callable[..., Any], *, name: str, origin: str) -> Pol
     """Adapt a hooks-1.0 policy loss `fn(logps, old_logps, advantages, *, config, mask)` (deprecated in hooks 1.1)."""
     warnings.warn(
         f"policy loss '{name}' from {origin} uses the hooks-1.0 callable form fn(logps, old_logps, advantages, *, "
-        "config, mask), deprecated in hooks 1.1 (toolkit 0.2) and removed in hooks 2.0: register a "
+        "config, mask), deprecated in hooks 1.1 (toolkit 0.2) and removed in hooks 2.0 (toolkit 0.3): register a "
         "toolkit.PolicyLoss(fn(inputs, settings), settings=<dataclass>, aggregation=...) instead (docs/plugins.md).",
         ToolkitDeprecationWarning, stacklevel=2)
 

@@ -128,7 +128,7 @@ def legacy_preference_loss(fn: Callable[..., Any], *, name: str, origin: str) ->
     warnings.warn(
         f"preference loss '{name}' from {origin} uses the hooks-1.0 callable form fn(chosen_logratios, "
         "rejected_logratios, *, config, chosen_lengths, rejected_lengths), deprecated in hooks 1.1 (toolkit 0.2) and "
-        "removed in hooks 2.0: register a toolkit.PreferenceLoss(fn(inputs, settings), settings=<dataclass>) "
+        "removed in hooks 2.0 (toolkit 0.3): register a toolkit.PreferenceLoss(fn(inputs, settings), settings=<dataclass>) "
         "instead (docs/plugins.md).", ToolkitDeprecationWarning, stacklevel=2)
 
     def adapted(inputs: PreferenceLossInputs, settings: _LegacyConfigSettings) -> torch.Tensor:

@@ -5,9 +5,11 @@ sources, in this order of precedence:
 
 1. the trainer config's `*_kwargs` field (e.g. `loss_kwargs = {epsilon_max = 5.0}`) for settings that are
    the loss's own;
-2. a top-level config field of the same name, for settings that the field already names (TRL's names:
-   `epsilon`, `epsilon_high`, `beta`, `label_smoothing`, `scale_rewards`): these are read from the config
-   and may not be repeated in `*_kwargs`, so one value never has two places.
+2. a top-level config field of the same name, for the settings those fields already name
+   (`CONFIG_FIELDS`: TRL's `epsilon`, `epsilon_high`, `beta`, `label_smoothing`, `scale_rewards`, and
+   the sampler-correction fields): these are read from the config and may not be repeated in
+   `*_kwargs`, so one value never has two places. Only these names are read from the config: a plugin
+   setting called `temperature` or `seed` is the plugin's own, never the trainer's.
 
 Unknown keys, wrong types and out-of-range values are a `ConfigError` naming the field, the value and what
 is allowed, raised when the config is built: before any model loads. A settings class checks its ranges in
@@ -24,7 +26,13 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["NoSettings", "SettingsError", "resolve_settings", "settings_fields"]
+__all__ = ["CONFIG_FIELDS", "NoSettings", "SettingsError", "resolve_settings", "settings_fields"]
+
+#: The config fields a settings dataclass may share (read from the config, not from `*_kwargs`).
+CONFIG_FIELDS = frozenset({
+    "beta", "epsilon", "epsilon_high", "label_smoothing", "scale_rewards", "kl_bias_correction",
+    "importance_sampling_cap", "importance_sampling_level",
+})
 
 
 class SettingsError(ValueError):
@@ -81,7 +89,7 @@ def resolve_settings(settings_cls: type, config: Any, *, kwargs: Mapping[str, An
     kwargs = dict(kwargs or {})
     hints = typing.get_type_hints(settings_cls)
     declared = {f.name: f for f in dataclasses.fields(settings_cls) if f.init}
-    shared = [n for n in declared if config is not None and hasattr(config, n)]
+    shared = [n for n in declared if n in CONFIG_FIELDS and config is not None and hasattr(config, n)]
     own = [n for n in declared if n not in shared]
     values: dict[str, Any] = {}
     for key, value in kwargs.items():
