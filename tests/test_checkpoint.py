@@ -43,11 +43,34 @@ def test_rewriting_a_step_replaces_the_whole_folder_never_mixes_old_and_new(tmp_
 
 def test_leftovers_of_interrupted_writes_are_never_resumed_and_are_cleaned_up(tmp_path):
     _write(tmp_path, 1)
-    (tmp_path / "checkpoint-2").mkdir()          # an incomplete folder (e.g. toolkit 0.1 killed mid-save)
-    begin_checkpoint(tmp_path, 3)                 # a staging folder a kill left behind
+    (tmp_path / "checkpoint-2").mkdir()          # an unmarked folder: another tool's, or toolkit 0.1 killed mid-save
+    begin_checkpoint(tmp_path, 5)                 # a staging folder a kill left behind, of another step
     assert latest_complete_checkpoint(tmp_path).endswith("checkpoint-1")
     assert resolve_resume(True, str(tmp_path)).endswith("checkpoint-1")
     _write(tmp_path, 3, limit=1)
+    # checkpoint-1 rotated away; the unmarked folder is not toolkit's to delete; stale staging is gone
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert not any((tmp_path / STAGING_DIR).iterdir())
+
+
+def test_a_kill_between_the_two_renames_of_a_re_save_loses_nothing(tmp_path):
+    import os
+
+    final = _write(tmp_path, 2, payload="old")
+    os.replace(final, tmp_path / ".replaced-checkpoint-2")   # where a kill after the first rename leaves it
+    assert latest_complete_checkpoint(tmp_path) == str(final)  # put back on the next look
+    assert (final / "weights.txt").read_text() == "old"
+    os.replace(final, tmp_path / ".replaced-checkpoint-2")
+    _write(tmp_path, 3, limit=1)   # rotation must not delete it as a leftover either: it restores, then rotates
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
+
+
+def test_rotation_keeps_the_most_recently_completed(tmp_path):
+    import time
+
+    _write(tmp_path, 5)
+    time.sleep(0.02)
+    _write(tmp_path, 3, limit=1)  # a run resumed from an earlier step: its new checkpoint is the one kept
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
 
 

@@ -191,12 +191,13 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
     # numbers checked before any model loads
     assert main(base + ["--learning_rate", "-1e-5"]) == 2
     assert "learning_rate: must be a finite number >= 0" in capsys.readouterr().err
-    # an error toolkit did not anticipate: one line, exit 1, and the traceback only with --debug
-    assert main(["grpo", "--model", str(tmp_path / "missing-model"), "--dataset", str(data)]) in (1, 2)
+    # an error toolkit did not anticipate (a folder given as the dataset file): one line, exit 1; --debug raises
+    (tmp_path / "folder.jsonl").mkdir()
+    assert main(["grpo", "--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "folder.jsonl")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err
-    with pytest.raises(Exception):
-        main(["grpo", "--model", str(tmp_path / "missing-model"), "--dataset", str(data), "--debug"])
+    assert err.startswith("error: IsADirectoryError") and "--debug" in err and "Traceback" not in err
+    with pytest.raises(IsADirectoryError):
+        main(["grpo", "--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "folder.jsonl"), "--debug"])
 
 
 def test_resume_from_checkpoint_true_is_accepted_in_a_run_file():

@@ -20,7 +20,8 @@ from toolkit.core.checkpoint import STAGING_DIR, latest_complete_checkpoint
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 # (point, step): killed after staging (no marker yet), after the marker (before the swap), right after the swap
-# (before the old checkpoint is deleted), and inside rotation (the old folder half-deleted).
+# (before the old checkpoint is deleted), and inside rotation (the old folder renamed out of the checkpoint
+# namespace, not yet deleted). The kill between the two renames of a re-save is in tests/test_checkpoint.py.
 KILLS = [("staged", 2), ("marked", 3), ("swapped", 2), ("rotating", 3)]
 
 

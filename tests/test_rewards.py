@@ -125,3 +125,27 @@ def test_a_process_with_a_hung_reward_still_exits(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "scored" in out.stdout
     assert time.time() - started < 60  # import time included; the hung call does not hold the exit
+
+
+def test_numpy_and_tensor_returns_are_lists_and_a_function_that_keeps_hanging_stops_the_run():
+    import time
+
+    import numpy as np
+    import torch
+
+    def as_numpy(prompts, completions, completion_ids, **kw):
+        return np.ones(len(completions))
+
+    def as_tensor(prompts, completions, completion_ids, **kw):
+        return torch.zeros(len(completions))
+
+    out = RewardRunner([as_numpy, as_tensor], timeout=5)(["p", "q"], ["a", "b"], [[1], [2]], {})
+    assert out.rewards == [[1.0, 1.0], [0.0, 0.0]]
+
+    def hangs(prompts, completions, completion_ids, **kw):
+        time.sleep(30)
+
+    runner = RewardRunner([hangs], timeout=0.05, max_consecutive_failures=100)
+    with pytest.raises(TrainingHealthError, match=r"'hangs' has 4 calls still running past reward_timeout"):
+        for _ in range(5):
+            runner(["p"], ["a"], [[1]], {})

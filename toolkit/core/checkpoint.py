@@ -7,17 +7,24 @@ Every trainer writes a checkpoint the same way (`save_trainer_checkpoint` for th
    written into a staging folder `output_dir/.staging/checkpoint-N`, never into `checkpoint-N` itself;
 2. the completion marker is written last, atomically, inside the staging folder;
 3. the staging folder is renamed into place: one `rename`, which the file system does atomically. If a
-   `checkpoint-N` already exists (a resumed run passing the same step again), it is first renamed aside
-   and deleted only after the new one is in place, so a kill at any moment leaves either the old
-   complete folder or the new complete one;
-4. only then are old checkpoints rotated away (`save_total_limit`), oldest first, so the newest
-   complete checkpoint always survives.
+   `checkpoint-N` already exists (a re-save of step N), it is first renamed aside to
+   `.replaced-checkpoint-N` and deleted only after the new one is in place; a kill between the two
+   renames is repaired on the next look (`_recover` renames it back), so a complete checkpoint-N is
+   never lost;
+4. only then are old checkpoints rotated away (`save_total_limit`, the most recently completed kept),
+   each renamed out of the `checkpoint-N` namespace before it is deleted, so the newest complete
+   checkpoint always survives and no marked, half-deleted folder can exist. Folders toolkit did not mark
+   are never deleted.
+
+Several processes: every rank writes its files into the same staging folder, a barrier follows, and
+only the main process marks, renames and rotates. (`save_on_each_node` on a shared file system is not
+supported by this protocol.)
 
 Resume picks the newest folder with the marker. A plain `transformers.Trainer` or TRL checkpoint (no
 marker, but a `trainer_state.json`, which Trainer writes after the weights) is accepted with a warning.
 
 `TOOLKIT_FAULT_AT=<point>:<step>` kills the process with SIGKILL at a named point of a checkpoint
-write (`staged`, `marked`, `swapped`, `rotating`); the crash tests (tests/test_crash_resume.py) use it
+write (`staged`, `marked`, `aside`, `swapped`, `rotating`); the crash tests (tests/test_crash_resume.py) use it
 to aim kills inside the write. It costs one environment lookup per checkpoint.
 """
 
@@ -56,7 +63,8 @@ logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "toolkit_checkpoint_complete.json"
 STAGING_DIR = ".staging"
-_TRASH_PREFIX = ".trash-"
+_REPLACED_PREFIX = ".replaced-"   # a complete checkpoint-N stepping aside for a re-save of step N (restorable)
+_DELETING_PREFIX = ".deleting-"   # a checkpoint being rotated away (never restored)
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -64,6 +72,22 @@ def _fault(point: str, step: int) -> None:
     """Die here if the crash tests asked for it (TOOLKIT_FAULT_AT=point:step)."""
     if os.environ.get("TOOLKIT_FAULT_AT") == f"{point}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    _fsync_dir(path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -105,17 +129,32 @@ def _checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _recover(root: Path) -> None:
+    """A kill between the two renames of a re-save leaves the old complete folder as .replaced-checkpoint-N and no
+    checkpoint-N: put it back."""
+    if not root.is_dir():
+        return
+    for aside in root.glob(f"{_REPLACED_PREFIX}checkpoint-*"):
+        final = root / aside.name[len(_REPLACED_PREFIX):]
+        if not final.exists() and is_complete(aside):
+            os.replace(aside, final)
+            logger.warning("restored %s, which a re-save interrupted between its two renames.", final)
+
+
 def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The `checkpoint-N` folder with the highest N that carries the completion marker."""
+    _recover(Path(output_dir))
     found = [c for _, c in _checkpoints(Path(output_dir)) if is_complete(c)]
     return str(found[-1]) if found else None
 
 
 def _looks_like_trainer_checkpoint(folder: Path) -> bool:
     """A plain transformers/TRL checkpoint: Trainer writes trainer_state.json after the weights."""
-    return (folder / "trainer_state.json").exists() and any(
+    return (folder / "trainer_state.json").exists() and (any(
         (folder / name).exists() for name in ("model.safetensors", "adapter_model.safetensors",
-                                              "model.safetensors.index.json", "pytorch_model.bin"))
+                                              "model.safetensors.index.json", "pytorch_model.bin",
+                                              "pytorch_model.bin.index.json"))
+        or any(folder.glob("pytorch_model_fsdp_*")) or any(folder.glob("global_step*")))  # FSDP / DeepSpeed
 
 
 def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
@@ -177,50 +216,56 @@ def commit_checkpoint(staging: str | os.PathLike, output_dir: str | os.PathLike,
     staging, root = Path(staging), Path(output_dir)
     final = root / f"checkpoint-{step}"
     _fault("staged", step)
+    _fsync_tree(staging)  # the data is on disk before the marker says so (power loss, not only SIGKILL)
     write_atomic(staging / COMPLETE_MARKER, json.dumps({"global_step": step}))
     _fsync_dir(staging)
     _fault("marked", step)
-    trash = None
+    _recover(root)
+    aside = None
     if final.exists():
-        # A resumed run passing this step again: the old folder steps aside (still complete) until the
-        # new one is in place, so no moment exists without a complete checkpoint-<step>.
-        trash = root / f"{_TRASH_PREFIX}checkpoint-{step}"
-        if trash.exists():
-            shutil.rmtree(trash)
-        os.replace(final, trash)
+        # A re-save of this step: the old folder steps aside, still complete and restorable (`_recover`), until
+        # the new one is in place.
+        aside = root / f"{_REPLACED_PREFIX}checkpoint-{step}"
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(final, aside)
+        _fault("aside", step)
     os.replace(staging, final)
     _fsync_dir(root)
     _fault("swapped", step)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     rotate_checkpoints(root, save_total_limit, keep=(str(final), *keep), step=step)
     return final
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None, *, keep: tuple[str, ...] = (),
                        step: int = -1) -> None:
-    """Delete complete checkpoints beyond the newest `save_total_limit` (never those in `keep`), and leftovers of
-    interrupted writes (staging and trash folders, and incomplete checkpoint folders older than the newest
-    complete one)."""
+    """Delete complete checkpoints beyond the `save_total_limit` most recently completed (never those in `keep`),
+    and leftovers of interrupted writes (staging and set-aside folders).
+
+    Only folders toolkit marked complete are ever rotated: an unmarked `checkpoint-N` (another tool's, a
+    DeepSpeed/FSDP layout, an interrupted toolkit 0.1 save) is left alone. A folder is first renamed out of
+    the `checkpoint-N` namespace, then deleted, so a kill mid-delete never leaves a marked, half-empty folder.
+    """
     root = Path(output_dir)
-    for leftover in root.glob(f"{_TRASH_PREFIX}*"):
+    _recover(root)
+    for leftover in [*root.glob(f"{_DELETING_PREFIX}*"), *root.glob(f"{_REPLACED_PREFIX}*"),
+                     *(root / STAGING_DIR).glob("checkpoint-*")]:
         shutil.rmtree(leftover, ignore_errors=True)
-    found = _checkpoints(root)
-    complete = [c for _, c in found if is_complete(c)]
-    if not complete:
+    if save_total_limit is None or save_total_limit <= 0:
         return
-    newest = complete[-1]
-    doomed = [c for n, c in found if not is_complete(c) and n < int(newest.name.split("-")[1])
-              and not _looks_like_trainer_checkpoint(c)]
-    if save_total_limit is not None and save_total_limit > 0:
-        doomed += complete[:-save_total_limit]
+    # Most recently completed last (the marker's mtime; the step breaks ties), as transformers orders by mtime.
+    complete = sorted((c for _, c in _checkpoints(root) if is_complete(c)),
+                      key=lambda c: ((c / COMPLETE_MARKER).stat().st_mtime, int(c.name.split("-")[1])))
     keep_set = {str(Path(k)) for k in keep}
+    doomed = [c for c in complete[:-save_total_limit] if str(c) not in keep_set]
     for i, folder in enumerate(doomed):
-        if str(folder) in keep_set:
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
+        gone = root / f"{_DELETING_PREFIX}{folder.name}"
+        os.replace(folder, gone)
         if i == 0:
             _fault("rotating", step)
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 def save_trainer_checkpoint(trainer: Any, save: Callable[[Any, Any], None], model: Any, trial: Any,
@@ -241,10 +286,13 @@ def save_trainer_checkpoint(trainer: Any, save: Callable[[Any, Any], None], mode
         begin_checkpoint(root, step)
     trainer.accelerator.wait_for_everyone()
     trainer._get_output_dir = lambda trial=None: str(staging_root)  # Trainer writes checkpoint-N under it
+    # Trainer would push the staging folder, which is renamed away at once: push the committed one instead.
+    trainer._push_from_checkpoint = lambda folder: None
     try:
         save(model, trial)
     finally:
-        del trainer._get_output_dir
+        del trainer._get_output_dir, trainer._push_from_checkpoint
+    trainer.accelerator.wait_for_everyone()  # every rank's files (e.g. rng_state_<k>.pth) are in before the marker
     staging = staging_root / f"checkpoint-{step}"
     keep: tuple[str, ...] = ()
     if state.best_global_step:
@@ -256,7 +304,9 @@ def save_trainer_checkpoint(trainer: Any, save: Callable[[Any, Any], None], mode
         state.save_to_json(str(staging / "trainer_state.json"))  # with the best checkpoint's final path
         if write_state is not None:
             write_state(staging)
-        commit_checkpoint(staging, root, step, save_total_limit=args.save_total_limit, keep=keep)
+        final = commit_checkpoint(staging, root, step, save_total_limit=args.save_total_limit, keep=keep)
+        if args.push_to_hub:
+            trainer._push_from_checkpoint(str(final))
     trainer.accelerator.wait_for_everyone()
 
 

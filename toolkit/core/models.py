@@ -196,8 +196,6 @@ def _check_training_numbers(args: Any) -> None:
     steps = number("max_steps")
     need(steps is not None and (steps == -1 or steps >= 1), "max_steps",
          "must be >= 1, or -1 to train num_train_epochs (0 would train nothing)")
-    if steps == -1:
-        need(number("num_train_epochs") > 0, "num_train_epochs", "must be > 0 when max_steps is -1")
     for name in ("weight_decay", "warmup_steps", "logging_steps"):
         value = number(name)
         need(value is None or value >= 0, name, "must be >= 0")
@@ -206,7 +204,7 @@ def _check_training_numbers(args: Any) -> None:
         need(number("save_steps") > 0, "save_steps", "must be > 0 with save_strategy='steps'")
     out = getattr(args, "output_dir", None)
     if out:
-        path = Path(out)
+        path = Path(out).expanduser()
         if path.exists() and not path.is_dir():
             raise ConfigError(f"output_dir: '{out}' is a file; give a folder (it will hold checkpoints and the model).")
         existing = path

@@ -167,6 +167,7 @@ class _Call:
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
+        self.name = name
         self.thread = threading.Thread(target=self._run, name=f"toolkit-reward-{name}", daemon=True)
         self.thread.start()
 
@@ -182,14 +183,21 @@ class _Call:
             self.done.set()
 
 
+#: A function with this many calls still running past their timeout stops the run (threads would pile up).
+MAX_ABANDONED_CALLS = 4
+
+
 class RewardRunner:
     """Calls every reward function on a batch, concurrently, each under `timeout` seconds.
 
     Failures never kill a run quietly and never hang it:
     - a function that raises, times out, returns the wrong length or a non-number, or returns NaN, is
-      excluded for that batch (its rows get NaN), counted, and logged with its traceback once;
+      excluded for that batch (its rows get NaN), counted, and logged with its traceback once. (Unlike TRL,
+      which treats NaN like None: NaN is what a bug produces, None is how a function says "not mine";
+      numpy arrays and tensors are accepted as lists);
     - a hung or blocking function (sync, or an `async def` that blocks its loop) is abandoned at its timeout
-      on a daemon thread: later batches do not wait behind it and the process can still exit;
+      on a daemon thread: later batches do not wait behind it and the process can still exit; one with
+      `MAX_ABANDONED_CALLS` calls still hung stops the run;
     - a function that fails on `max_consecutive_failures` batches in a row stops the run with a
       TrainingHealthError naming the function, its last error and the columns it was given (a wrong column
       name or a narrow signature fails on every batch; training on without it would learn nothing).
@@ -231,6 +239,8 @@ class RewardRunner:
         return [math.nan] * n_rows
 
     def _clean(self, name: str, values: Any, n_rows: int) -> list[float]:
+        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy arrays, tensors
+            values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != n_rows:
             got = f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else type(values).__name__
             return self._fail(name, n_rows, f"it returned {got}; a reward must return a list with one value per row "
@@ -259,7 +269,8 @@ class RewardRunner:
         n = len(completions)
         kwargs = dict(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids),
                       **{k: list(v) for k, v in columns.items()})
-        calls = [_Call(fn, kwargs, name) for fn, name in zip(self.funcs, self.names)]
+        # Each call gets its own lists: a function that edits its inputs cannot disturb another.
+        calls = [_Call(fn, {k: list(v) for k, v in kwargs.items()}, name) for fn, name in zip(self.funcs, self.names)]
         deadline = started + self.timeout
         results: list[list[float]] = []
         for call, name in zip(calls, self.names):
@@ -272,6 +283,12 @@ class RewardRunner:
             else:
                 results.append(self._clean(name, call.value, n))
         self.abandoned = [c for c in self.abandoned if not c.done.is_set()]
+        for name in self.names:
+            hung = sum(c.name == name for c in self.abandoned)
+            if hung >= MAX_ABANDONED_CALLS:
+                raise TrainingHealthError(
+                    f"reward function '{name}' has {hung} calls still running past reward_timeout={self.timeout}s "
+                    "(each holds a thread and its batch); it hangs rather than fails. Fix it, or raise reward_timeout.")
         for name in self.names:
             if self.consecutive[name] >= self.max_consecutive_failures:
                 raise TrainingHealthError(
