@@ -203,3 +203,12 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
 def test_resume_from_checkpoint_true_is_accepted_in_a_run_file():
     _, cfg = build_configs({"resume_from_checkpoint": True, "output_dir": "/tmp/unused"}, SFTConfig)
     assert cfg.resume_from_checkpoint is True
+
+
+def test_a_csv_dataset_and_an_abbreviation_get_a_useful_error(tmp_path, capsys):
+    csv = tmp_path / "d.csv"
+    csv.write_text("prompt,completion\na,b\n")
+    assert main(["sft", "--dataset", str(csv), "--output_dir", str(tmp_path / "o")]) == 2
+    assert "is a local file that is not .json/.jsonl; convert it" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="unknown key 'lr'. Did you mean 'learning_rate'?"):
+        build_configs({"lr": 1e-5}, SFTConfig)

@@ -287,3 +287,18 @@ def test_a_tokenizer_without_eos_is_refused_where_it_would_silently_break(tmp_pa
     rows = [{"text": "hello"}]
     with pytest.raises(DataError, match=r"SFT: the tokenizer has no EOS token"):
         tokenize_for_sft(rows, detect_format(rows), tok, max_length=64, completion_only_loss=None, assistant_only_loss=False)
+
+
+def test_text_next_to_prompt_completion_is_ambiguous_and_named():
+    from toolkit.core.data import detect_format
+
+    with pytest.raises(DataError, match=r"it has a 'text' column and \['completion', 'prompt'\], so it is ambiguous"):
+        detect_format([{"text": "a", "prompt": "b", "completion": "c"}])
+
+
+def test_a_system_only_rl_prompt_names_its_row():
+    from toolkit.core.data import prompt_rows
+
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"role": "system", "content": "be brief"}]}]
+    with pytest.raises(DataError, match=r"GRPO: row 1's prompt has no user turn \(roles \['system'\]\)"):
+        prompt_rows(rows, tiny_tokenizer(), trainer="GRPO")

@@ -46,6 +46,10 @@ def load_dataset_spec(spec: str, run: RunArgs, *, split: str, kind: str = "promp
         return train if split == "train" else held_out
     if Path(spec).suffix in (".json", ".jsonl"):
         return spec  # the data layer reads files itself and names the line of a broken one
+    if Path(spec).exists():
+        raise ConfigError(f"dataset: '{spec}' is a local {'folder' if Path(spec).is_dir() else 'file'} that is not "
+                          ".json/.jsonl; convert it (e.g. pandas.read_csv(...).to_json(path, orient='records', "
+                          "lines=True)). Anything else is read as a Hub dataset id.")
     from datasets import load_dataset
 
     return load_dataset(spec, split=split)

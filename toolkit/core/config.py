@@ -70,6 +70,10 @@ class RunArgs:
             raise ConfigError(f"lora_r: must be >= 0, got {self.lora_r}.")
 
 
+ALIASES = {"lr": "learning_rate", "bs": "per_device_train_batch_size", "batch_size": "per_device_train_batch_size",
+           "epochs": "num_train_epochs", "steps": "max_steps", "grad_accum": "gradient_accumulation_steps"}
+
+
 def field_names(*classes: type) -> dict[str, type]:
     names: dict[str, type] = {}
     for cls in classes:
@@ -152,7 +156,8 @@ def build_configs(values: dict[str, Any], config_cls: type) -> tuple[RunArgs, An
     valid = field_names(RunArgs, config_cls)
     for key in values:
         if key not in valid:
-            close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+            # Abbreviations people type, which string similarity maps to the wrong field (lr -> lora_r).
+            close = [ALIASES[key]] if key in ALIASES else difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"unknown key '{key}'.{hint} `toolkit {_cli_name(config_cls)} --help` lists every key.")
     hints = {}

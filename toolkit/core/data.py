@@ -173,6 +173,10 @@ def detect_format(rows: list[dict[str, Any]]) -> DatasetFormat:
     if "text" in cols and "messages" in cols:
         raise DataError("dataset: it has both 'text' and 'messages' columns, so it is ambiguous. "
                         "Keep one of them (remove_columns) before training.")
+    if "text" in cols and ({"prompt", "completion"} & cols or {"chosen", "rejected"} & cols):
+        other = sorted(({"prompt", "completion", "chosen", "rejected"} & cols))
+        raise DataError(f"dataset: it has a 'text' column and {other}, so it is ambiguous (language modeling or "
+                        "not?). Keep one format (remove_columns) before training.")
     if ("chosen" in cols) != ("rejected" in cols):
         raise DataError(f"dataset: columns {columns} have '{'chosen' if 'chosen' in cols else 'rejected'}' but not "
                         f"'{'rejected' if 'chosen' in cols else 'chosen'}'; preference data needs both 'chosen' "
@@ -737,6 +741,12 @@ def prompt_rows(dataset: Any, tokenizer: Any, *, trainer: str) -> tuple[list[dic
         raise DataError(f"{trainer}: the tokenizer has no EOS token, so no completion could ever end (and the default "
                         "stop token would be None); set tokenizer.eos_token, or a chat template's end token.")
     validate(rows, prompt_fmt, tokenizer=tokenizer)
+    if prompt_fmt.conversational:
+        for i, r in enumerate(rows):
+            if not any(m.get("role") == "user" for m in r["prompt"]):
+                raise DataError(f"{trainer}: row {i}'s prompt has no user turn (roles "
+                                f"{[m.get('role') for m in r['prompt']]}); the model would answer a system message "
+                                "alone. Add the user's message.")
     return rows, prompt_fmt
 
 
