@@ -74,23 +74,8 @@ def _fault(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _fsync_tree(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            try:
-                fd = os.open(f, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's entries to disk (best effort: some file systems refuse it on folders)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -101,6 +86,13 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    _fsync(path)
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
@@ -218,7 +210,7 @@ def commit_checkpoint(staging: str | os.PathLike, output_dir: str | os.PathLike,
     _fault("staged", step)
     _fsync_tree(staging)  # the data is on disk before the marker says so (power loss, not only SIGKILL)
     write_atomic(staging / COMPLETE_MARKER, json.dumps({"global_step": step}))
-    _fsync_dir(staging)
+    _fsync(staging)
     _fault("marked", step)
     _recover(root)
     aside = None
@@ -231,7 +223,7 @@ def commit_checkpoint(staging: str | os.PathLike, output_dir: str | os.PathLike,
         os.replace(final, aside)
         _fault("aside", step)
     os.replace(staging, final)
-    _fsync_dir(root)
+    _fsync(root)
     _fault("swapped", step)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
