@@ -3,6 +3,7 @@ max_staleness 0, overlap with bounded staleness, a killed worker (restart, or st
 exact resume with the worker's prompt position, and config errors."""
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -16,6 +17,7 @@ from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from toolkit.core.checkpoint import COMPLETE_MARKER
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer
 from toolkit.testing import tiny_model, tiny_tokenizer
+from transformers import PreTrainedTokenizerFast
 
 pytestmark = pytest.mark.slow
 
@@ -121,6 +123,34 @@ def test_a_hung_worker_is_reported_within_the_heartbeat_timeout(tmp_path):
     with pytest.raises(TrainingHealthError, match="no heartbeat"):
         t.train()
     assert time.time() - started < 60
+
+
+class StuckAfterFirstRoundTokenizer(PreTrainedTokenizerFast):
+    """In the rollout worker, decoding blocks forever from round 2 on: the worker's main loop is stuck while the
+    process, its heartbeat thread and everything else stay alive (the case a side-thread heartbeat misses)."""
+
+    calls = 0
+
+    def batch_decode(self, *args, **kwargs):
+        if multiprocessing.current_process().name == "toolkit-rollout-worker":
+            type(self).calls += 1
+            if type(self).calls >= 2:
+                threading.Event().wait()
+        return super().batch_decode(*args, **kwargs)
+
+
+def test_a_stuck_main_loop_is_reported_although_the_worker_process_lives(tmp_path):
+    tok = tiny_tokenizer()
+    tok.__class__ = StuckAfterFirstRoundTokenizer
+    t = AsyncGRPOTrainer(tiny_model(), [low_ids],
+                         async_cfg(tmp_path, max_staleness=0, max_steps=6, heartbeat_timeout=3, reward_timeout=2),
+                         train_dataset=prompts(), processing_class=tok)
+    started = time.time()
+    with pytest.raises(TrainingHealthError, match="no heartbeat") as e:
+        t.train()
+    assert t.state.global_step == 1  # round 1 was trained on; round 2's scoring never returned
+    assert time.time() - started < 90
+    assert "the worker is hung" in str(e.value)
 
 
 def test_exact_resume_includes_the_worker_position(tmp_path):

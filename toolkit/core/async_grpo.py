@@ -17,8 +17,10 @@ worker generates round r only with the weights of step r, so the updates equal s
 round r. Weights reach the worker through shared memory (no copy through a pipe); the worker
 loads them between rounds (in-flight updates mid-generation are not implemented).
 
-Robustness: the worker writes a heartbeat and sends its traceback if it fails; the trainer notices a
-dead or silent worker within `heartbeat_timeout`, then restarts it (`worker_restarts`) or saves a
+Robustness: the worker's heartbeat comes from progress of its main loop (each decode step with the
+transformers backend, each generate call with vLLM, each wait-loop turn; reward scoring counts as
+bounded by reward_timeout), not from a side thread alone, and it sends its traceback if it fails; the
+trainer notices a dead, frozen or stuck worker within `heartbeat_timeout`, then restarts it (`worker_restarts`) or saves a
 checkpoint and stops with the worker's traceback. Nothing waits forever. The worker's prompt
 position is part of the checkpoint, so a resumed run continues with the right round.
 
@@ -73,7 +75,8 @@ class AsyncGRPOConfig(GRPOConfig):
     worker_restarts: int = field(default=0, metadata={
         "help": "Restart a dead worker this many times before stopping the run (with a checkpoint)."})
     heartbeat_timeout: float = field(default=60.0, metadata={
-        "help": "Seconds without a heartbeat after which the worker counts as hung."})
+        "help": "Seconds without progress of the worker's main loop after which it counts as hung (with a vLLM "
+                "backend one generate call must fit in it)."})
     worker_start_timeout: float = field(default=300.0, metadata={
         "help": "Seconds the first round may take (start-up included) before the worker counts as hung."})
 
@@ -98,6 +101,8 @@ class AsyncGRPOConfig(GRPOConfig):
                               f"'{self.generation_backend}'.")
         if self.heartbeat_timeout <= 0 or self.worker_start_timeout <= 0:
             raise ConfigError("heartbeat_timeout, worker_start_timeout: must be > 0.")
+        if self.worker_restarts < 0:
+            raise ConfigError(f"worker_restarts: must be >= 0, got {self.worker_restarts}.")
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -185,6 +190,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         spec = {
             "threads": args.worker_threads, "config": config, "reward_funcs": self.reward_runner.funcs,
             "reward_timeout": args.reward_timeout, "reward_max_failures": args.reward_max_consecutive_failures,
+            "start_timeout": args.worker_start_timeout,
             "pad_token_id": self.processing_class.pad_token_id,
             "max_batch_size": args.generation_batch_size, "tokenizer": self.processing_class, "rows": self.rows,
             "prompt_ids": self.prompt_ids, "num_generations": args.num_generations, "per_round": self.prompts_per_round,

@@ -68,6 +68,17 @@ class RunArgs:
             raise ConfigError("load_in_4bit: 4-bit weights cannot be trained directly; set lora_r > 0 (QLoRA).")
         if self.lora_r < 0:
             raise ConfigError(f"lora_r: must be >= 0, got {self.lora_r}.")
+        for name, low in (("dataset_size", 1), ("eval_size", 0), ("task_max_value", 1), ("eval_every", 0),
+                          ("lora_alpha", 1)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"{name}: must be >= {low}, got {getattr(self, name)}.")
+        if self.task_max_terms not in (2, 3):
+            raise ConfigError(f"task_max_terms: builtin:arithmetic has problems of 2 or 3 numbers, got "
+                              f"{self.task_max_terms}.")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}.")
+        if not str(self.model).strip():
+            raise ConfigError(f"model: empty; use '{DEFAULT_MODEL}' (the embedded model), a local folder or a Hub id.")
 
 
 ALIASES = {"lr": "learning_rate", "bs": "per_device_train_batch_size", "batch_size": "per_device_train_batch_size",

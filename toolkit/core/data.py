@@ -42,6 +42,7 @@ __all__ = [
 import difflib
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,18 +86,25 @@ def as_rows(data: Any) -> list[dict[str, Any]]:
         path = Path(data)
         if not path.exists():
             raise DataError(f"dataset: file '{path}' does not exist.")
-        text = path.read_text()
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise DataError(f"dataset: line {line} of '{path}' is not UTF-8 (byte {raw[e.start]:#04x}); re-save the "
+                            "file as UTF-8 (e.g. iconv -f latin1 -t utf-8).") from None
         if path.suffix == ".jsonl":
             rows = []
             for i, line in enumerate(text.splitlines()):
                 if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"dataset: line {i + 1} of '{path}' is not valid JSON ({e.msg}).") from None
+                    where = f"line {i + 1} of '{path}'"
+                    row = _load_json(line, where)
+                    if not isinstance(row, Mapping):
+                        raise DataError(f"dataset: {where} is a JSON {type(row).__name__}, not an object of columns; "
+                                        'each line must look like {"prompt": ..., "completion": ...}.')
+                    rows.append(row)
             return rows
-        loaded = json.loads(text)
-        return as_rows(loaded)
+        return as_rows(_load_json(text, f"'{path}'"))
     if isinstance(data, Mapping) and data and all(hasattr(v, "column_names") for v in data.values()):
         # a datasets.DatasetDict: its values are splits, not columns
         raise DataError(f"dataset: got a DatasetDict with splits {sorted(data)}; pass one split, e.g. "
@@ -117,6 +125,23 @@ def as_rows(data: Any) -> list[dict[str, Any]]:
         return [dict(r) for r in data]
     raise DataError(f"dataset: cannot read a {type(data).__name__}; pass a datasets.Dataset, a list of dicts, "
                     "a dict of columns or a .json/.jsonl path.")
+
+
+def _load_json(text: str, where: str) -> Any:
+    """json.loads that refuses duplicate keys (json keeps the last one silently, so a column would vanish)."""
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise DataError(f"dataset: {where} has the key '{key}' twice in one object; JSON keeps only the "
+                                "last value, so one of them would be lost. Rename or remove the duplicate.")
+            seen[key] = value
+        return seen
+
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        raise DataError(f"dataset: {where} is not valid JSON ({e.msg}, line {e.lineno} column {e.colno}).") from None
 
 
 def _normalize_sharegpt(turns: Any, row: int, column: str) -> Any:
@@ -239,15 +264,49 @@ class _Problems:
         raise DataError("dataset is invalid:\n  - " + "\n  - ".join(lines))
 
 
+# Characters that render as nothing: a text made only of these (and whitespace) is empty to a reader.
+_INVISIBLE = "\u200b\u200c\u200d\u2060\ufeff\u00ad\u180e"
+
+
+def _blank(text: str) -> bool:
+    return not text.strip().strip(_INVISIBLE).strip()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(text: str) -> int | None:
+    """Index of the first unpaired UTF-16 surrogate (a broken \\ud800-style escape); no tokenizer can encode one."""
+    found = _SURROGATE.search(text)
+    return found.start() if found else None
+
+
+def _check_string(p: _Problems, value: str, column: str, row: int, where: str, empty: str) -> bool:
+    """Problems any string cell can have; True when it is fine. `empty` is "<what>; <fix>" for a blank value."""
+    k = _lone_surrogate(value)
+    if k is not None:
+        p.add(f"{column}:surrogate", row, f"{where} holds a lone surrogate (U+{ord(value[k]):04X} at character {k}), "
+                                          "text that no tokenizer can encode, usually a broken \\u escape in the "
+                                          "source file; fix or drop the row")
+        return False
+    if _blank(value):
+        invisible = " (it holds only invisible characters such as zero-width spaces)" if value.strip() else ""
+        head, fix = empty.split("; ", 1)
+        p.add(f"{column}:empty", row, f"{head}{invisible}; {fix}")
+        return False
+    return True
+
+
 def _check_text(p: _Problems, value: Any, column: str, row: int) -> None:
     if value is None:
         p.add(f"{column}:none", row, f"column '{column}' is empty (None) in row {row}; fill it or drop the row")
     elif not isinstance(value, str):
         p.add(f"{column}:type", row, f"column '{column}' must hold a string in row {row}, got "
                                      f"{type(value).__name__}; convert it or use the conversational form (list of turns)")
-    elif not value.strip():
-        p.add(f"{column}:empty", row, f"column '{column}' is an empty string in row {row}; drop empty rows "
-                                      "(dataset.filter) before training")
+    else:
+        _check_string(p, value, column, row, f"column '{column}' in row {row}",
+                      f"column '{column}' is an empty string in row {row}; drop empty rows (dataset.filter) before "
+                      "training")
 
 
 def _check_turns(p: _Problems, value: Any, column: str, row: int, *, part: str) -> None:
@@ -280,9 +339,9 @@ def _check_turns(p: _Problems, value: Any, column: str, row: int, *, part: str) 
             p.add(f"{column}:contenttype", row, f"column '{column}', row {row}, turn {j}: content must be a string, "
                                                 f"got {type(content).__name__}")
             return
-        if not content.strip() and turn["role"] != "system":
-            p.add(f"{column}:emptycontent", row, f"column '{column}', row {row}, turn {j} ({turn['role']}) has empty "
-                                                 "content; drop the turn or the row")
+        if _lone_surrogate(content) is not None or (_blank(content) and turn["role"] != "system"):
+            where = f"column '{column}', row {row}, turn {j} ({turn['role']})"
+            _check_string(p, content, column, row, where, f"{where} has empty content; drop the turn or the row")
             return
     roles = [t["role"] for t in value]
     if part in ("full", "prompt"):
@@ -385,9 +444,20 @@ class TokenizationReport:
 
 
 def _render(tokenizer: Any, turns: list[dict[str, Any]], *, add_generation_prompt: bool,
-            template_kwargs: Mapping[str, Any] | None = None) -> str:
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **dict(template_kwargs or {}))
+            template_kwargs: Mapping[str, Any] | None = None, row: int | None = None) -> str:
+    """The chat template's text for `turns`. A template that refuses a row (many raise on a system turn, on
+    roles out of order, on a missing tool id) becomes a DataError naming the row, before any model loads."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **dict(template_kwargs or {}))
+    except TemplateError as e:
+        roles = [t.get("role") for t in turns if isinstance(t, Mapping)]
+        fix = (" This template has no system role: merge the system text into the first user turn." if "system" in
+               roles and "system" in str(e).lower() else " Change the row or use a template that accepts it.")
+        raise DataError(f"row {row}: the tokenizer's chat template refused this conversation (roles {roles}): "
+                        f"{type(e).__name__}: {e}.{fix}") from None
 
 
 def _ids(tokenizer: Any, text: str, *, special: bool) -> list[int]:
@@ -408,7 +478,7 @@ def _join_prompt_completion(prompt_ids: list[int], full_ids: list[int], completi
 
 
 def _assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], ids: list[int],
-                    template_kwargs: Mapping[str, Any] | None) -> list[int] | None:
+                    template_kwargs: Mapping[str, Any] | None, row: int | None = None) -> list[int] | None:
     """Mark the tokens of assistant turns by rendering growing prefixes of the conversation.
 
     Works with any template whose rendering of turns[:k] is a text prefix of turns[:k+1] (no
@@ -418,8 +488,10 @@ def _assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], ids: list[in
     for k, turn in enumerate(messages):
         if turn["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:k], add_generation_prompt=True, template_kwargs=template_kwargs) if k else ""
-        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False, template_kwargs=template_kwargs)
+        before = _render(tokenizer, messages[:k], add_generation_prompt=True, template_kwargs=template_kwargs,
+                         row=row) if k else ""
+        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False, template_kwargs=template_kwargs,
+                       row=row)
         b_ids = _ids(tokenizer, before, special=False) if before else []
         u_ids = _ids(tokenizer, upto, special=False)
         if ids[: len(b_ids)] != b_ids or ids[: len(u_ids)] != u_ids:
@@ -467,10 +539,10 @@ def tokenize_for_sft(
                 ids.append(eos)
             mask = [1] * len(ids)
         elif fmt.kind == "language_modeling":
-            text = _render(tokenizer, r["messages"], add_generation_prompt=False, template_kwargs=template_kwargs)
+            text = _render(tokenizer, r["messages"], add_generation_prompt=False, template_kwargs=template_kwargs, row=i)
             ids = _ids(tokenizer, text, special=False)
             if assistant_only_loss:
-                m = _assistant_mask(tokenizer, r["messages"], ids, template_kwargs)
+                m = _assistant_mask(tokenizer, r["messages"], ids, template_kwargs, row=i)
                 if m is None:
                     raise DataError(
                         f"assistant_only_loss: row {i}: the chat template does not render conversations "
@@ -491,9 +563,10 @@ def tokenize_for_sft(
                 ids = ids + [eos]
             mask = [0] * start + [1] * (len(ids) - start) if completion_only_loss else [1] * len(ids)
         else:
-            prompt_text = _render(tokenizer, r["prompt"], add_generation_prompt=True, template_kwargs=template_kwargs)
+            prompt_text = _render(tokenizer, r["prompt"], add_generation_prompt=True, template_kwargs=template_kwargs,
+                                  row=i)
             full_text = _render(tokenizer, r["prompt"] + r["completion"], add_generation_prompt=False,
-                                template_kwargs=template_kwargs)
+                                template_kwargs=template_kwargs, row=i)
             prompt_ids = _ids(tokenizer, prompt_text, special=False)
             full_ids = _ids(tokenizer, full_text, special=False)
             if full_text.startswith(prompt_text):
@@ -667,12 +740,12 @@ def tokenize_for_preference(
             identical.append(i)
         sides = []
         if fmt.conversational:
-            prompt_text = _render(tokenizer, prompt, add_generation_prompt=True, template_kwargs=template_kwargs) \
-                if prompt else ""
+            prompt_text = _render(tokenizer, prompt, add_generation_prompt=True, template_kwargs=template_kwargs,
+                                  row=i) if prompt else ""
             prompt_ids = _ids(tokenizer, prompt_text, special=False) if prompt_text else []
             for completion in (chosen, rejected):
                 full_text = _render(tokenizer, list(prompt) + list(completion), add_generation_prompt=False,
-                                    template_kwargs=template_kwargs)
+                                    template_kwargs=template_kwargs, row=i)
                 if not full_text.startswith(prompt_text):
                     raise DataError(f"row {i}: the chat template does not render the prompt as a prefix of "
                                     "prompt + answer; give plain-text rows or a template that renders incrementally.")
@@ -755,10 +828,10 @@ def tokenize_prompts(rows: list[dict[str, Any]], tokenizer: Any, *, max_prompt_l
     """Prompt token ids, rendered once (chat template with the generation prompt for conversations);
     prompts longer than `max_prompt_length` keep their last tokens. Returns (ids, number cut)."""
     out, cut = [], 0
-    for r in rows:
+    for i, r in enumerate(rows):
         if isinstance(r["prompt"], list):
-            text = tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True,
-                                                 **(chat_template_kwargs or {}))
+            text = _render(tokenizer, r["prompt"], add_generation_prompt=True, template_kwargs=chat_template_kwargs,
+                           row=i)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         else:
             ids = list(tokenizer(r["prompt"], add_special_tokens=True)["input_ids"])

@@ -41,7 +41,7 @@ from .checkpoint import (
     save_trainer_checkpoint,
 )
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
-from .errors import ConfigError, TrainingHealthError
+from .errors import ConfigError, DataError, TrainingHealthError
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
 from .numerics import DEFAULT_CHUNK_SIZE
 from .objectives import PreferenceLossInputs, resolve_preference_loss_settings
@@ -183,6 +183,10 @@ class DPOTrainer(Trainer):
         if report.truncated_rows:
             logger.warning("DPO: %d of %d %s rows were truncated to max_length=%s (longest %d tokens).",
                            report.truncated_rows, report.rows, split, args.max_length, report.longest)
+        if identical and len(identical) == len(rows):
+            raise DataError(f"DPO {split} data: in every one of its {len(rows)} rows chosen == rejected, so there is "
+                            "no preference to learn (a column mapped twice?). Check the 'chosen' and 'rejected' "
+                            "columns.")
         if identical:
             logger.warning("DPO: %d of %d %s rows have chosen == rejected (rows %s%s); they carry no preference and "
                            "only add noise. Drop them.", len(identical), len(rows), split,

@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -163,10 +163,13 @@ class TransformersBackend:
     sequences stop counting and the loop ends when all are done.
     """
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, max_batch_size: int = 256):
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, max_batch_size: int = 256,
+                 on_decode_step: Callable[[], None] | None = None):
         self.model = model
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
+        # Called once per forward (prefill and every decode step): a supervisor's proof that decoding moves.
+        self.on_decode_step = on_decode_step
         self.last_stats = GenerationStats()
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -210,6 +213,8 @@ class TransformersBackend:
             cache = DynamicCache(config=model.config)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                         **{_cache_kwarg(model): cache})
+            if self.on_decode_step is not None:
+                self.on_decode_step()
             # Share each prompt's cache with its n samples: repeat_interleave the batch dimension.
             if n > 1:
                 cache.batch_repeat_interleave(n)
@@ -238,6 +243,8 @@ class TransformersBackend:
                 last_pos = last_pos + 1
                 out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                             use_cache=True, **{_cache_kwarg(model): cache})
+                if self.on_decode_step is not None:
+                    self.on_decode_step()
                 logits = out.logits[:, -1]
         finally:
             model.train(was_training)

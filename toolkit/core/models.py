@@ -127,13 +127,35 @@ def load_model(
         return model
     if isinstance(dtype, str):
         dtype = _parse_dtype(dtype)
-    path = resolve_model_path(str(model))
-    if not Path(path).exists() and "/" not in path:
+    path = _model_source(model)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except OSError as e:  # a Hub id that is not cached (offline), a folder without config.json, ...
+        raise ConfigError(f"model: could not load '{model}': {e}") from e
+
+
+def _model_source(model: str | os.PathLike) -> str:
+    """The folder or Hub id to load `model` from, refused by name when it can be neither (before any download)."""
+    name = str(model).strip()
+    if not name:
+        raise ConfigError(f"model: empty; use '{DEFAULT_MODEL}' for the embedded SmolLM2-135M-Instruct, a folder "
+                          "with config.json, or a Hub id (owner/name).")
+    path = resolve_model_path(name)
+    if Path(path).is_dir() and not any((Path(path) / f).exists() for f in ("config.json", "adapter_config.json")):
+        raise ConfigError(f"model: the folder '{model}' has no config.json, so it is not a saved model; give the "
+                          "folder save_pretrained() wrote (for a checkpoint: its checkpoint-N folder).")
+    if Path(path).exists():
+        return path
+    looks_local = path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+    if looks_local:
+        raise ConfigError(f"model: the local folder '{model}' does not exist; check the path (a Hub id has the form "
+                          "owner/name).")
+    if "/" not in path:
         raise ConfigError(
             f"model: '{model}' is neither a local folder nor a Hub id (owner/name). "
             f"Use '{DEFAULT_MODEL}' for the embedded SmolLM2-135M-Instruct, a folder with config.json, or a Hub id."
         )
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    return path
 
 
 def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) -> PreTrainedTokenizerBase:
@@ -146,7 +168,11 @@ def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) ->
                 "from; pass `processing_class=<your tokenizer>` to the trainer."
             )
         return AutoTokenizer.from_pretrained(source, **kwargs)
-    return AutoTokenizer.from_pretrained(resolve_model_path(str(model)), **kwargs)
+    source = _model_source(model)
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as e:  # no tokenizer files (ValueError: nothing to build a fast tokenizer from)
+        raise ConfigError(f"model: could not load the tokenizer of '{model}': {e}") from e
 
 
 def unwrap_model(model: torch.nn.Module) -> PreTrainedModel:

@@ -298,6 +298,10 @@ def resolve_reward(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     """A callable as is; a name from the plugin registry (built-ins included); else a parameterised spec."""
     if callable(spec):
         return spec
+    if not isinstance(spec, str):
+        raise ConfigError(f"reward_funcs: got {spec!r} ({type(spec).__name__}); each reward is a callable "
+                          "f(prompts, completions, completion_ids, **columns) or a registered name such as "
+                          "'numeric_match'.")
     reg = registry()
     if spec in reg.names("reward"):
         return reg.get("reward", spec)

@@ -226,6 +226,8 @@ class PPOConfig(TrainingArguments):
             raise ConfigError(f"cliprange_value: must be > 0, got {self.cliprange_value}.")
         if self.beta < 0:
             raise ConfigError(f"beta: must be >= 0, got {self.beta}.")
+        if self.vf_coef < 0:  # a negative weight would train the critic away from the returns
+            raise ConfigError(f"vf_coef: must be >= 0, got {self.vf_coef}.")
         if self.target_kl is not None and self.target_kl <= 0:
             raise ConfigError(f"target_kl: must be > 0 or None, got {self.target_kl}.")
         if self.early_stop_approx_kl is not None and self.early_stop_approx_kl <= 0:

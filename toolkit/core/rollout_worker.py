@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from .generation import TransformersBackend
 from .rewards import RewardRunner, score_completions
 from .rollout import RoundSampler, generate_and_score, generation_seed
 
-__all__ = ["ScoredRound", "worker_main"]
+__all__ = ["Progress", "ScoredRound", "worker_main"]
 
 
 @dataclass
@@ -55,18 +56,52 @@ def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
                                   f"(missing {really_missing[:3]}, unexpected {unexpected[:3]}).")
 
 
+class Progress:
+    """Liveness from the worker's main loop, not from a side thread.
+
+    The main loop calls `tick()` whenever it moves (each decode step, each wait-loop turn, each queue attempt);
+    the heartbeat thread turns ticks into heartbeats and stops beating when they stop, so a main loop stuck
+    anywhere (a deadlock, a C call that never returns) goes silent and the trainer's `heartbeat_timeout` fires,
+    while the process and its other threads are alive. Inside a call bounded by its own timeout (reward scoring,
+    at most `reward_timeout`) the loop declares that bound with `bounded(seconds)`; past it, silence again counts.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.bounded_until = 0.0
+
+    def tick(self) -> None:
+        self.count += 1
+
+    @contextmanager
+    def bounded(self, seconds: float):
+        self.bounded_until = time.time() + seconds
+        try:
+            yield
+        finally:
+            self.bounded_until = 0.0
+            self.tick()
+
+
+def _beat_while_progressing(progress: Progress, heartbeat, stop, every: float = 0.5) -> None:
+    last = -1
+    while not stop.is_set():
+        if progress.count != last or time.time() < progress.bounded_until:
+            heartbeat.value = time.time()
+            last = progress.count
+        time.sleep(every)
+
+
 def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, lock, out_q, err_q, heartbeat, stop,
                 start_round: int) -> None:
     """The rollout worker's process: generate and score rounds until told to stop."""
     try:
         torch.set_num_threads(spec["threads"])
-
-        def beat():
-            while not stop.is_set():
-                heartbeat.value = time.time()
-                time.sleep(0.5)
-
-        threading.Thread(target=beat, daemon=True).start()
+        progress = Progress()
+        # Until the first round the trainer waits up to worker_start_timeout (imports, model build, first
+        # generation), so start-up is covered by a bound of that length rather than by ticks.
+        progress.bounded_until = time.time() + spec["start_timeout"]
+        threading.Thread(target=_beat_while_progressing, args=(progress, heartbeat, stop), daemon=True).start()
         from transformers import AutoModelForCausalLM
 
         runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"],
@@ -78,7 +113,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
 
                 use_varlen_attention(model)  # the trainer's attention, so both sides compute the same numbers
             backend = TransformersBackend(model, pad_token_id=spec["pad_token_id"],
-                                          max_batch_size=spec["max_batch_size"])
+                                          max_batch_size=spec["max_batch_size"], on_decode_step=progress.tick)
 
             def load_weights():
                 _load_strict(model, shared)
@@ -94,9 +129,13 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 backend.load_weights(list(shared.items()))
 
         def score(rows, completion_ids):
-            outcome, _ = score_completions(runner, spec["tokenizer"], rows, completion_ids,
-                                           conversational=spec["conversational"],
-                                           extra_columns=spec["extra_columns"])
+            progress.tick()
+            # Decoding the texts is the loop's own work (a tick after it); the reward calls run on their own
+            # threads and return within reward_timeout whatever the functions do, so that wait is bounded.
+            with progress.bounded(spec["reward_timeout"] + 5.0):
+                outcome, _ = score_completions(runner, spec["tokenizer"], rows, completion_ids,
+                                               conversational=spec["conversational"],
+                                               extra_columns=spec["extra_columns"])
             score.failures = dict(outcome.failures)
             return torch.tensor(outcome.rewards, dtype=torch.float32)
 
@@ -104,8 +143,10 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
         sampler = RoundSampler(len(rows), spec["per_round"], 1, seed=spec["seed"])
         local_version, r = -1, start_round
         while not stop.is_set():
+            progress.tick()
             t_wait = time.perf_counter()
             while version.value < r - spec["max_staleness"] and not stop.is_set():
+                progress.tick()  # waiting for the trainer is the loop working as designed
                 time.sleep(0.002)
             if stop.is_set():
                 break
@@ -113,6 +154,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 with lock:
                     load_weights()
                     local_version = version.value
+                progress.tick()
             wait_s = time.perf_counter() - t_wait
             idx = sampler.round(r)
             scored = generate_and_score(backend, [spec["prompt_ids"][i] for i in idx], [rows[i] for i in idx],
@@ -125,6 +167,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                                gen_s=scored.generation_s, score_s=scored.scoring_s, wait_s=wait_s,
                                tokens=sum(len(i) for i in scored.completion_ids))
             while not stop.is_set():
+                progress.tick()
                 try:
                     out_q.put(item, timeout=0.2)
                     break
