@@ -1,33 +1,109 @@
-"""Run by tests/test_multiprocess.py under torchrun: one SGD step of SFT, parameters saved by rank 0."""
+"""Run by tests/test_multiprocess.py, alone or under torchrun: one trainer per case, parameters saved by rank 0.
+
+Every case takes 8 examples per optimizer step: 1 process x 8 or 2 processes x 4 (same data order), SGD at
+learning rate 1 without clipping, so any difference in how the loss is normalised shows in the weights.
+"""
 
 import json
 import sys
+import zlib
+from pathlib import Path
 
 import torch
 
-from toolkit import SFTConfig, SFTTrainer
+from toolkit import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from toolkit.core.generation import TransformersBackend
+from toolkit.core.hookspecs import hookimpl
+from toolkit.core.plugins import registry
 from toolkit.testing import tiny_model, tiny_tokenizer
 
+SGD = dict(optim="sgd", learning_rate=1.0, max_grad_norm=0.0, lr_scheduler_type="constant", weight_decay=0.0,
+           logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, report_to="none")
 
-def rows():
+
+class PerPromptSeeded:
+    """GRPO's sampler, seeded per prompt (from its ids and the round), so the completions of a prompt do not
+    depend on which rank or which position it lands on: both runs then train on the very same samples."""
+
+    def __init__(self, model, tokenizer, config):
+        self.inner = TransformersBackend(model, pad_token_id=tokenizer.pad_token_id)
+        self.calls = 0
+
+    def sync_weights(self, model):
+        self.inner.sync_weights(model)
+
+    def generate(self, prompts, params, *, n=1, seed=None):
+        self.calls += 1
+        return [self.inner.generate([p], params, n=n, seed=zlib.crc32(f"{p}/{self.calls}".encode()))[0]
+                for p in prompts]
+
+
+class _Plugin:
+    @staticmethod
+    @hookimpl
+    def toolkit_register_generation_backends():
+        return {"per_prompt_seeded": PerPromptSeeded}
+
+
+def sft_rows():
     short = [{"prompt": f"What is {i} + {i + 1}? ", "completion": str(2 * i + 1)} for i in range(4)]
     long = [{"prompt": "Say a long thing: ", "completion": "The quick brown fox jumps " * (i + 1)} for i in range(4)]
     return short + long
 
 
-def main(out_dir: str, per_device: int) -> None:
-    torch.set_num_threads(1)
-    cfg = SFTConfig(output_dir=out_dir, max_steps=1, per_device_train_batch_size=per_device, optim="sgd",
-                    learning_rate=1.0, max_grad_norm=0.0, lr_scheduler_type="constant", weight_decay=0.0,
-                    logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, report_to="none")
-    trainer = SFTTrainer(tiny_model(), cfg, train_dataset=rows(), processing_class=tiny_tokenizer())
+def pairs():
+    return [{"prompt": f"What is {i} + {i + 1}? ", "chosen": str(2 * i + 1), "rejected": "I do not know " * (i % 3 + 1)}
+            for i in range(8)]
+
+
+def prompts():
+    return [{"prompt": f"Count to {i}: " + "one " * (i % 3)} for i in range(8)]
+
+
+def uneven_reward(completions, completion_ids, **kw):
+    """Deterministic and varied (so groups have non-zero spread), from the sampled ids alone."""
+    return [float(sum(ids) % 7) / 7 + 0.1 * len(ids) for ids in completion_ids]
+
+
+def run(case: str, out: Path, world: int) -> dict:
+    per_device = 8 // world
+    tok = tiny_tokenizer()
+    if case == "sft":
+        trainer = SFTTrainer(tiny_model(), SFTConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=per_device,
+                                                      **SGD), train_dataset=sft_rows(), processing_class=tok)
+    elif case == "dpo":
+        trainer = DPOTrainer(tiny_model(), args=DPOConfig(output_dir=str(out), max_steps=1, beta=0.5,
+                                                          per_device_train_batch_size=per_device, **SGD),
+                             train_dataset=pairs(), processing_class=tok)
+    else:  # grpo-<loss_type>-<scale_rewards>
+        _, loss_type, scale = case.split("-")
+        # 8 prompts per step in all: per process 8/world prompts x 2 completions. Every 4th token id stops a
+        # completion, so lengths vary and per-rank token counts differ (local normalisation would show).
+        cfg = GRPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=2 * per_device, num_generations=2,
+                         max_completion_length=6, stop_token_ids=list(range(0, 384, 4)), loss_type=loss_type, scale_rewards=scale, beta=0.0,
+                         generation_backend="per_prompt_seeded", **{**SGD, "learning_rate": 0.5})
+        trainer = GRPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)
     trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
-        torch.save({k: v.detach().clone() for k, v in trainer.model.named_parameters()}, f"{out_dir}/params.pt")
-        loss = [h["loss"] for h in trainer.state.log_history if "loss" in h][0]
-        with open(f"{out_dir}/result.json", "w") as f:
-            json.dump({"loss": loss, "world_size": trainer.args.world_size}, f)
+        torch.save({k: v.detach().clone() for k, v in trainer.model.named_parameters()}, out / "params.pt")
+    return {"losses": losses, "world_size": trainer.args.world_size}
+
+
+def main(out_dir: str, world: int, cases: list[str]) -> None:
+    torch.set_num_threads(1)
+    registry().register(_Plugin(), name="ddp-test-backend")
+    results = {}
+    for case in cases:
+        out = Path(out_dir) / case
+        out.mkdir(parents=True, exist_ok=True)
+        results[case] = run(case, out, world)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() != 0:
+            return
+    (Path(out_dir) / "result.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))

@@ -1,4 +1,9 @@
-"""A real two-process (gloo) run: 2 ranks x batch 4 equals 1 process x batch 8, loss and update."""
+"""Real two-process (gloo) runs: 2 ranks x batch 4 equal 1 process x batch 8, losses per step and final weights.
+
+SFT, DPO and GRPO (loss types dapo and grpo, group and batch reward scaling): GRPO's loss counts (tokens,
+completions, prompts of the step) and batch-level advantage statistics are global across ranks, so the
+2-process run is the same optimisation as the 1-process run with twice the batch.
+"""
 
 import json
 import os
@@ -11,10 +16,11 @@ import pytest
 import torch
 
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
+CASES = ["sft", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch"]
 
 
 def _run(cmd, env):
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
@@ -26,12 +32,36 @@ def test_two_ranks_match_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true",
            "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    _run([sys.executable, WORKER, str(one), "8"], env)
-    _run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", WORKER, str(two), "4"], env)
+    _run([sys.executable, WORKER, str(one), "1", ",".join(CASES)], env)
+    _run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", WORKER, str(two), "2", ",".join(CASES)], env)
     r1, r2 = json.loads((one / "result.json").read_text()), json.loads((two / "result.json").read_text())
-    assert r2["world_size"] == 2
-    assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-5)
-    p1, p2 = torch.load(one / "params.pt"), torch.load(two / "params.pt")
-    for k in p1:
-        torch.testing.assert_close(p1[k], p2[k], rtol=1e-5, atol=1e-6, msg=k)
+    for case in CASES:
+        assert r1[case]["world_size"] == 1 and r2[case]["world_size"] == 2, case
+        assert len(r1[case]["losses"]) == len(r2[case]["losses"]) >= 1, case
+        assert r2[case]["losses"] == pytest.approx(r1[case]["losses"], rel=1e-5, abs=1e-6), case
+        p1, p2 = torch.load(one / case / "params.pt"), torch.load(two / case / "params.pt")
+        for k in p1:
+            torch.testing.assert_close(p1[k], p2[k], rtol=1e-5, atol=1e-5, msg=f"{case}: {k}")
+
+
+@pytest.mark.slow
+def test_the_cli_under_torchrun_prints_and_writes_from_rank_zero_only(tmp_path):
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"What is {i}+1? ", "completion": str(i + 1)}) for i in range(16)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.run(
+        [torchrun, "--nproc_per_node", "2", "--master_port", "29534", "-m", "toolkit.core.cli", "sft", "--model",
+         str(tmp_path / "m"), "--dataset", str(data), "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
+         "--learning_rate", "1e-3", "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("=== SFT summary ===") == 1, proc.stdout
+    assert "[rank 1] INFO" not in proc.stderr
+    assert proc.stderr.count("SFT train data:") <= 1  # an INFO line of the data layer, once
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["saved_to"].endswith("final") and (tmp_path / "out" / "final" / "model.safetensors").exists()

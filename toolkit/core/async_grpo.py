@@ -46,6 +46,7 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoint import write_atomic
+from .distributed import refuse_multiprocess
 from .errors import ConfigError, TrainingHealthError
 from .generation import Completion
 from .grpo import GRPOConfig, GRPOTrainer, Rollout
@@ -126,6 +127,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         args = args if args is not None else AsyncGRPOConfig()
         if not isinstance(args, AsyncGRPOConfig):
             raise ConfigError(f"args: AsyncGRPOTrainer needs an AsyncGRPOConfig, got {type(args).__name__}.")
+        refuse_multiprocess("AsyncGRPOTrainer", "one trainer process feeds one rollout worker; several trainer ranks "
+                                                "would each start a worker and train on different rounds")
         # The worker process runs GRPO's own prompt order and scoring; a subclass's override of these seams
         # would silently not run there, so it is refused.
         for seam in ("build_prompt_sampler", "compute_rewards"):

@@ -9,8 +9,11 @@ would without packing, and no padding is computed.
 
 It also serves the shared-prompt layout of GRPO and DPO (`toolkit_shared_prefix`: a prompt once, then
 its completions, each seeing the prompt and itself). Only `varlen_sdpa` reads that argument;
-flash-attention derives boundaries from `position_ids` alone and would let sibling completions see
-each other, so that layout is for `toolkit_varlen` (tracked in the multi-GPU issue).
+flash-attention derives boundaries from `position_ids` alone (a sequence starts where position_ids is
+0), so under it the shared layout would let the second completion of a group attend to the first.
+`packed_layout` is the one place that decides: the shared-prompt layout only for `toolkit_varlen`;
+flash-attention gets one copy of the prompt per completion, positions restarting at 0, which is exactly
+the boundaries it derives (tests/test_attention_layouts.py checks this with transformers' own helper).
 
 It is registered with transformers' public `AttentionInterface` under the name `toolkit_varlen`
 (and the sdpa mask under the same name), so a padded batch through the same model still takes the
@@ -20,7 +23,9 @@ ordinary sdpa path.
 from __future__ import annotations
 
 __all__ = [
+    "PACKED_LAYOUTS",
     "VARLEN_ATTENTION",
+    "packed_layout",
     "supports_varlen",
     "use_varlen_attention",
     "varlen_kwargs",
@@ -108,6 +113,28 @@ _NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3", VARLEN_ATTENTION)
 def supports_varlen(model) -> bool:
     """Whether packed rows can run through `model` with each example attending only to itself."""
     return getattr(model.config, "_attn_implementation", None) in _SWITCHABLE + _NATIVE_VARLEN
+
+
+PACKED_LAYOUTS = ("shared_prompt", "separate", "padded")
+
+
+def packed_layout(*models) -> str:
+    """How GRPO and DPO may lay out a micro-batch for these models' attention (all must agree):
+
+    - "shared_prompt": one copy of each prompt followed by its completions (`pack_shared_prompts`); only
+      `toolkit_varlen` reads the `toolkit_shared_prefix` boundaries this needs.
+    - "separate": packed rows of prompt + completion, positions restarting at 0 per sequence
+      (`pack_completions(padding_free=True)`); what flash-attention's varlen kernels derive from position_ids.
+    - "padded": a padded batch with an attention mask (any other implementation).
+
+    Call it after `use_varlen_attention` (which switches sdpa/eager to `toolkit_varlen`).
+    """
+    impls = {getattr(m.config, "_attn_implementation", None) for m in models if m is not None}
+    if impls == {VARLEN_ATTENTION}:
+        return "shared_prompt"
+    if impls and impls <= set(_NATIVE_VARLEN):
+        return "separate"
+    return "padded"
 
 
 def use_varlen_attention(model) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunArgs, build_configs, describe_fields, load_run_file, parse_overrides
+from .distributed import is_main_process, quiet_other_ranks, warn_if_fewer_processes_than_asked
 from .errors import ConfigError, ToolkitError
 
 logger = logging.getLogger("toolkit")
@@ -139,11 +140,12 @@ def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: 
     if arithmetic_eval:
         summary["heldout_accuracy_after"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
     final_dir = Path(cfg.output_dir) / "final"
-    trainer.save_model(str(final_dir))
+    trainer.save_model(str(final_dir))  # Trainer saves on rank 0 only (should_save)
     summary["saved_to"] = str(final_dir)
     summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
-    (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    _print_summary(title, summary)
+    if is_main_process():
+        (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        _print_summary(title, summary)
     return 0
 
 
@@ -228,9 +230,10 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     trainer.save_model(str(final_dir))
     summary["saved_to"] = str(final_dir)
     summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
-    summary.update(write_report(trainer, Path(cfg.output_dir), accuracy.history if accuracy else [], summary,
-                                reward_key=reward_key, title=title, step_name=step_name))
-    _print_summary(title, summary)
+    if is_main_process():
+        summary.update(write_report(trainer, Path(cfg.output_dir), accuracy.history if accuracy else [], summary,
+                                    reward_key=reward_key, title=title, step_name=step_name))
+        _print_summary(title, summary)
     return 0
 
 
@@ -249,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    quiet_other_ranks()
+    if argv[0] in ("sft", "grpo", "async-grpo", "dpo", "ppo"):
+        warn_if_fewer_processes_than_asked()
     try:
         return commands[argv[0]](argv[1:])
     except ToolkitError as e:

@@ -33,7 +33,7 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-from .attention import supports_varlen, use_varlen_attention
+from .attention import packed_layout, supports_varlen, use_varlen_attention
 from .checkpoint import (
     CompleteCheckpointCallback,
     resolve_resume,
@@ -150,6 +150,8 @@ class DPOTrainer(Trainer):
         for m in (unwrap_model(model), self.ref_model):
             if m is not None and self.padding_free:
                 use_varlen_attention(m)
+        # chosen and rejected share one prompt copy only where the kernel can express it (attention.packed_layout)
+        self.packed_layout = packed_layout(unwrap_model(model), self.ref_model) if self.padding_free else "padded"
         logger.info("DPO loss settings: loss_type=%s weights=%s beta=%s label_smoothing=%s reference=%s; "
                     "max_length=%s.", args.loss_types, args.loss_weight_values, args.beta, args.label_smoothing,
                     "none" if args.reference_free else "precomputed" if args.precompute_ref_log_probs else
@@ -220,10 +222,10 @@ class DPOTrainer(Trainer):
     def _batch(self, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
         prompts = inputs["prompt_ids"] + inputs["prompt_ids"]
         completions = inputs["chosen_ids"] + inputs["rejected_ids"]  # [chosen..., rejected...]
-        if self.padding_free:  # chosen and rejected share one copy of their prompt in the packed row
+        if self.packed_layout == "shared_prompt":  # chosen and rejected share one copy of their prompt
             return pack_shared_prompts(prompts, completions, group_by_prompt(prompts))
         return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
-                                padding_free=False)
+                                padding_free=self.packed_layout == "separate")
 
     def compute_sequence_logps(self, model: torch.nn.Module, inputs: dict[str, Any]
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

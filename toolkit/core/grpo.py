@@ -48,7 +48,7 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-from .attention import supports_varlen, use_varlen_attention
+from .attention import packed_layout, supports_varlen, use_varlen_attention
 from .checkpoint import (
     CompleteCheckpointCallback,
     resolve_resume,
@@ -290,6 +290,9 @@ class GRPOTrainer(Trainer):
             use_varlen_attention(base)
             if self.ref_model is not None:
                 use_varlen_attention(self.ref_model)
+        # The shared-prompt layout only where the kernel can express it (toolkit_varlen); flash-attention
+        # gets prompt copies it can delimit from position_ids (attention.packed_layout).
+        self.packed_layout = packed_layout(base, self.ref_model) if self.padding_free else "padded"
         self.sampling = SamplingParams(
             max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p,
@@ -402,7 +405,7 @@ class GRPOTrainer(Trainer):
                     f"GRPO step {self.state.global_step}: reward function '{name}' returned inf for "
                     f"{int(torch.isinf(values).sum())} rows. Return a finite number, or None to exclude a row.")
         total = weighted_total(rewards_per_func, self.reward_weights)
-        advantages, zero_std = self.compute_advantages(total)
+        advantages, zero_std = self._advantages_over_ranks(total)
         included = ~torch.isnan(total)
         if args.zero_variance_filter:
             included &= ~zero_std
@@ -440,6 +443,22 @@ class GRPOTrainer(Trainer):
         """(advantages [R], zero_std [R]) from total rewards by `advantage_estimator`; override or register another."""
         return self.advantage_estimator(AdvantageInputs(rewards, self.args.num_generations), self.advantage_settings)
 
+    def _advantages_over_ranks(self, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`compute_advantages` over the whole step's rewards, all ranks together, then this rank's rows.
+
+        With N processes each rank holds 1/N of the step's groups; batch-level statistics (scale_rewards=
+        "batch", or a plugin estimator's) must see all of them, or a 2-process run would optimise something
+        else than a 1-process run with twice the batch. Ranks hold equal row counts in rank order (RoundSampler),
+        so the gathered vector is the 1-process step's.
+        """
+        n = self.accelerator.num_processes
+        if n == 1:
+            return self.compute_advantages(total)
+        everything = self.accelerator.gather(total.to(self.accelerator.device)).cpu()
+        advantages, zero_std = self.compute_advantages(everything)
+        rows = slice(self.accelerator.process_index * len(total), (self.accelerator.process_index + 1) * len(total))
+        return advantages[rows], zero_std[rows]
+
     def _score_rows(self, model: torch.nn.Module | None, rollout: Rollout) -> list[torch.Tensor]:
         """Per-row completion log-probs under `model` (None: the reference) without gradients."""
         out: list[torch.Tensor] = []
@@ -465,12 +484,12 @@ class GRPOTrainer(Trainer):
     def _pack(self, rollout: Rollout, rows: Sequence[int]) -> dict[str, Any]:
         prompts = [rollout.prompt_ids[r] for r in rows]
         completions = [rollout.completion_ids[r] for r in rows]
-        if self.padding_free:
+        if self.packed_layout == "shared_prompt":
             # The G completions of a prompt share one copy of it in the row: (G-1) x prompt tokens less
             # forward and backward work, same log-probs and gradients (tests/test_packing.py).
             return pack_shared_prompts(prompts, completions, group_by_prompt(prompts))
         return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
-                                padding_free=False)
+                                padding_free=self.packed_layout == "separate")
 
     def _micro_batch(self, rollout: Rollout, rows: Sequence[int], step_counts: dict[str, float]) -> dict[str, Any]:
         batch = self._pack(rollout, rows)
@@ -494,11 +513,15 @@ class GRPOTrainer(Trainer):
         B, GA = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
         included_tokens = sum(len(rollout.completion_ids[r]) for r in range(len(rollout.completion_ids))
                               if rollout.included[r])
-        counts = {
-            "step_tokens": float(max(included_tokens, 1)),
-            "step_sequences": float(max(int(rollout.included.sum()), 1)),
-            "step_prompts": float(max(len(set(rollout.group_ids[rollout.included].tolist())), 1)),
-        }
+        local = torch.tensor([included_tokens, int(rollout.included.sum()),
+                              len(set(rollout.group_ids[rollout.included].tolist()))], dtype=torch.float64)
+        n = self.accelerator.num_processes
+        # The loss divides by the step's counts over all ranks. DDP then averages the ranks' gradients (a
+        # division by n), so each rank divides by global / n: the sum over ranks is divided by the global count,
+        # exactly as one process holding the whole step would (tests/test_multiprocess.py).
+        total = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu() if n > 1 else local
+        counts = {name: float(max(float(v), 1.0)) / n
+                  for name, v in zip(("step_tokens", "step_sequences", "step_prompts"), total)}
         return [self._micro_batch(rollout, range(k * B, (k + 1) * B), counts) for k in range(GA)]
 
     # -------------------------------------------------------------------------------- the loss

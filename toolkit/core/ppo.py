@@ -54,6 +54,7 @@ from transformers.trainer_utils import TrainOutput
 from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import begin_checkpoint, commit_checkpoint, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
+from .distributed import refuse_multiprocess
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import SamplingParams
 from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
@@ -329,6 +330,8 @@ class PPOTrainer(Trainer):
         args = args if args is not None else PPOConfig()
         if not isinstance(args, PPOConfig):
             raise ConfigError(f"args: PPOTrainer needs a PPOConfig, got {type(args).__name__}.")
+        refuse_multiprocess("PPOTrainer", "its rollout, advantage whitening and critic are not synchronised across "
+                                          "ranks yet")
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         reward_funcs = list(reward_funcs)

@@ -1,0 +1,106 @@
+"""Packed rows are laid out so that the attention kernel that runs them derives the intended boundaries.
+
+flash-attention (2 and 3) cannot run here (no GPU), so the test asks transformers' own helper what the kernel
+would derive from our batch: `prepare_fa_kwargs_from_position_ids` is what transformers calls to build
+flash-attention's `cu_seqlens` from position_ids. If transformers changes how it derives boundaries, this
+test breaks, not our users' log-probs.
+"""
+
+import pytest
+import torch
+from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+from toolkit.core.attention import VARLEN_ATTENTION, packed_layout, supports_varlen, use_varlen_attention
+from toolkit.core.dpo import DPOConfig, DPOTrainer
+from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+from toolkit.core.packing import group_by_prompt, pack_completions, pack_shared_prompts
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+# 2 prompts x 2 completions, as a GRPO group (or a DPO chosen/rejected pair) lays them out.
+PROMPTS = [[5, 6, 7], [5, 6, 7], [8, 9, 10, 11], [8, 9, 10, 11]]
+COMPLETIONS = [[1, 2], [3, 4, 5], [6], [7, 8]]
+INTENDED = [0, 5, 11, 16, 22]  # each prompt + completion its own sequence
+
+# Every implementation transformers can select by name, and ours.
+IMPLEMENTATIONS = ["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention",
+                   "paged|sdpa", VARLEN_ATTENTION]
+
+
+def model_with(impl):
+    model = tiny_model()
+    model.config._attn_implementation = impl  # the name only: the kernels themselves need a GPU
+    if supports_varlen(model):
+        use_varlen_attention(model)
+    return model
+
+
+def flash_boundaries(position_ids):
+    (cu_q, cu_k), _ = prepare_fa_kwargs_from_position_ids(position_ids)
+    assert cu_q.tolist() == cu_k.tolist()
+    return cu_q.tolist()
+
+
+def build(layout):
+    if layout == "shared_prompt":
+        return pack_shared_prompts(PROMPTS, COMPLETIONS, group_by_prompt(PROMPTS))
+    return pack_completions(PROMPTS, COMPLETIONS, pad_token_id=0, padding_free=layout == "separate")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_the_layout_chosen_for_each_attention_gives_the_kernel_the_intended_boundaries(impl):
+    model = model_with(impl)
+    layout = packed_layout(model)
+    batch = build(layout)
+    final = model.config._attn_implementation
+    if layout == "shared_prompt":
+        # only our kernel reads the shared-prefix spans; they put each completion after its own prompt
+        assert final == VARLEN_ATTENTION
+        spans = batch["shared_prefix"]
+        assert [(p0, p1) for p0, p1, _ in spans] == [(0, 3), (8, 12)]
+        assert [c for _, _, cs in spans for c in cs] == [(3, 5), (5, 8), (12, 13), (13, 15)]
+    elif layout == "separate":
+        assert final.startswith("flash_attention")
+        assert flash_boundaries(batch["position_ids"]) == INTENDED == batch["cu_seq_lens"].tolist()
+    else:
+        assert layout == "padded" and "attention_mask" in batch and "position_ids" not in batch
+        assert batch["attention_mask"].sum(-1).tolist() == [5, 6, 5, 6]
+
+
+def test_the_shared_prompt_layout_under_flash_attention_would_mix_siblings():
+    """Why flash-attention must not get the shared layout: the boundaries it derives merge a group's completions
+    into one sequence, so the second completion (DPO: the rejected answer) attends to the first."""
+    batch = pack_shared_prompts(PROMPTS, COMPLETIONS, group_by_prompt(PROMPTS))
+    assert flash_boundaries(batch["position_ids"]) == [0, 8, 15]  # [prompt + c1 + c2] per group, c2 sees c1
+    assert packed_layout(model_with("flash_attention_2")) == "separate"
+
+
+def test_models_that_disagree_get_the_layout_both_can_run():
+    assert packed_layout(model_with("sdpa"), model_with("flash_attention_2")) == "separate"
+    assert packed_layout(model_with("sdpa"), None) == "shared_prompt"
+    assert packed_layout(model_with("flex_attention"), model_with("sdpa")) == "padded"
+
+
+def test_grpo_and_dpo_pack_by_the_layout_of_their_models():
+    tok = tiny_tokenizer()
+    common = dict(output_dir="unused", max_steps=1, report_to="none", save_strategy="no")
+    flash = model_with("flash_attention_2")
+    grpo = GRPOTrainer(flash, [lambda completions, **kw: [0.0] * len(completions)],
+                       GRPOConfig(per_device_train_batch_size=4, num_generations=2, **common),
+                       train_dataset=[{"prompt": "a"}] * 4, processing_class=tok)
+    assert grpo.packed_layout == "separate"
+    dpo = DPOTrainer(model_with("flash_attention_2"), args=DPOConfig(**common),
+                     train_dataset=[{"prompt": "a ", "chosen": "b", "rejected": "c"}], processing_class=tok)
+    assert dpo.packed_layout == "separate"
+    assert GRPOTrainer(tiny_model(), grpo.reward_runner.funcs, grpo.args, train_dataset=[{"prompt": "a"}] * 4,
+                       processing_class=tok).packed_layout == "shared_prompt"
+
+
+def test_separate_layout_log_probs_equal_the_shared_layout_on_cpu():
+    """The flash layout is not only well delimited but computes the same numbers (run through toolkit_varlen here)."""
+    from toolkit.core.packing import completion_logps
+
+    model = model_with("sdpa").eval()
+    with torch.no_grad():
+        shared = completion_logps(model, build("shared_prompt"))
+        separate = completion_logps(model, build("separate"))
+    torch.testing.assert_close(shared, separate, atol=1e-5, rtol=1e-5)

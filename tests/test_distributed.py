@@ -1,0 +1,50 @@
+"""Process-level behaviour that needs no process group: refusals, launch mismatches, rank-0 output."""
+
+import logging
+
+import pytest
+
+from toolkit.core.distributed import requested_processes, warn_if_fewer_processes_than_asked
+from toolkit.core.errors import ConfigError
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["/usr/bin/python", "/venv/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "train.py"], 2),
+    (["accelerate", "launch", "--num_processes=4", "-m", "toolkit.core.cli", "sft"], 4),
+    (["accelerate", "launch", "--num-processes", "3", "x.py"], 3),
+    (["accelerate", "launch", "x.py"], None),
+    (["torchrun", "--nproc_per_node", "2", "x.py"], None),
+    (["bash", "run.sh", "launch", "--num_processes", "2"], None),
+])
+def test_the_process_count_an_accelerate_command_asks_for(argv, expected):
+    assert requested_processes(argv) == expected
+
+
+def test_a_launch_that_started_fewer_processes_than_asked_is_said_out_loud(monkeypatch, caplog):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert warn_if_fewer_processes_than_asked(["accelerate", "launch", "--cpu", "--num_processes", "2", "t.py"])
+    assert "asked for 2 processes but started one" in caplog.text and "torchrun" in caplog.text
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not warn_if_fewer_processes_than_asked(["accelerate", "launch", "--num_processes", "2", "t.py"])
+    monkeypatch.delenv("WORLD_SIZE")
+    assert not warn_if_fewer_processes_than_asked(["python", "train.py"])
+
+
+def test_single_process_trainers_refuse_a_multi_process_launch_before_loading_anything(tmp_path, monkeypatch):
+    from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.core.ppo import PPOConfig, PPOTrainer
+
+    common = dict(output_dir=str(tmp_path / "out"), report_to="none", per_device_train_batch_size=4,
+                  max_completion_length=4)
+    ppo_cfg, async_cfg = PPOConfig(**common), AsyncGRPOConfig(num_generations=2, **common)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    rows = [{"prompt": "a"}] * 4
+    with pytest.raises(ConfigError, match="PPOTrainer runs in one process only .* WORLD_SIZE=2"):
+        PPOTrainer("does-not-matter/never-loaded", ["numeric_match"], ppo_cfg, train_dataset=rows)
+    with pytest.raises(ConfigError, match="AsyncGRPOTrainer runs in one process only"):
+        AsyncGRPOTrainer(tiny_model(), ["numeric_match"], async_cfg, train_dataset=rows,
+                         processing_class=tiny_tokenizer())
+    assert not (tmp_path / "out").exists()

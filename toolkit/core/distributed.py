@@ -1,0 +1,99 @@
+"""Several processes: which rank this is, output from rank 0 only, and plain words when a launch is not what
+the user asked for.
+
+torchrun and `accelerate launch` describe the job in the environment (WORLD_SIZE, RANK) before any
+torch.distributed call, so these helpers can run before a model or a process group exists: a trainer that
+cannot run several processes refuses before loading anything, and the CLI quiets its other ranks from the
+first log line. docs/distributed.md says what is global across ranks and what was tested.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "env_rank",
+    "env_world_size",
+    "is_main_process",
+    "quiet_other_ranks",
+    "refuse_multiprocess",
+    "requested_processes",
+    "warn_if_fewer_processes_than_asked",
+]
+
+import logging
+import os
+from collections.abc import Sequence
+
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def env_world_size() -> int:
+    """Processes in the job, as the launcher set it (1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def is_main_process() -> bool:
+    """Rank 0, the process that prints summaries and writes reports (Trainer saves on its own `should_save`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return env_rank() == 0
+
+
+def quiet_other_ranks() -> None:
+    """INFO logs from rank 0 only; other ranks keep warnings and errors (each says which rank it is)."""
+    if env_rank() == 0:
+        return
+    logging.getLogger().setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"[rank {env_rank()}] %(levelname)s %(name)s: %(message)s"))
+
+
+def refuse_multiprocess(trainer: str, reason: str) -> None:
+    """Stop a trainer that runs in one process only when it was launched with several, before any model loads."""
+    if env_world_size() > 1:
+        raise ConfigError(f"{trainer} runs in one process only ({reason}); it was launched with WORLD_SIZE="
+                          f"{env_world_size()}. Run it without torchrun/accelerate launch, or use a trainer that "
+                          "is tested with several processes (SFT, DPO, GRPO; docs/distributed.md).")
+
+
+def requested_processes(argv: Sequence[str]) -> int | None:
+    """The process count an `accelerate launch` command line asks for, or None when it is not one."""
+    words = list(argv)
+    if not any(os.path.basename(w).startswith("accelerate") for w in words[:3]) or "launch" not in words:
+        return None
+    for i, w in enumerate(words):
+        for flag in ("--num_processes", "--num-processes"):
+            if w == flag and i + 1 < len(words):
+                return int(words[i + 1]) if words[i + 1].isdigit() else None
+            if w.startswith(flag + "="):
+                value = w.split("=", 1)[1]
+                return int(value) if value.isdigit() else None
+    return None
+
+
+def warn_if_fewer_processes_than_asked(parent_argv: Sequence[str] | None = None) -> bool:
+    """Warn when `accelerate launch --num_processes N` started a single process (its CPU default does).
+
+    Reads the parent's command line (Linux /proc) unless given one. Returns whether it warned.
+    """
+    if parent_argv is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                parent_argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            return False
+    asked = requested_processes(parent_argv)
+    if asked is None or asked <= 1 or env_world_size() > 1:
+        return False
+    logger.warning("accelerate launch asked for %d processes but started one: on CPU, accelerate's launcher runs a "
+                   "single process unless it is configured for multi-CPU. This run trains in ONE process. For "
+                   "%d processes use `torchrun --nproc_per_node %d -m toolkit.core.cli ...` with "
+                   "ACCELERATE_USE_CPU=true (docs/distributed.md).", asked, asked, asked)
+    return True
