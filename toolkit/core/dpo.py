@@ -42,7 +42,15 @@ from .checkpoint import (
 )
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from .errors import ConfigError, DataError, TrainingHealthError
-from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
+from .models import (
+    DEFAULT_MODEL,
+    apply_cpu_training_defaults,
+    is_peft_model,
+    load_model,
+    load_tokenizer,
+    prepare_model,
+    unwrap_model,
+)
 from .numerics import DEFAULT_CHUNK_SIZE
 from .objectives import PreferenceLossInputs, resolve_preference_loss_settings
 from .objectives.preference import check_loss_kwargs_used
@@ -141,8 +149,9 @@ class DPOTrainer(Trainer):
         dtype = init_kwargs.pop("dtype", args.model_dtype)
         model = load_model(model, dtype=dtype, **init_kwargs)
         self.ref_model = None
-        if peft_config is not None:
-            model = apply_peft(model, peft_config)
+        model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
+        if is_peft_model(model) and ref_model is None:
+            pass  # the reference is the base with the adapters disabled: no second copy
         elif not args.reference_free:
             self.ref_model = load_model(ref_model, dtype=dtype) if ref_model is not None else copy.deepcopy(model)
             self.ref_model.eval().requires_grad_(False)
@@ -155,7 +164,7 @@ class DPOTrainer(Trainer):
         logger.info("DPO loss settings: loss_type=%s weights=%s beta=%s label_smoothing=%s reference=%s; "
                     "max_length=%s.", args.loss_types, args.loss_weight_values, args.beta, args.label_smoothing,
                     "none" if args.reference_free else "precomputed" if args.precompute_ref_log_probs else
-                    "PEFT base (adapters off)" if peft_config is not None else "frozen copy", args.max_length)
+                    "PEFT base (adapters off)" if self.ref_model is None else "frozen copy", args.max_length)
 
         super().__init__(model=model, args=args, data_collator=_PreferenceCollator(),
                          train_dataset=Dataset.from_list(train_tok),

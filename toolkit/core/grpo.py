@@ -59,7 +59,15 @@ from .checkpoint import (
 from .data import prompt_rows, tokenize_prompts
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
-from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
+from .models import (
+    DEFAULT_MODEL,
+    apply_cpu_training_defaults,
+    is_peft_model,
+    load_model,
+    load_tokenizer,
+    prepare_model,
+    unwrap_model,
+)
 from .numerics import DEFAULT_CHUNK_SIZE, SCALE_REWARDS, chunked_entropy
 from .objectives import (
     AdvantageInputs,
@@ -278,8 +286,9 @@ class GRPOTrainer(Trainer):
         init_kwargs = dict(model_init_kwargs or {})
         model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
         self.ref_model = None
-        if peft_config is not None:
-            model = apply_peft(model, peft_config)
+        model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
+        if is_peft_model(model) and ref_model is None:
+            pass  # the reference (beta > 0) is the base with the adapters disabled: no second copy
         elif args.beta > 0:
             # With PEFT the reference is the base model with adapters disabled: no second copy.
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)

@@ -15,8 +15,10 @@ __all__ = [
     "cache_dir",
     "embedded_model_path",
     "is_embedded_name",
+    "is_peft_model",
     "load_model",
     "load_tokenizer",
+    "prepare_model",
     "resolve_model_path",
     "unwrap_model",
 ]
@@ -122,8 +124,12 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     **kwargs: Any,
 ) -> PreTrainedModel:
-    """Load a causal LM from the embedded short name, a local path or a Hub id; pass a built model through."""
-    if isinstance(model, PreTrainedModel):
+    """Load a causal LM from the embedded short name, a local path or a Hub id; pass a built model through.
+
+    A built model is anything an `nn.Module`: a `PreTrainedModel`, a `PeftModel` a wrapper already gave its
+    adapters (Unsloth does), a quantized model. It is used as given, never re-wrapped or re-loaded.
+    """
+    if isinstance(model, torch.nn.Module):
         return model
     if isinstance(dtype, str):
         dtype = _parse_dtype(dtype)
@@ -160,8 +166,8 @@ def _model_source(model: str | os.PathLike) -> str:
 
 def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) -> PreTrainedTokenizerBase:
     """Load the tokenizer that belongs with `model` (for a built model: from its `name_or_path`)."""
-    if isinstance(model, PreTrainedModel):
-        source = model.config._name_or_path
+    if isinstance(model, torch.nn.Module):
+        source = getattr(getattr(unwrap_model(model), "config", None), "_name_or_path", "")
         if not source:
             raise ConfigError(
                 "processing_class: the model was built in memory and has no name_or_path to load a tokenizer "
@@ -182,6 +188,27 @@ def unwrap_model(model: torch.nn.Module) -> PreTrainedModel:
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     return model
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether `model` (under DDP wrappers) carries PEFT adapters: then its reference is the base with the
+    adapters disabled, not a second copy."""
+    while hasattr(model, "module") and not hasattr(model, "peft_config"):
+        model = model.module
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def prepare_model(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
+    """`peft_config` applied to a plain model; an already-adapted model (a wrapper's PeftModel) used as is.
+
+    Adding a second set of adapters over a wrapper's would silently train the wrong ones, so it is refused.
+    """
+    if peft_config is None:
+        return model
+    if is_peft_model(model):
+        raise ConfigError("peft_config: the model already has PEFT adapters (a PeftModel); its adapters are trained "
+                          "as they are. Pass peft_config=None, or pass the base model with peft_config.")
+    return apply_peft(model, peft_config)
 
 
 def apply_peft(model: PreTrainedModel, peft_config: Any) -> PreTrainedModel:

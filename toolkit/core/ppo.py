@@ -57,7 +57,15 @@ from .data import prompt_rows, tokenize_prompts
 from .distributed import refuse_multiprocess
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import SamplingParams
-from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
+from .models import (
+    DEFAULT_MODEL,
+    apply_cpu_training_defaults,
+    is_peft_model,
+    load_model,
+    load_tokenizer,
+    prepare_model,
+    unwrap_model,
+)
 from .numerics import (
     DEFAULT_CHUNK_SIZE,
     chunked_entropy,
@@ -338,7 +346,8 @@ class PPOTrainer(Trainer):
         if not reward_funcs and reward_model is None:
             raise ConfigError("reward_funcs / reward_model: PPO needs a reward source; pass reward functions "
                               "(e.g. reward_funcs=['numeric_match']), a sequence-classification reward_model, or both.")
-        if args.critic == "base" and peft_config is None:
+        given_adapters = isinstance(model, torch.nn.Module) and is_peft_model(model)
+        if args.critic == "base" and peft_config is None and not given_adapters:
             raise ConfigError("critic: 'base' puts the value head on the adapter-free base model and needs "
                               "peft_config; use critic='separate' or 'head' without PEFT.")
         if value_model is not None and args.critic != "separate":
@@ -370,8 +379,9 @@ class PPOTrainer(Trainer):
         dtype = init_kwargs.pop("dtype", args.model_dtype)
         policy = load_model(model, dtype=dtype, **init_kwargs)
         self.ref_model = None
-        if peft_config is not None:
-            policy = apply_peft(policy, peft_config)  # the reference is the base with adapters disabled
+        policy = prepare_model(policy, peft_config)  # a wrapper's PeftModel is used as given
+        if is_peft_model(policy):
+            pass  # the reference is the base with adapters disabled
         else:
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(policy)
             self.ref_model.eval().requires_grad_(False)

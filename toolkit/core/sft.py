@@ -52,7 +52,14 @@ from .data import (
     validate,
 )
 from .errors import ConfigError, TrainingHealthError
-from .models import DEFAULT_MODEL, apply_cpu_training_defaults, apply_peft, load_model, load_tokenizer, unwrap_model
+from .models import (
+    DEFAULT_MODEL,
+    apply_cpu_training_defaults,
+    load_model,
+    load_tokenizer,
+    prepare_model,
+    unwrap_model,
+)
 from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
 from .plugins import notify_checkpoint_saved, notify_step_metrics
 
@@ -183,8 +190,7 @@ class SFTTrainer(Trainer):
         # 2. Model.
         init_kwargs = dict(model_init_kwargs or {})
         model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
-        if peft_config is not None:
-            model = apply_peft(model, peft_config)
+        model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
         varlen_ok = supports_varlen(unwrap_model(model))
         if (args.packing or args.padding_free) and not varlen_ok:
             raise ConfigError(
