@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from toolkit import ConfigError, TrainingHealthError
 from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from toolkit.core.checkpoint import COMPLETE_MARKER
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer
 from toolkit.testing import tiny_model, tiny_tokenizer
-from transformers import PreTrainedTokenizerFast
 
 pytestmark = pytest.mark.slow
 

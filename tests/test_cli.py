@@ -78,6 +78,10 @@ def test_cli_runs_sft_end_to_end_on_a_local_model(tmp_path, capsys):
     assert rc == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (tmp_path / "out" / "final" / "model.safetensors").exists()
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(tmp_path / "out" / "final" / "README.md")  # the results and the data are on the card
+    assert "sft" in card.data.tags and "## Results" in card.text and f"`{data}`" in card.text
     assert summary["train_loss_last_quarter"] < summary["train_loss_first_quarter"]
     assert "SFT summary" in capsys.readouterr().out
 

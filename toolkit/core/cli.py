@@ -28,6 +28,7 @@ from typing import Any
 from .config import RunArgs, build_configs, describe_fields, load_run_file, parse_overrides
 from .distributed import is_main_process, quiet_other_ranks, warn_if_fewer_processes_than_asked
 from .errors import ConfigError, ToolkitError
+from .model_card import write_model_card
 
 logger = logging.getLogger("toolkit")
 
@@ -145,6 +146,7 @@ def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: 
     summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
     if is_main_process():
         (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_model_card(trainer, final_dir, dataset_name=run.dataset, results=summary)
         _print_summary(title, summary)
     return 0
 
@@ -233,6 +235,7 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     if is_main_process():
         summary.update(write_report(trainer, Path(cfg.output_dir), accuracy.history if accuracy else [], summary,
                                     reward_key=reward_key, title=title, step_name=step_name))
+        write_model_card(trainer, final_dir, dataset_name=run.dataset, results=summary)
         _print_summary(title, summary)
     return 0
 

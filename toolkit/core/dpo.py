@@ -42,6 +42,7 @@ from .checkpoint import (
 )
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from .errors import ConfigError, DataError, TrainingHealthError
+from .model_card import write_model_card
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -329,6 +330,21 @@ class DPOTrainer(Trainer):
                     "DPO step %d: reward margins stayed at ~0 and accuracies flat for %d logged steps: the policy is "
                     "not moving away from the reference. Raise the learning rate or beta, and check that chosen and "
                     "rejected really differ.", self.state.global_step, k)
+
+    # Copied from toolkit.core.sft.SFTTrainer.save_model
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            write_model_card(self, output_dir or self.args.output_dir)
+
+    # Copied from toolkit.core.sft.SFTTrainer.create_model_card
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """The card `push_to_hub` uploads (README.md in output_dir); TRL's `dataset_name`, `model_name`, `tags`
+        are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
+        write_model_card(self, self.args.output_dir, model_name=model_name,
+                         dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
 
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint, written atomically: complete or absent (toolkit.core.checkpoint)."""

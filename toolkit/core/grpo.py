@@ -59,6 +59,7 @@ from .checkpoint import (
 from .data import prompt_rows, tokenize_prompts
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
+from .model_card import write_model_card
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -601,6 +602,21 @@ class GRPOTrainer(Trainer):
         self._step_metrics["train_tokens_per_s"].append(
             float(micro["input_ids"].numel()) / max(time.perf_counter() - t, 1e-9))
         return loss
+
+    # Copied from toolkit.core.sft.SFTTrainer.save_model
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            write_model_card(self, output_dir or self.args.output_dir)
+
+    # Copied from toolkit.core.sft.SFTTrainer.create_model_card
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """The card `push_to_hub` uploads (README.md in output_dir); TRL's `dataset_name`, `model_name`, `tags`
+        are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
+        write_model_card(self, self.args.output_dir, model_name=model_name,
+                         dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
 
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint plus GRPO's own state, written atomically (toolkit.core.checkpoint)."""

