@@ -75,11 +75,16 @@ def run(case: str, out: Path, world: int) -> dict:
         trainer = DPOTrainer(tiny_model(), args=DPOConfig(output_dir=str(out), max_steps=1, beta=0.5,
                                                           per_device_train_batch_size=per_device, **SGD),
                              train_dataset=pairs(), processing_class=tok)
-    else:  # grpo-<loss_type>-<scale_rewards>
-        _, loss_type, scale = case.split("-")
+    else:  # grpo-<loss_type>-<scale_rewards>[-accum]
+        _, loss_type, scale, *accum = case.split("-")
+        # -accum: 2 processes x (2 prompts x gradient accumulation 2) with num_iterations 2, against 1 process x
+        # 8 prompts with num_iterations 2: the step counts must hold across micro-batches and reuse of a round
+        ga = 2 if accum and world > 1 else 1
+        iterations = 2 if accum else 1
         # 8 prompts per step in all: per process 8/world prompts x 2 completions. Every 4th token id stops a
         # completion, so lengths vary and per-rank token counts differ (local normalisation would show).
-        cfg = GRPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=2 * per_device, num_generations=2,
+        cfg = GRPOConfig(output_dir=str(out), max_steps=2 * iterations, per_device_train_batch_size=2 * per_device // ga,
+                         gradient_accumulation_steps=ga, num_iterations=iterations, num_generations=2,
                          max_completion_length=6, stop_token_ids=list(range(0, 384, 4)), loss_type=loss_type, scale_rewards=scale, beta=0.0,
                          generation_backend="per_prompt_seeded", **{**SGD, "learning_rate": 0.5})
         trainer = GRPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)

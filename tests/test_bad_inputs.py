@@ -217,6 +217,10 @@ case("data-zero-width-only-text", DataError, "'text'", "row 1", "invisible")(
 case("data-zero-width-only-turn", DataError, "'completion'", "row 0", "invisible")(
     lambda t: sft(t, data=[{"prompt": [{"role": "user", "content": "hi"}],
                             "completion": [{"role": "assistant", "content": "\u200b"}]}]))
+case("data-zero-width-between-spaces", DataError, "'text'", "row 0", "invisible")(
+    lambda t: sft(t, data=[{"text": "\u200b \u200e\n\u2062"}]))
+case("file-jsonl-with-bom-is-read", DataError, "'completion'", "row 0", "empty string")(
+    lambda t: sft(t, data=jsonl(t, ['\ufeff{"prompt": "a", "completion": ""}'])))
 case("data-lone-surrogate-in-list", DataError, "'text'", "row 1", "surrogate")(
     lambda t: sft(t, data=[{"text": "fine"}, {"text": "broken \ud800 text"}]))
 case("data-number-as-text", DataError, "'completion'", "row 0", "int")(
@@ -312,7 +316,7 @@ case("cli-run-file-bad-toml", ConfigError, "run.toml")(lambda t: cli(t, "sft", r
 case("cli-config-without-path", ConfigError, "--config")(lambda t: main(["sft", "--config", "--debug"]))
 case("cli-run-file-missing", ConfigError, "nothere.toml")(
     lambda t: main(["sft", "--config", str(t / "nothere.toml"), "--debug"]))
-case("cli-lora-alpha-without-r", ConfigError, "load_in_4bit")(
+case("cli-4bit-without-lora", ConfigError, "load_in_4bit")(
     lambda t: cli(t, "sft", "--dataset", "builtin:arithmetic", "--load_in_4bit", "true"))
 case("cli-negative-dataset-size", ConfigError, "dataset_size", "-3")(
     lambda t: cli(t, "grpo", "--dataset", "builtin:arithmetic", "--dataset_size", "-3"))
@@ -322,6 +326,7 @@ case("cli-resume-from-missing-folder", ConfigError, "resume_from_checkpoint", "n
 
 def test_the_corpus_is_large_enough():
     assert len(CASES) >= 60, len(CASES)
+    assert len({c.id for c in CASES}) == len(CASES)  # every case has its own name
 
 
 @pytest.mark.parametrize("build,error,words", CASES)

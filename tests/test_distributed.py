@@ -1,4 +1,5 @@
-"""Process-level behaviour that needs no process group: refusals, launch mismatches, rank-0 output."""
+"""Process-level behaviour that needs no process group: refusals and launch mismatches (rank-0 output under a
+real torchrun is in test_multiprocess.py)."""
 
 import logging
 
@@ -13,6 +14,7 @@ from toolkit.testing import tiny_model, tiny_tokenizer
     (["/usr/bin/python", "/venv/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "train.py"], 2),
     (["accelerate", "launch", "--num_processes=4", "-m", "toolkit.core.cli", "sft"], 4),
     (["accelerate", "launch", "--num-processes", "3", "x.py"], 3),
+    (["/usr/bin/python3", "-m", "accelerate.commands.launch", "--num_processes", "2", "x.py"], 2),
     (["accelerate", "launch", "x.py"], None),
     (["torchrun", "--nproc_per_node", "2", "x.py"], None),
     (["bash", "run.sh", "launch", "--num_processes", "2"], None),
@@ -44,6 +46,10 @@ def test_single_process_trainers_refuse_a_multi_process_launch_before_loading_an
     rows = [{"prompt": "a"}] * 4
     with pytest.raises(ConfigError, match="PPOTrainer runs in one process only .* WORLD_SIZE=2"):
         PPOTrainer("does-not-matter/never-loaded", ["numeric_match"], ppo_cfg, train_dataset=rows)
+    from toolkit.core.grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match="skip_solved_threshold: not supported with several processes"):
+        GRPOConfig(num_generations=2, skip_solved_threshold=0.9, **common)
     with pytest.raises(ConfigError, match="AsyncGRPOTrainer runs in one process only"):
         AsyncGRPOTrainer(tiny_model(), ["numeric_match"], async_cfg, train_dataset=rows,
                          processing_class=tiny_tokenizer())

@@ -18,8 +18,9 @@ round r. Weights reach the worker through shared memory (no copy through a pipe)
 loads them between rounds (in-flight updates mid-generation are not implemented).
 
 Robustness: the worker's heartbeat comes from progress of its main loop (each decode step with the
-transformers backend, each generate call with vLLM, each wait-loop turn; reward scoring counts as
-bounded by reward_timeout), not from a side thread alone, and it sends its traceback if it fails; the
+transformers backend, each wait-loop turn; reward scoring counts as bounded by reward_timeout, and a
+vLLM generate call or weight upload, which report no steps, as bounded by worker_start_timeout), not
+from a side thread alone, and it sends its traceback if it fails; the
 trainer notices a dead, frozen or stuck worker within `heartbeat_timeout`, then restarts it (`worker_restarts`) or saves a
 checkpoint and stops with the worker's traceback. Nothing waits forever. The worker's prompt
 position is part of the checkpoint, so a resumed run continues with the right round.
@@ -76,8 +77,8 @@ class AsyncGRPOConfig(GRPOConfig):
     worker_restarts: int = field(default=0, metadata={
         "help": "Restart a dead worker this many times before stopping the run (with a checkpoint)."})
     heartbeat_timeout: float = field(default=60.0, metadata={
-        "help": "Seconds without progress of the worker's main loop after which it counts as hung (with a vLLM "
-                "backend one generate call must fit in it)."})
+        "help": "Seconds without progress of the worker's main loop after which it counts as hung (a vLLM "
+                "generate call or weight upload may take up to worker_start_timeout)."})
     worker_start_timeout: float = field(default=300.0, metadata={
         "help": "Seconds the first round may take (start-up included) before the worker counts as hung."})
 

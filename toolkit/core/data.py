@@ -43,6 +43,7 @@ import difflib
 import json
 import logging
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,7 @@ def as_rows(data: Any) -> list[dict[str, Any]]:
             raise DataError(f"dataset: file '{path}' does not exist.")
         raw = path.read_bytes()
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig")  # a BOM some editors write is not part of the data
         except UnicodeDecodeError as e:
             line = raw[:e.start].count(b"\n") + 1
             raise DataError(f"dataset: line {line} of '{path}' is not UTF-8 (byte {raw[e.start]:#04x}); re-save the "
@@ -264,12 +265,10 @@ class _Problems:
         raise DataError("dataset is invalid:\n  - " + "\n  - ".join(lines))
 
 
-# Characters that render as nothing: a text made only of these (and whitespace) is empty to a reader.
-_INVISIBLE = "\u200b\u200c\u200d\u2060\ufeff\u00ad\u180e"
-
-
 def _blank(text: str) -> bool:
-    return not text.strip().strip(_INVISIBLE).strip()
+    """Empty to a reader: only whitespace and invisible format characters (Unicode category Cf: zero-width
+    spaces and joiners, BOM, soft hyphen, bidi marks and controls)."""
+    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -290,9 +289,12 @@ def _check_string(p: _Problems, value: str, column: str, row: int, where: str, e
                                           "source file; fix or drop the row")
         return False
     if _blank(value):
-        invisible = " (it holds only invisible characters such as zero-width spaces)" if value.strip() else ""
         head, fix = empty.split("; ", 1)
-        p.add(f"{column}:empty", row, f"{head}{invisible}; {fix}")
+        if value.strip():  # a separate kind, so the message is right for every row listed under it
+            p.add(f"{column}:invisible", row, f"{head} (it holds only invisible characters such as zero-width "
+                                              f"spaces); {fix}")
+        else:
+            p.add(f"{column}:empty", row, f"{head}; {fix}")
         return False
     return True
 

@@ -66,7 +66,9 @@ def refuse_multiprocess(trainer: str, reason: str) -> None:
 def requested_processes(argv: Sequence[str]) -> int | None:
     """The process count an `accelerate launch` command line asks for, or None when it is not one."""
     words = list(argv)
-    if not any(os.path.basename(w).startswith("accelerate") for w in words[:3]) or "launch" not in words:
+    module_form = "accelerate.commands.launch" in words[:4]  # python -m accelerate.commands.launch ...
+    if not module_form and (not any(os.path.basename(w).startswith("accelerate") for w in words[:3])
+                            or "launch" not in words):
         return None
     for i, w in enumerate(words):
         for flag in ("--num_processes", "--num-processes"):

@@ -57,6 +57,7 @@ from .checkpoint import (
     write_atomic,
 )
 from .data import prompt_rows, tokenize_prompts
+from .distributed import env_world_size
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
 from .model_card import write_model_card
@@ -211,6 +212,10 @@ class GRPOConfig(TrainingArguments):
                 f"for exact resume; use a multiple of {self.num_iterations} (got {self.save_steps}).")
         if self.skip_solved_threshold is not None and not 0 < self.skip_solved_threshold <= 1:
             raise ConfigError(f"skip_solved_threshold: must be in (0, 1], got {self.skip_solved_threshold}.")
+        if self.skip_solved_threshold is not None and env_world_size() > 1:
+            # each rank would learn a different solved set and the ranks' prompt orders would drift apart
+            raise ConfigError("skip_solved_threshold: not supported with several processes yet (the solved set is "
+                              "per rank); leave it None or run one process.")
         SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
 
@@ -450,7 +455,11 @@ class GRPOTrainer(Trainer):
         return torch.tensor(outcome.rewards, dtype=torch.float32)
 
     def compute_advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(advantages [R], zero_std [R]) from total rewards by `advantage_estimator`; override or register another."""
+        """(advantages [R], zero_std [R]) from total rewards by `advantage_estimator`; override or register another.
+
+        With several processes `rewards` holds the whole step, every rank's rows in rank order (groups never
+        span ranks); the caller keeps this rank's slice. An override must not rely on per-rank row state.
+        """
         return self.advantage_estimator(AdvantageInputs(rewards, self.args.num_generations), self.advantage_settings)
 
     def _advantages_over_ranks(self, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,21 +157,24 @@ def load_model(
         return model
     if isinstance(dtype, str):
         dtype = _parse_dtype(dtype)
-    path = _model_source(model)
+    path = _model_source(model, needs_config=not ({"subfolder", "gguf_file"} & set(kwargs)))
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as e:  # a Hub id that is not cached (offline), a folder without config.json, ...
         raise ConfigError(f"model: could not load '{model}': {e}") from e
 
 
-def _model_source(model: str | os.PathLike) -> str:
-    """The folder or Hub id to load `model` from, refused by name when it can be neither (before any download)."""
-    name = str(model).strip()
+def _model_source(model: str | os.PathLike, *, needs_config: bool = True) -> str:
+    """The folder or Hub id to load `model` from, refused by name when it can be neither (before any download).
+
+    `needs_config=False` when the files are elsewhere than the folder's top (`subfolder=`, `gguf_file=`)."""
+    name = os.path.expanduser(str(model).strip())
     if not name:
         raise ConfigError(f"model: empty; use '{DEFAULT_MODEL}' for the embedded SmolLM2-135M-Instruct, a folder "
                           "with config.json, or a Hub id (owner/name).")
     path = resolve_model_path(name)
-    if Path(path).is_dir() and not any((Path(path) / f).exists() for f in ("config.json", "adapter_config.json")):
+    if needs_config and Path(path).is_dir() and not any((Path(path) / f).exists()
+                                                        for f in ("config.json", "adapter_config.json")):
         raise ConfigError(f"model: the folder '{model}' has no config.json, so it is not a saved model; give the "
                           "folder save_pretrained() wrote (for a checkpoint: its checkpoint-N folder).")
     if Path(path).exists():
@@ -198,7 +201,7 @@ def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) ->
                 "from; pass `processing_class=<your tokenizer>` to the trainer."
             )
         return AutoTokenizer.from_pretrained(source, **kwargs)
-    source = _model_source(model)
+    source = _model_source(model, needs_config=not ({"subfolder", "gguf_file"} & set(kwargs)))
     try:
         return AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as e:  # no tokenizer files (ValueError: nothing to build a fast tokenizer from)

@@ -9,6 +9,7 @@ on failure. The trainer side (staleness, restarts, checkpoints) is toolkit.core.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -126,12 +127,15 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                        else VLLMServerBackend(**kwargs))
 
             def load_weights():
-                backend.load_weights(list(shared.items()))
+                # vLLM reports no per-step progress; a weight upload counts as bounded by worker_start_timeout
+                with progress.bounded(spec["start_timeout"]):
+                    backend.load_weights(list(shared.items()))
 
         def score(rows, completion_ids):
             progress.tick()
-            # Decoding the texts is the loop's own work (a tick after it); the reward calls run on their own
-            # threads and return within reward_timeout whatever the functions do, so that wait is bounded.
+            # Scoring decodes the texts, then waits for the reward calls, which run on their own threads and
+            # return within reward_timeout whatever the functions do: the whole call counts as bounded by that
+            # (plus slack for decoding); a scoring step stuck past it goes silent and is reported.
             with progress.bounded(spec["reward_timeout"] + 5.0):
                 outcome, _ = score_completions(runner, spec["tokenizer"], rows, completion_ids,
                                                conversational=spec["conversational"],
@@ -157,9 +161,14 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 progress.tick()
             wait_s = time.perf_counter() - t_wait
             idx = sampler.round(r)
-            scored = generate_and_score(backend, [spec["prompt_ids"][i] for i in idx], [rows[i] for i in idx],
-                                        sampling=spec["sampling"], n=spec["num_generations"],
-                                        seed=generation_seed(spec["seed"], r), score=score)
+            # The transformers backend ticks every decode step; a vLLM generate call is one opaque call, which
+            # counts as bounded by worker_start_timeout (a long reasoning round can exceed heartbeat_timeout).
+            generating = (progress.bounded(spec["start_timeout"]) if spec["backend"] != "transformers"
+                          else contextlib.nullcontext())
+            with generating:
+                scored = generate_and_score(backend, [spec["prompt_ids"][i] for i in idx], [rows[i] for i in idx],
+                                            sampling=spec["sampling"], n=spec["num_generations"],
+                                            seed=generation_seed(spec["seed"], r), score=score)
             item = ScoredRound(round=r, version=local_version, row_indices=idx,
                                completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g]
                                             for g in scored.groups],
