@@ -215,3 +215,44 @@ def test_async_refuses_seams_its_worker_would_not_run(tmp_path):
         Curriculum(tiny_model(), "numeric_match", AsyncGRPOConfig(output_dir=str(tmp_path), num_generations=2,
                                                                    per_device_train_batch_size=2),
                    train_dataset=[{"prompt": "1+1=", "answer": "2"}] * 4, processing_class=tiny_tokenizer())
+
+
+_ORPHAN_SCRIPT = """
+import sys, time, threading
+sys.path.insert(0, {tests!r})
+from test_async_grpo import make
+from pathlib import Path
+t = make(Path({tmp!r}), max_staleness=1, max_steps=10_000)
+def report():
+    while t._proc is None or t._proc.pid is None:
+        time.sleep(0.05)
+    print(t._proc.pid, flush=True)
+threading.Thread(target=report, daemon=True).start()
+t.train()
+"""
+
+
+def test_the_worker_exits_when_its_trainer_is_killed(tmp_path):
+    """SIGKILL skips the trainer's cleanup; the worker notices its parent is gone instead of running orphaned."""
+    import subprocess
+    import sys
+
+    script = _ORPHAN_SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    worker = int(proc.stdout.readline())
+    time.sleep(1)  # the worker is still importing: it must notice even a parent that died before it looked
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{worker}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):  # exited; a zombie waits for whoever adopted it to reap it
+            return
+        time.sleep(0.2)
+    os.kill(worker, signal.SIGKILL)
+    pytest.fail("the rollout worker outlived its killed trainer by 15 s")

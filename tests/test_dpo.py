@@ -92,10 +92,16 @@ def test_batch_8x1_equals_4x2(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_padded_equals_padding_free(tmp_path):
+@pytest.mark.parametrize("layout", ["padded", "separate"])
+def test_every_packed_layout_gives_the_shared_prompt_numbers(tmp_path, layout):
+    """padded (attention that cannot pack), separate (flash-attention's layout, run here through toolkit_varlen)
+    and shared_prompt compute the same sequence log-probs."""
     a = DPOTrainer(tiny_model(), args=cfg(tmp_path), train_dataset=conv_rows(), processing_class=tiny_tokenizer())
     b = DPOTrainer(tiny_model(), args=cfg(tmp_path), train_dataset=conv_rows(), processing_class=tiny_tokenizer())
-    b.padding_free = False
+    assert a.packed_layout == "shared_prompt"
+    b.packed_layout = layout
+    if layout == "padded":
+        b.padding_free = False
     batch = a.data_collator([a.train_dataset[i] for i in range(4)])
     ca, ra, _ = a.compute_sequence_logps(a.model, batch)
     cb, rb, _ = b.compute_sequence_logps(b.model, batch)

@@ -248,7 +248,7 @@ def test_padded_fallback_gives_the_same_logps_as_packed_rows(tmp_path):
     """Attention that cannot run packed rows gets right-padded batches; the log-probs must not change."""
     packed = make(tmp_path)
     padded = make(tmp_path, model=tiny_model(attn_implementation="eager"))
-    padded.padding_free = False
+    padded.padding_free, padded.packed_layout = False, "padded"
     rollout = packed.generate_rollout([0, 1])
     a = packed.compute_token_logps(packed.model, packed._split(rollout)[0])
     b = padded.compute_token_logps(padded.model, padded._split(rollout)[0])

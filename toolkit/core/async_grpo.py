@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import time
@@ -194,7 +195,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         spec = {
             "threads": args.worker_threads, "config": config, "reward_funcs": self.reward_runner.funcs,
             "reward_timeout": args.reward_timeout, "reward_max_failures": args.reward_max_consecutive_failures,
-            "start_timeout": args.worker_start_timeout,
+            "start_timeout": args.worker_start_timeout, "parent_pid": os.getpid(),
             "pad_token_id": self.processing_class.pad_token_id,
             "max_batch_size": args.generation_batch_size, "tokenizer": self.processing_class, "rows": self.rows,
             "prompt_ids": self.prompt_ids, "num_generations": args.num_generations, "per_round": self.prompts_per_round,

@@ -10,6 +10,7 @@ on failure. The trainer side (staleness, restarts, checkpoints) is toolkit.core.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -84,9 +85,14 @@ class Progress:
             self.tick()
 
 
-def _beat_while_progressing(progress: Progress, heartbeat, stop, every: float = 0.5) -> None:
+def _beat_while_progressing(progress: Progress, heartbeat, stop, parent: int, every: float = 0.5) -> None:
+    """`parent`: the trainer's pid, as the trainer said it (the worker may be adopted before this thread starts)."""
     last = -1
     while not stop.is_set():
+        if os.getppid() != parent:
+            # The trainer died without stopping us (SIGKILL, OOM killer): nobody will read our rounds, and a
+            # daemon process is only reaped by a parent that exits normally. Leave now rather than spin on.
+            os._exit(3)
         if progress.count != last or time.time() < progress.bounded_until:
             heartbeat.value = time.time()
             last = progress.count
@@ -102,7 +108,8 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
         # Until the first round the trainer waits up to worker_start_timeout (imports, model build, first
         # generation), so start-up is covered by a bound of that length rather than by ticks.
         progress.bounded_until = time.time() + spec["start_timeout"]
-        threading.Thread(target=_beat_while_progressing, args=(progress, heartbeat, stop), daemon=True).start()
+        threading.Thread(target=_beat_while_progressing, args=(progress, heartbeat, stop, spec["parent_pid"]),
+                         daemon=True).start()
         from transformers import AutoModelForCausalLM
 
         runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"],
