@@ -12,6 +12,11 @@ preference                  ``prompt``?, ``chosen``, ``rejected``          lists
 unpaired_preference         ``prompt``, ``completion``, ``label``          lists of turns
 ==========================  =============================================  ==========================
 
+Pre-tokenized rows (what Axolotl-style wrappers hand over) are their own kind, `tokenized`: `input_ids`
+and optionally `completion_mask` (1 = in the loss), `labels` (-100 = not in the loss) and
+`attention_mask`, validated (ids in the vocabulary, masks as long as the ids) and trained on as given.
+SFT accepts them; the other trainers say which format they need.
+
 ShareGPT-style ``conversations`` with ``from``/``value`` keys is read as ``messages``.
 
 Validation runs before any model is loaded and raises :class:`DataError` naming the column, the
@@ -53,13 +58,14 @@ from .errors import DataError
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("language_modeling", "prompt_only", "prompt_completion", "preference", "unpaired_preference")
+KINDS = ("language_modeling", "prompt_only", "prompt_completion", "preference", "unpaired_preference", "tokenized")
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speaker names -> chat roles.
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "tool": "tool", "function": "tool", "chatgpt": "assistant", "bing": "assistant"}
 _KNOWN_COLUMNS = ("text", "messages", "conversations", "prompt", "completion", "chosen", "rejected", "label")
 _MAX_ROWS_IN_MESSAGE = 5
+_TOKENIZED_COLUMNS = ("input_ids", "completion_mask", "labels", "attention_mask")
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,12 @@ def as_rows(data: Any) -> list[dict[str, Any]]:
                     rows.append(row)
             return rows
         return as_rows(_load_json(text, f"'{path}'"))
+    if type(data).__name__ == "IterableDataset" or (hasattr(data, "__iter__") and not hasattr(data, "__len__")
+                                                    and not isinstance(data, (str, bytes, Mapping))):
+        # Reading a stream whole would hold it all in memory (or never end); say so instead.
+        raise DataError(f"dataset: a streamed {type(data).__name__} is not supported (it would be read whole into "
+                        "memory). Materialise the part to train on, e.g. datasets.Dataset.from_list(list("
+                        "stream.take(10_000))), or pass a datasets.Dataset / list of dicts / .jsonl path.")
     if isinstance(data, Mapping) and data and all(hasattr(v, "column_names") for v in data.values()):
         # a datasets.DatasetDict: its values are splits, not columns
         raise DataError(f"dataset: got a DatasetDict with splits {sorted(data)}; pass one split, e.g. "
@@ -207,6 +219,14 @@ def detect_format(rows: list[dict[str, Any]]) -> DatasetFormat:
         raise DataError(f"dataset: columns {columns} have '{'chosen' if 'chosen' in cols else 'rejected'}' but not "
                         f"'{'rejected' if 'chosen' in cols else 'chosen'}'; preference data needs both 'chosen' "
                         "and 'rejected' (and optionally 'prompt').")
+    if "input_ids" in cols:
+        text_like = sorted(cols & set(_KNOWN_COLUMNS))
+        if text_like:
+            raise DataError(f"dataset: it has 'input_ids' and {text_like}, so it is ambiguous (pre-tokenized or "
+                            "text?). Keep one (remove_columns) before training.")
+        used = [c for c in _TOKENIZED_COLUMNS if c in cols]
+        extras = tuple(c for c in columns if c not in used)
+        return DatasetFormat(kind="tokenized", conversational=False, columns=tuple(used), extra_columns=extras)
     if {"chosen", "rejected"} <= cols:
         kind, used = "preference", [c for c in ("prompt", "chosen", "rejected") if c in cols]
         probe = rows[0]["chosen"]
@@ -373,9 +393,49 @@ def _check_turns(p: _Problems, value: Any, column: str, row: int, *, part: str) 
                                                f"turns, got roles {roles}")
 
 
+def _int_list(value: Any) -> list[int] | None:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    return None
+
+
+def _check_tokenized(p: _Problems, rows: list[dict[str, Any]], fmt: DatasetFormat, tokenizer: Any) -> None:
+    """Pre-tokenized rows: ids are whole numbers inside the vocabulary, every mask is as long as the ids."""
+    vocab = len(tokenizer) if tokenizer is not None else None
+    for i, r in enumerate(rows):
+        ids = _int_list(r.get("input_ids"))
+        if not ids:
+            p.add("input_ids:type", i, f"column 'input_ids' must hold a non-empty list of token ids in row {i}, got "
+                                       f"{type(r.get('input_ids')).__name__}")
+            continue
+        if vocab is not None and not all(0 <= t < vocab for t in ids):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            p.add("input_ids:vocab", i, f"column 'input_ids', row {i}: token id {bad} is outside the tokenizer's "
+                                        f"vocabulary (0..{vocab - 1}); the rows were tokenized with another tokenizer")
+        for c in ("completion_mask", "labels", "attention_mask"):
+            if c not in fmt.columns:
+                continue
+            values = _int_list(r.get(c))
+            if values is None or len(values) != len(ids):
+                got = len(values) if values is not None else type(r.get(c)).__name__
+                p.add(f"{c}:length", i, f"column '{c}', row {i} has {got} values for {len(ids)} input_ids; a mask "
+                                        "needs one value per token")
+            elif c != "labels" and any(v not in (0, 1) for v in values):
+                p.add(f"{c}:values", i, f"column '{c}', row {i} holds values other than 0/1")
+            elif c == "labels" and any(v != -100 and v != t for v, t in zip(values, ids)):
+                p.add("labels:shift", i, f"column 'labels', row {i}: a label differs from its input id (labels here "
+                                         "are the ids themselves or -100, unshifted, as transformers expects)")
+
+
 def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any = None) -> None:
     """Check every row of `rows` against `fmt`; raise one DataError listing every kind of problem found."""
     p = _Problems()
+    if fmt.kind == "tokenized":
+        _check_tokenized(p, rows, fmt, tokenizer)
+        p.raise_if_any(len(rows))
+        return
     for i, r in enumerate(rows):
         for c in fmt.columns:
             if c not in r:
@@ -519,6 +579,11 @@ def tokenize_for_sft(
     mask covers it, so the model learns to stop even when pad == eos (the collator never derives
     the loss mask from token ids, only from lengths and this mask).
     """
+    if fmt.kind == "tokenized":
+        if assistant_only_loss:
+            raise DataError("assistant_only_loss=True needs conversational 'messages' rows; pre-tokenized rows carry "
+                            "their loss mask in 'completion_mask' or 'labels'.")
+        return _tokenized_for_sft(rows, fmt, max_length=max_length)
     if fmt.kind not in ("language_modeling", "prompt_completion"):
         hint = {"preference": "DPOTrainer", "unpaired_preference": "a KTO-style trainer",
                 "prompt_only": "GRPOTrainer (RL needs only prompts)"}.get(fmt.kind, "another trainer")
@@ -605,6 +670,43 @@ def tokenize_for_sft(
             f"dataset: {len(rws)} of {len(rows)} rows would have an empty loss mask (rows {shown}): {why}. "
             "Raise max_length, shorten or drop those rows, or set completion_only_loss/assistant_only_loss to False."
         )
+    return out, report
+
+
+def _tokenized_for_sft(rows: list[dict[str, Any]], fmt: DatasetFormat, *, max_length: int | None
+                       ) -> tuple[list[dict[str, Any]], TokenizationReport]:
+    """Pre-tokenized rows as given: the loss mask from `completion_mask`, else `labels != -100`, else every token
+    (position 0 never, as for tokenized text); `attention_mask` zeros (padding a wrapper left in) are dropped."""
+    report = TokenizationReport(rows=len(rows))
+    out = []
+    for i, r in enumerate(rows):
+        ids = _int_list(r["input_ids"])
+        if "completion_mask" in fmt.columns:
+            mask = _int_list(r["completion_mask"])
+        elif "labels" in fmt.columns:
+            mask = [int(v != -100) for v in _int_list(r["labels"])]
+        else:
+            mask = [1] * len(ids)
+        if "attention_mask" in fmt.columns:
+            keep = _int_list(r["attention_mask"])
+            ids = [t for t, k in zip(ids, keep) if k]
+            mask = [m for m, k in zip(mask, keep) if k]
+        report.longest = max(report.longest, len(ids))
+        if max_length is not None and len(ids) > max_length:
+            report.truncated_rows += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+        if mask:
+            mask[0] = 0
+        if sum(mask) == 0:
+            report.empty_mask_rows.append(i)
+        report.tokens += len(ids)
+        report.loss_tokens += sum(mask)
+        out.append({"input_ids": ids, "completion_mask": mask,
+                    **{c: r[c] for c in fmt.extra_columns}})
+    if report.empty_mask_rows:
+        rws = report.empty_mask_rows
+        raise DataError(f"dataset: {len(rws)} of {len(rows)} pre-tokenized rows have no token in the loss (rows "
+                        f"{', '.join(map(str, rws[:_MAX_ROWS_IN_MESSAGE]))}); check their completion_mask/labels.")
     return out, report
 
 

@@ -571,6 +571,7 @@ class GRPOTrainer(Trainer):
                                                                      name=self.args.loss_type))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._last_hidden = None  # set by the default compute_token_logps; an override need not set it
         flat = self.compute_token_logps(model, inputs)
         mask = inputs["completion_mask"]
         logps = self._to_rows(flat, mask)
@@ -703,10 +704,14 @@ class GRPOTrainer(Trainer):
         if gap.numel():
             s["sampler/logp_abs_diff_mean"].append(float(gap.mean()))
             s["sampler/logp_abs_diff_max"].append(float(gap.max()))
-        head = unwrap_model(self.model).get_output_embeddings()
-        ent = chunked_entropy(self._last_hidden, head.weight.detach(), temperature=self.args.temperature,
-                              chunk_size=self.args.logps_chunk_size)
-        s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)
+        hidden = getattr(self, "_last_hidden", None)
+        if hidden is not None and hidden.shape[0] == int(inputs.completion_mask.sum()):
+            # entropy from the hidden states of this forward (a compute_token_logps override that does not call
+            # the default leaves none, and then no entropy is logged rather than a stale one)
+            head = unwrap_model(self.model).get_output_embeddings()
+            ent = chunked_entropy(hidden, head.weight.detach(), temperature=self.args.temperature,
+                                  chunk_size=self.args.logps_chunk_size)
+            s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)
 
 
 class _Health:

@@ -51,7 +51,7 @@ from .data import (
     tokenize_for_sft,
     validate,
 )
-from .errors import ConfigError, TrainingHealthError
+from .errors import ConfigError, DataError, TrainingHealthError
 from .model_card import write_model_card
 from .models import (
     DEFAULT_MODEL,
@@ -123,6 +123,45 @@ class SFTConfig(TrainingArguments):
             raise ConfigError(f"model_dtype: '{self.model_dtype}' is not one of float32, bfloat16, float16.")
 
 
+def _formatted(rows: list[dict[str, Any]], formatting_func: Any, name: str) -> list[dict[str, Any]]:
+    """TRL's `formatting_func(row) -> str`: each row becomes `{"text": ...}` (a one-string list is accepted)."""
+    if formatting_func is None:
+        return rows
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            text = formatting_func(row)
+        except Exception as e:
+            raise DataError(f"formatting_func: failed on {name} row {i} ({type(e).__name__}: {e}); the row has "
+                            f"columns {sorted(row)}.") from e
+        if isinstance(text, list) and len(text) == 1:
+            text = text[0]
+        if not isinstance(text, str):
+            raise DataError(f"formatting_func: returned {type(text).__name__} for {name} row {i}; it must return the "
+                            "row's training text as one string.")
+        out.append({"text": text})
+    return out
+
+
+def _standard_keys(example: dict[str, Any]) -> dict[str, Any]:
+    ids, mask = example["input_ids"], example["completion_mask"]
+    rest = {k: v for k, v in example.items() if k not in ("input_ids", "completion_mask", "seq_lens")}
+    return {**rest, "input_ids": ids, "attention_mask": [1] * len(ids),
+            "labels": [t if m else -100 for t, m in zip(ids, mask)]}
+
+
+def _check_collator(collator: Any, examples: list[dict[str, Any]]) -> None:
+    try:
+        batch = collator(examples)
+    except Exception as e:
+        raise ConfigError(f"data_collator: failed on the first examples ({type(e).__name__}: {e}); it receives dicts "
+                          f"with keys {sorted(examples[0])}.") from e
+    missing = [k for k in ("input_ids", "labels", "attention_mask") if k not in batch]
+    if missing:
+        raise ConfigError(f"data_collator: its batch lacks {missing} (it has {sorted(batch)}); SFT needs input_ids, "
+                          "labels (-100 = not in the loss) and attention_mask.")
+
+
 class SFTTrainer(Trainer):
     """Supervised fine-tuning on language-modeling or prompt-completion data (plain or conversational).
 
@@ -146,6 +185,8 @@ class SFTTrainer(Trainer):
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
         model_init_kwargs: dict | None = None,
+        data_collator: Any = None,
+        formatting_func: Any = None,
         **kwargs: Any,
     ):
         args = args if args is not None else SFTConfig()
@@ -153,17 +194,20 @@ class SFTTrainer(Trainer):
             raise ConfigError(f"args: SFTTrainer needs an SFTConfig, got {type(args).__name__}.")
         if train_dataset is None:
             raise ConfigError("train_dataset: SFTTrainer needs a training dataset (Dataset, list of dicts or .jsonl path).")
+        if data_collator is not None and (args.packing or args.padding_free):
+            raise ConfigError("data_collator: a collator of your own pads the batch itself, so packing/padding_free "
+                              "cannot apply; set packing=False and padding_free=False, or drop data_collator.")
 
         # 1. Data first: every row is checked before a model is loaded (minutes saved per mistake).
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        train_rows = normalize_rows(as_rows(train_dataset))
+        train_rows = normalize_rows(_formatted(as_rows(train_dataset), formatting_func, "train_dataset"))
         self.dataset_format = detect_format(train_rows)
         validate(train_rows, self.dataset_format, tokenizer=tokenizer)
         eval_rows = None
         if eval_dataset is not None:
-            eval_rows = normalize_rows(as_rows(eval_dataset))
+            eval_rows = normalize_rows(_formatted(as_rows(eval_dataset), formatting_func, "eval_dataset"))
             eval_fmt = detect_format(eval_rows)
             if (eval_fmt.kind, eval_fmt.conversational) != (self.dataset_format.kind, self.dataset_format.conversational):
                 raise ConfigError(f"eval_dataset: it is {eval_fmt.describe()} but train_dataset is "
@@ -199,7 +243,8 @@ class SFTTrainer(Trainer):
                 "cannot keep packed examples apart. Load the model with attn_implementation='sdpa' (or "
                 "flash_attention_2 on GPU), or set packing=False, padding_free=False."
             )
-        packed = args.packing or (args.padding_free if args.padding_free is not None else varlen_ok)
+        packed = args.packing or (args.padding_free if args.padding_free is not None else
+                                  varlen_ok and data_collator is None)
         self.padding_free = packed
         if packed:
             use_varlen_attention(unwrap_model(model))
@@ -209,6 +254,14 @@ class SFTTrainer(Trainer):
             train_tok = _pack(train_tok, args.max_length)
             eval_tok = _pack(eval_tok, args.max_length) if eval_tok is not None else None
         collator = SFTCollator(tokenizer.pad_token_id, padding_free=packed)
+        if data_collator is not None:
+            # A collator of your own gets the standard keys (input_ids, attention_mask, labels with -100 outside
+            # the loss, plus a pre-tokenized dataset's other columns) and must return at least input_ids, labels
+            # and attention_mask; checked on two examples now rather than at step 0.
+            train_tok = [_standard_keys(e) for e in train_tok]
+            eval_tok = [_standard_keys(e) for e in eval_tok] if eval_tok is not None else None
+            _check_collator(data_collator, train_tok[:2])
+            collator = data_collator
         logger.info(
             "SFT loss settings: %s; completion_only_loss=%s assistant_only_loss=%s packing=%s padding_free=%s "
             "max_length=%s gradient_checkpointing=%s; loss = token-mean over the whole accumulated step "

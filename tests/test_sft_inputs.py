@@ -1,0 +1,118 @@
+"""What TRL users and wrappers hand SFTTrainer besides text rows: pre-tokenized rows, their own collator,
+TRL's formatting_func, and streams (refused by name)."""
+
+import pytest
+import torch
+from datasets import Dataset, IterableDataset
+from transformers import DataCollatorForSeq2Seq
+
+from toolkit.core.errors import ConfigError, DataError
+from toolkit.core.sft import SFTConfig, SFTTrainer
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+COMMON = dict(max_steps=2, learning_rate=1e-2, report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
+              logging_steps=1, per_device_train_batch_size=4)
+
+
+def cfg(tmp_path, **kw):
+    return SFTConfig(output_dir=str(tmp_path / "out"), **{**COMMON, **kw})
+
+
+def text_rows(n=8):
+    return [{"prompt": f"What is {i} + 1? ", "completion": str(i + 1)} for i in range(n)]
+
+
+def tokenized_like_text(tok, rows):
+    """What a wrapper would hand over for `rows`: ids of prompt + completion + eos, labels -100 on the prompt."""
+    out = []
+    for r in rows:
+        p = tok(r["prompt"])["input_ids"]
+        c = tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        out.append({"input_ids": p + c, "labels": [-100] * len(p) + c, "attention_mask": [1] * (len(p) + len(c))})
+    return out
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_pre_tokenized_rows_train_like_the_same_text(tmp_path):
+    tok = tiny_tokenizer()
+    a = SFTTrainer(tiny_model(), cfg(tmp_path / "a"), train_dataset=text_rows(), processing_class=tok)
+    b = SFTTrainer(tiny_model(), cfg(tmp_path / "b"), train_dataset=tokenized_like_text(tok, text_rows()),
+                   processing_class=tok)
+    assert b.dataset_format.kind == "tokenized"
+    assert [e["input_ids"] for e in a.train_dataset] == [e["input_ids"] for e in b.train_dataset]
+    assert [e["completion_mask"] for e in a.train_dataset] == [e["completion_mask"] for e in b.train_dataset]
+    a.train()
+    b.train()
+    assert losses(a) == pytest.approx(losses(b), rel=1e-6)
+
+
+@pytest.mark.parametrize("row,words", [
+    ({"input_ids": [1, 2, 9999]}, ["'input_ids', row 0", "9999", "vocabulary"]),
+    ({"input_ids": [1, 2, 3], "labels": [-100, 2]}, ["'labels', row 0", "2 values for 3"]),
+    ({"input_ids": [1, 2, 3], "labels": [-100, 5, 3]}, ["'labels', row 0", "differs from its input id"]),
+    ({"input_ids": [1, 2, 3], "completion_mask": [0, 2, 1]}, ["'completion_mask', row 0", "0/1"]),
+    ({"input_ids": "1 2 3"}, ["'input_ids' must hold a non-empty list", "row 0"]),
+    ({"input_ids": [1, 2], "text": "hi"}, ["'input_ids' and ['text']", "ambiguous"]),
+    ({"input_ids": [1, 2], "labels": [-100, -100]}, ["no token in the loss", "rows 0"]),
+])
+def test_bad_pre_tokenized_rows_are_named(tmp_path, row, words):
+    with pytest.raises(DataError) as e:
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=[row], processing_class=tiny_tokenizer())
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_collator_of_your_own_is_used_and_gets_standard_keys(tmp_path):
+    tok = tiny_tokenizer()
+    seen = []
+    base = DataCollatorForSeq2Seq(tok, label_pad_token_id=-100)
+
+    def collator(features):
+        seen.append(sorted(features[0]))
+        return base(features)
+
+    t = SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=text_rows(), processing_class=tok, data_collator=collator)
+    assert not t.padding_free and t.data_collator is collator
+    t.train()
+    assert seen and seen[-1] == ["attention_mask", "input_ids", "labels"] and len(losses(t)) == 2
+    reference = SFTTrainer(tiny_model(), cfg(tmp_path / "ref", padding_free=False), train_dataset=text_rows(),
+                           processing_class=tok)
+    reference.train()
+    assert losses(t) == pytest.approx(losses(reference), rel=1e-5)
+
+
+def test_a_collator_missing_keys_or_meeting_packing_is_refused(tmp_path):
+    tok = tiny_tokenizer()
+    with pytest.raises(ConfigError, match=r"data_collator: its batch lacks \['labels'\]"):
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=text_rows(), processing_class=tok,
+                   data_collator=lambda f: {"input_ids": torch.zeros(1, 1), "attention_mask": torch.ones(1, 1)})
+    with pytest.raises(ConfigError, match="data_collator: a collator of your own pads"):
+        SFTTrainer(tiny_model(), cfg(tmp_path, packing=True), train_dataset=text_rows(), processing_class=tok,
+                   data_collator=lambda f: f)
+
+
+def test_formatting_func_turns_rows_into_text(tmp_path):
+    rows = [{"question": f"{i}+1", "answer": str(i + 1)} for i in range(8)]
+    t = SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=rows, processing_class=tiny_tokenizer(),
+                   formatting_func=lambda r: f"Q: {r['question']} A: {r['answer']}")
+    assert t.dataset_format.kind == "language_modeling"
+    t.train()
+    with pytest.raises(DataError, match=r"formatting_func: failed on train_dataset row 0 \(KeyError"):
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=rows, processing_class=tiny_tokenizer(),
+                   formatting_func=lambda r: r["missing"])
+    with pytest.raises(DataError, match="formatting_func: returned int for train_dataset row 0"):
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=rows, processing_class=tiny_tokenizer(),
+                   formatting_func=lambda r: 3)
+
+
+def test_a_stream_is_refused_instead_of_read_whole(tmp_path):
+    stream = IterableDataset.from_generator(lambda: iter(text_rows()))
+    with pytest.raises(DataError, match="a streamed IterableDataset is not supported"):
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=stream, processing_class=tiny_tokenizer())
+    with pytest.raises(DataError, match="streamed generator"):
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=(r for r in text_rows()), processing_class=tiny_tokenizer())
+    Dataset.from_list(text_rows())  # a materialised Dataset is fine (tested everywhere else)
