@@ -108,3 +108,23 @@ def test_an_rl_card_names_the_method_and_its_citation(tmp_path):
     trainer.save_model(str(tmp_path / "final"))
     card = ModelCard.load(tmp_path / "final" / "README.md")
     assert "grpo" in card.data.tags and "shao2024deepseekmath" in card.text and "| `num_generations` | `2` |" in card.text
+
+
+def test_the_cli_pushes_the_final_model_once_with_its_card(tmp_path, hub):
+    from toolkit.core.cli import main
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ROWS))
+    rc = main(["sft", "--model", str(tmp_path / "m"), "--dataset", str(data), "--max_steps", "2", "--output_dir",
+               str(tmp_path / "out"), "--save_strategy", "no", "--disable_tqdm", "true", "--push_to_hub", "true",
+               "--hub_model_id", "me/arith-sft"])
+    assert rc == 0
+    (upload,) = hub  # once
+    assert upload["repo_id"] == "me/arith-sft"
+    assert "model.safetensors" in upload["files"] and not any(f.startswith("final/") for f in upload["files"])
+    card = ModelCard(upload["card"])
+    assert "sft" in card.data.tags and "## Results" in card.text
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["saved_to"].endswith("final")

@@ -141,14 +141,30 @@ def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: 
     if arithmetic_eval:
         summary["heldout_accuracy_after"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
     final_dir = Path(cfg.output_dir) / "final"
-    trainer.save_model(str(final_dir))  # Trainer saves on rank 0 only (should_save)
+    # Trainer saves on rank 0 only (should_save); _internal_call: no push from here (_publish pushes once)
+    trainer.save_model(str(final_dir), _internal_call=True)
     summary["saved_to"] = str(final_dir)
     summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
     if is_main_process():
         (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-        write_model_card(trainer, final_dir, dataset_name=run.dataset, results=summary)
+        _publish(trainer, cfg, run, final_dir, summary, title)
         _print_summary(title, summary)
     return 0
+
+
+def _publish(trainer: Any, cfg: Any, run: RunArgs, final_dir: Path, summary: dict[str, Any], title: str) -> None:
+    """The card (with the run's results) into final/, then, with push_to_hub, final/ to the repo root, once.
+
+    Trainer's own push_to_hub would upload output_dir, which holds final/ as well: the weights twice."""
+    write_model_card(trainer, final_dir, dataset_name=run.dataset, results=summary)
+    if not cfg.push_to_hub:
+        return
+    from huggingface_hub import HfApi
+
+    repo = trainer.hub_model_id  # created by Trainer at start (init_hf_repo)
+    HfApi().upload_folder(repo_id=repo, folder_path=str(final_dir), commit_message=f"toolkit {title}: final model",
+                          token=cfg.hub_token, revision=cfg.hub_revision)
+    summary["pushed_to"] = f"https://huggingface.co/{repo}"
 
 
 def run_sft(argv: list[str]) -> int:
@@ -229,13 +245,13 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     if accuracy is not None:
         summary["heldout_accuracy_after"] = accuracy.measure(trainer, step=trainer.state.global_step)
     final_dir = Path(cfg.output_dir) / "final"
-    trainer.save_model(str(final_dir))
+    trainer.save_model(str(final_dir), _internal_call=True)  # no push from here (_publish pushes once)
     summary["saved_to"] = str(final_dir)
     summary["minutes"] = round((time.perf_counter() - started) / 60, 2)
     if is_main_process():
         summary.update(write_report(trainer, Path(cfg.output_dir), accuracy.history if accuracy else [], summary,
                                     reward_key=reward_key, title=title, step_name=step_name))
-        write_model_card(trainer, final_dir, dataset_name=run.dataset, results=summary)
+        _publish(trainer, cfg, run, final_dir, summary, title)
         _print_summary(title, summary)
     return 0
 

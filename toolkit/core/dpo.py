@@ -40,6 +40,7 @@ from .checkpoint import (
     resume_already_finished,
     save_trainer_checkpoint,
 )
+from .console import install_console
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from .errors import ConfigError, DataError, TrainingHealthError
 from .model_card import write_model_card
@@ -173,6 +174,7 @@ class DPOTrainer(Trainer):
                          processing_class=tokenizer, callbacks=list(callbacks or []) + [CompleteCheckpointCallback(
                              on_complete=lambda step, path: notify_checkpoint_saved("dpo", step, path))],
                          optimizers=optimizers)
+        install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
         self.preference_losses = []  # (name, PreferenceLoss, its settings at start-up, weight)
         for name, weight in zip(args.loss_types, args.loss_weight_values):
             loss = registry().get("preference_loss", name, field="loss_type")

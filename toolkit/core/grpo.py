@@ -57,6 +57,7 @@ from .checkpoint import (
     write_atomic,
 )
 from .data import prompt_rows, tokenize_prompts
+from .console import install_console
 from .distributed import env_world_size
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
@@ -342,6 +343,7 @@ class GRPOTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=_index_collator,
                          train_dataset=Dataset.from_list([{"row_index": i} for i in range(len(rows))]),
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
+        install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
         self.loss_is_scaled_for_ga = True
         self.solved: set[int] = set()
         self._micro = 0

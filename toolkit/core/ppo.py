@@ -54,6 +54,7 @@ from transformers.trainer_utils import TrainOutput
 from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import begin_checkpoint, commit_checkpoint, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
+from .console import install_console
 from .distributed import refuse_multiprocess
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import SamplingParams
@@ -428,6 +429,7 @@ class PPOTrainer(Trainer):
 
         super().__init__(model=policy, args=args, train_dataset=Dataset.from_list([{"row_index": 0}]),
                          processing_class=tokenizer, callbacks=callbacks)
+        install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
         self._step_metrics: dict[str, list[float]] = defaultdict(list)
 
     # ------------------------------------------------------------------------------ data plumbing

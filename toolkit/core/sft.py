@@ -42,6 +42,7 @@ from .checkpoint import (
     resume_already_finished,
     save_trainer_checkpoint,
 )
+from .console import install_console
 from .data import (
     SFTCollator,
     as_rows,
@@ -277,6 +278,7 @@ class SFTTrainer(Trainer):
             eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
             processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers, **kwargs,
         )
+        install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
         # Our compute_loss divides by the token count of the whole accumulated step (num_items_in_batch),
         # so Trainer must count the tokens and must not divide by the accumulation steps again.
         self.model_accepts_loss_kwargs = True

@@ -1,0 +1,52 @@
+"""The compact console: one line per logged step with the numbers that say whether learning happens, the
+full dicts in metrics.jsonl, and transformers' dict lines gone."""
+
+import json
+import logging
+import math
+
+from toolkit.core.console import compact_line
+from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+from toolkit.core.sft import SFTConfig, SFTTrainer
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+
+def test_the_line_reads_left_to_right():
+    line = compact_line({"loss": 0.01234, "reward": 0.5631, "reward_std": 0.21, "entropy": 0.4123, "kl": 0.0031,
+                         "learning_rate": 1e-5, "frac_reward_zero_std": 0.2, "completions/mean_length": 12.0},
+                        step=12, max_steps=80, seconds_per_step=4.2, warnings=0)
+    assert line == ("step 12/80 | loss 0.0123 | reward 0.563 ±0.21 | entropy 0.412 | kl 0.0031 | lr 1.0e-05 | "
+                    "4.20 s/step | ok")
+    assert compact_line({"loss": math.nan}, step=1, max_steps=0, seconds_per_step=None, warnings=0).endswith(
+        "NON-FINITE LOSS")
+    assert compact_line({"eval_loss": 1.5}, step=3, max_steps=9, seconds_per_step=None, warnings=2) == \
+        "step 3/9 | eval_loss 1.5000 | 2 warnings above"
+
+
+def test_training_prints_compact_lines_and_writes_every_dict(tmp_path, capsys):
+    rows = [{"prompt": f"What is {i} + 1? ", "completion": str(i + 1)} for i in range(8)]
+    t = SFTTrainer(tiny_model(), SFTConfig(output_dir=str(tmp_path), max_steps=3, logging_steps=1, save_strategy="no",
+                                           report_to="none", disable_tqdm=True),
+                   train_dataset=rows, processing_class=tiny_tokenizer())
+    t.train()
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert [ln.split(" | ")[0] for ln in lines[:3]] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert "{'loss'" not in out  # transformers' dict lines are gone
+    records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [h for h in t.state.log_history if "loss" in h]
+    assert [r["loss"] for r in records if "loss" in r] == [h["loss"] for h in logged]
+    assert all("grad_norm" in r for r in records if "loss" in r)
+
+
+def test_grpo_lines_carry_reward_and_count_warnings(tmp_path, capsys):
+    reward = lambda completions, **kw: [1.0] * len(completions)  # noqa: E731  (no signal: GRPO warns)
+    t = GRPOTrainer(tiny_model(), [reward], GRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+                                                      num_generations=2, max_completion_length=4, report_to="none",
+                                                      save_strategy="no", disable_tqdm=True, no_signal_warn_steps=1),
+                    train_dataset=[{"prompt": f"Count to {i}:"} for i in range(4)], processing_class=tiny_tokenizer())
+    logging.getLogger("toolkit").setLevel(logging.INFO)
+    t.train()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ") and "runtime_s" not in ln]
+    assert len(lines) == 3 and all("reward 1.000" in ln for ln in lines)
+    assert any("warning" in ln.split(" | ")[-1] for ln in lines), lines

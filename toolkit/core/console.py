@@ -1,0 +1,131 @@
+"""A console a person can read: one compact line per logged step, the full record in `metrics.jsonl`.
+
+transformers prints every log as a Python dict; GRPO's has ~40 keys, so a run scrolls walls of numbers and
+the few that tell whether learning happens are lost. Every trainer installs `CompactConsole` instead:
+
+    step 12/80 | loss 0.0123 | reward 0.563 ±0.21 | entropy 0.412 | kl 0.0031 | lr 1.0e-05 | 4.2 s/step | ok
+
+The last field is the health verdict: `ok`, or how many warnings toolkit logged since the previous line
+(the warnings themselves are above it). The full dict of every log goes to `output_dir/metrics.jsonl`
+(one JSON object per line, rank 0) and to the trackers (`report_to`). The progress bar stays. Set
+`TOOLKIT_CONSOLE=full` to get transformers' dict lines back. Notebook progress tables are left alone.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CONSOLE_ENV", "CompactConsole", "compact_line", "install_console"]
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+
+CONSOLE_ENV = "TOOLKIT_CONSOLE"
+
+# (log key, label, format) in the order a person reads them; missing keys are skipped.
+_FIELDS = (
+    ("loss", "loss", ".4f"), ("eval_loss", "eval_loss", ".4f"), ("reward", "reward", ".3f"),
+    ("objective/scores", "score", ".3f"), ("rewards/accuracies", "pref_acc", ".3f"),
+    ("eval_rewards/accuracies", "eval_pref_acc", ".3f"), ("heldout_accuracy", "heldout_acc", ".3f"),
+    ("entropy", "entropy", ".3f"), ("kl", "kl", ".4f"), ("grad_norm", "grad", ".3g"), ("learning_rate", "lr", ".1e"),
+    ("train_loss", "train_loss (mean)", ".4f"), ("train_runtime", "runtime_s", ".1f"),
+)
+
+
+class _WarningCounter(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+
+def compact_line(logs: dict[str, Any], *, step: int, max_steps: int, seconds_per_step: float | None,
+                 warnings: int) -> str:
+    """The one line for a log dict (pure; tested on its own)."""
+    parts = [f"step {step}/{max_steps}" if max_steps > 0 else f"step {step}"]
+    for key, label, fmt in _FIELDS:
+        value = logs.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            text = f"{label} {value:{fmt}}"
+            if key == "reward" and isinstance(logs.get("reward_std"), (int, float)):
+                text += f" ±{logs['reward_std']:.2f}"
+            parts.append(text)
+    if seconds_per_step is not None:
+        parts.append(f"{seconds_per_step:.2f} s/step")
+    loss = logs.get("loss", logs.get("eval_loss"))
+    if isinstance(loss, float) and not math.isfinite(loss):
+        parts.append("NON-FINITE LOSS")
+    else:
+        parts.append("ok" if warnings == 0 else f"{warnings} warning{'s' if warnings > 1 else ''} above")
+    return " | ".join(parts)
+
+
+class CompactConsole(TrainerCallback):
+    """One line per log on rank 0, and every log's full dict appended to output_dir/metrics.jsonl."""
+
+    def __init__(self, progress: ProgressCallback | None = None) -> None:
+        self.progress = progress
+        self.counter = _WarningCounter()
+        logging.getLogger("toolkit").addHandler(self.counter)
+        self._last_time: float | None = None
+        self._last_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last_time, self._last_step = time.perf_counter(), state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        record = {"step": state.global_step, **{k: v for k, v in logs.items() if k != "total_flos"}}
+        if args.output_dir:
+            path = Path(args.output_dir)
+            path.mkdir(parents=True, exist_ok=True)
+            with open(path / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+        now = time.perf_counter()
+        per_step = None
+        if self._last_time is not None and state.global_step > self._last_step and "loss" in logs:
+            per_step = (now - self._last_time) / (state.global_step - self._last_step)
+            self._last_time, self._last_step = now, state.global_step
+        line = compact_line(logs, step=state.global_step, max_steps=state.max_steps, seconds_per_step=per_step,
+                            warnings=self.counter.count)
+        self.counter.count = 0
+        bar = getattr(self.progress, "training_bar", None) if self.progress is not None else None
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        logging.getLogger("toolkit").removeHandler(self.counter)
+
+
+class _BarOnly(ProgressCallback):
+    """transformers' progress bars (training and evaluation), without the dict lines."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return
+
+
+def install_console(trainer: Any) -> None:
+    """Swap transformers' dict printing for `CompactConsole` on `trainer` (unless TOOLKIT_CONSOLE=full)."""
+    if os.environ.get(CONSOLE_ENV, "").lower() == "full":
+        return
+    handler = trainer.callback_handler
+    progress = None
+    if any(type(cb) is PrinterCallback for cb in handler.callbacks):
+        trainer.remove_callback(PrinterCallback)
+    elif any(type(cb) is ProgressCallback for cb in handler.callbacks):
+        trainer.remove_callback(ProgressCallback)
+        progress = _BarOnly()
+        trainer.add_callback(progress)
+    else:
+        return  # a notebook table or a custom progress callback: leave the display to it
+    trainer.add_callback(CompactConsole(progress))
