@@ -256,3 +256,15 @@ def test_the_worker_exits_when_its_trainer_is_killed(tmp_path):
         time.sleep(0.2)
     os.kill(worker, signal.SIGKILL)
     pytest.fail("the rollout worker outlived its killed trainer by 15 s")
+
+
+def test_progress_bounds_nest():
+    from toolkit.core.rollout_worker import Progress
+
+    p = Progress()
+    with p.bounded(100):
+        outer = p.bounded_until
+        with p.bounded(1):
+            assert p.bounded_until == outer  # the shorter inner bound does not cut the outer one
+        assert p.bounded_until == outer  # and leaving it does not end the outer one
+    assert p.bounded_until == 0.0 and p.count == 2

@@ -81,7 +81,8 @@ def test_cli_runs_sft_end_to_end_on_a_local_model(tmp_path, capsys):
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(tmp_path / "out" / "final" / "README.md")  # the results and the data are on the card
-    assert "sft" in card.data.tags and "## Results" in card.text and f"`{data}`" in card.text
+    assert "sft" in card.data.tags and "## Results" in card.text and "`d.jsonl`" in card.text
+    assert str(tmp_path) not in card.text  # this machine's paths stay off a public card
     assert summary["train_loss_last_quarter"] < summary["train_loss_first_quarter"]
     assert "SFT summary" in capsys.readouterr().out
 
@@ -122,6 +123,12 @@ def test_cli_runs_grpo_end_to_end_with_report(tmp_path, capsys):
     assert (report / "report.png").stat().st_size > 1000
     assert len((report / "metrics.jsonl").read_text().splitlines()) >= 2
     assert "GRPO summary" in capsys.readouterr().out
+    from huggingface_hub import ModelCard
+
+    final = tmp_path / "out" / "final"
+    card = ModelCard.load(final / "README.md")  # the card shows the curves, which travel with the model
+    assert "![training curves](report.png)" in card.text and (final / "report.png").stat().st_size > 1000
+    assert "heldout_accuracy_after" in card.text and "grpo" in card.data.tags
 
 
 def test_cli_runs_dpo_end_to_end(tmp_path, capsys):

@@ -69,6 +69,32 @@ def test_a_wrapper_adapted_model_trains_its_adapters_in_place(kind, tmp_path):
     assert moved and all("lora_" in k for k in moved), moved
 
 
+def test_the_reference_is_the_base_with_the_adapters_off(tmp_path):
+    """Not the policy itself: reference log-probs equal the plain base model's and differ from the adapted ones."""
+    model = adapted()
+    base_copy = tiny_model()  # same seed: the weights under the adapters
+    dpo = build("dpo", model, tmp_path)
+    batch = dpo.data_collator([dpo.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        ref_c, ref_r = dpo.compute_reference_logps(batch)
+        pol_c, pol_r, _ = dpo.compute_sequence_logps(dpo.model, batch)
+        base_c, base_r, _ = dpo.compute_sequence_logps(base_copy, batch)
+    torch.testing.assert_close(ref_c, base_c, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ref_c, pol_c, atol=1e-4)
+
+    grpo = build("grpo", adapted(), tmp_path)
+    rollout = grpo.generate_rollout([0, 1])
+    ref = torch.cat(grpo._score_rows(None, rollout))
+    pol = torch.cat(grpo._score_rows(grpo.model, rollout))
+    assert not torch.allclose(ref, pol, atol=1e-4)
+
+
+def test_a_frozen_peft_model_is_refused_instead_of_training_nothing(tmp_path):
+    model = adapted().requires_grad_(False)  # what PeftModel.from_pretrained(...) gives without is_trainable=True
+    with pytest.raises(ConfigError, match="is_trainable=True"):
+        build("sft", model, tmp_path)
+
+
 def test_adding_adapters_over_a_wrappers_adapters_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="peft_config: the model already has PEFT adapters"):
         SFTTrainer(adapted(), SFTConfig(output_dir=str(tmp_path / "o"), **COMMON),

@@ -116,3 +116,17 @@ def test_a_stream_is_refused_instead_of_read_whole(tmp_path):
     with pytest.raises(DataError, match="streamed generator"):
         SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=(r for r in text_rows()), processing_class=tiny_tokenizer())
     Dataset.from_list(text_rows())  # a materialised Dataset is fine (tested everywhere else)
+
+
+def test_input_ids_next_to_text_is_only_pre_tokenized_for_sft():
+    """A Dataset.map(tokenize) keeps the text next to its ids: RL and preference trainers read the text (the ids
+    are an extra column for rewards), only SFT reads `input_ids` as its data (and refuses the mix)."""
+    from toolkit.core.data import detect_format, prompt_rows
+
+    rows, fmt = prompt_rows([{"prompt": "What is 1 + 1?", "input_ids": [1, 2]}] * 2, tiny_tokenizer(), trainer="GRPO")
+    assert fmt.kind == "prompt_only" and "input_ids" in fmt.extra_columns
+    pref = detect_format([{"prompt": "a", "chosen": "b", "rejected": "c", "input_ids": [1]}])
+    assert pref.kind == "preference"
+    assert detect_format([{"input_ids": [1, 2]}], tokenized=True).kind == "tokenized"
+    with pytest.raises(DataError, match="ambiguous"):
+        detect_format([{"prompt": "a", "input_ids": [1]}], tokenized=True)

@@ -7,12 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "wrappers"))
+from toolkit import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
-import axolotl_like  # noqa: E402
-import unsloth_like  # noqa: E402
-
-from toolkit import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+WRAPPERS = str(Path(__file__).parent / "wrappers")
 
 ROWS = [{"instruction": f"What is {i} + 1?", "output": str(i + 1)} for i in range(8)]
 COMMON = dict(max_steps=3, learning_rate=5e-2, report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
@@ -38,8 +35,18 @@ def toolkit_surface():
 
 @pytest.fixture
 def unpatched():
+    """The wrapper packages imported afresh after the snapshot: patches made at import time (how Unsloth patches
+    TRL) would show too. Yields (unsloth_like, axolotl_like)."""
+    import importlib
+
     before = toolkit_surface()
-    yield
+    for name in ("unsloth_like", "axolotl_like"):
+        sys.modules.pop(name, None)
+    sys.path.insert(0, WRAPPERS)
+    try:
+        yield importlib.import_module("unsloth_like"), importlib.import_module("axolotl_like")
+    finally:
+        sys.path.remove(WRAPPERS)
     after = toolkit_surface()
     changed = sorted(k for k in before if k in after and before[k] != after[k])
     assert not changed, f"a wrapper replaced toolkit attributes: {changed[:5]}"
@@ -54,11 +61,17 @@ def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def length_reward(completion_ids, **kw):
+    """Varies within every group (random completions differ in length), so every step has a signal."""
+    return [float(len(ids)) + 0.01 * (sum(ids) % 7) for ids in completion_ids]
+
+
 def sft_rows():
     return [{"prompt": r["instruction"] + " ", "completion": r["output"]} for r in ROWS]
 
 
 def test_unsloth_like_sft_swaps_logps_and_loss_and_trains_its_own_adapters(tmp_path, unpatched):
+    unsloth_like, _ = unpatched
     model, tok = unsloth_like.FastModel.from_pretrained()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     calls = dict(unsloth_like.CALLS)
@@ -78,20 +91,23 @@ def test_unsloth_like_sft_swaps_logps_and_loss_and_trains_its_own_adapters(tmp_p
 
 
 def test_unsloth_like_grpo_replaces_the_log_prob_computation_entirely(tmp_path, unpatched):
+    unsloth_like, _ = unpatched
     model, tok = unsloth_like.FastModel.from_pretrained()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     calls = dict(unsloth_like.CALLS)
     cfg = GRPOConfig(output_dir=str(tmp_path / "g"), per_device_train_batch_size=4, num_generations=2,
                      max_completion_length=6, beta=0.05, **COMMON)
     prompts = [{"prompt": [{"role": "user", "content": r["instruction"]}]} for r in ROWS]
-    t = unsloth_like.FastGRPOTrainer(model, ["format:\\d+"], cfg, train_dataset=prompts, processing_class=tok)
+    t = unsloth_like.FastGRPOTrainer(model, [length_reward], cfg, train_dataset=prompts, processing_class=tok)
     t.train()
     assert unsloth_like.CALLS["grpo_logps"] > calls["grpo_logps"] and unsloth_like.CALLS["grpo_loss"] > calls["grpo_loss"]
     assert t.state.global_step == 3 and all(x == x for x in losses(t))
-    assert lora_moved(model, before) or all(h.get("frac_rows_in_loss", 0) == 0 for h in t.state.log_history)
+    assert any(h.get("frac_rows_in_loss", 0) > 0 for h in t.state.log_history)  # there was a learning signal
+    assert lora_moved(model, before)
 
 
 def test_axolotl_like_sft_from_yaml_with_its_own_tokens_and_collator(tmp_path, unpatched):
+    _, axolotl_like = unpatched
     config = """
 base_model: {seed: 0}
 datasets:
@@ -109,6 +125,7 @@ rl: null
 
 
 def test_axolotl_like_grpo_from_yaml(tmp_path, unpatched):
+    _, axolotl_like = unpatched
     config = """
 base_model: {seed: 1}
 datasets:

@@ -20,6 +20,7 @@ __all__ = [
 
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -156,7 +157,11 @@ def _publish(trainer: Any, cfg: Any, run: RunArgs, final_dir: Path, summary: dic
     """The card (with the run's results) into final/, then, with push_to_hub, final/ to the repo root, once.
 
     Trainer's own push_to_hub would upload output_dir, which holds final/ as well: the weights twice."""
-    write_model_card(trainer, final_dir, dataset_name=run.dataset, results=summary)
+    plot = None
+    if summary.get("plot") and Path(summary["plot"]).exists():  # the GRPO/PPO report travels with the model
+        shutil.copyfile(summary["plot"], final_dir / "report.png")
+        plot = "report.png"
+    write_model_card(trainer, final_dir, dataset_name=run.dataset, results=summary, plot=plot)
     if not cfg.push_to_hub:
         return
     from huggingface_hub import HfApi

@@ -13,7 +13,7 @@ The last field is the health verdict: `ok`, or how many warnings toolkit logged 
 
 from __future__ import annotations
 
-__all__ = ["CONSOLE_ENV", "CompactConsole", "compact_line", "install_console"]
+__all__ = ["CONSOLE_ENV", "CompactConsole", "MetricsFile", "compact_line", "install_console"]
 
 import json
 import logging
@@ -67,28 +67,58 @@ def compact_line(logs: dict[str, Any], *, step: int, max_steps: int, seconds_per
     return " | ".join(parts)
 
 
+class MetricsFile(TrainerCallback):
+    """Every log's full dict, one JSON object per line, in output_dir/metrics.jsonl (rank 0).
+
+    A run from step 0 starts the file afresh; a resumed run keeps the lines up to its checkpoint's step and
+    drops the later ones (they belong to the interrupted attempt and are logged again)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or not args.output_dir:
+            return
+        path = Path(args.output_dir) / "metrics.jsonl"
+        if state.global_step == 0 or not path.exists():
+            path.unlink(missing_ok=True)
+            return
+        kept = [ln for ln in path.read_text().splitlines() if ln.strip() and _step_of(ln) <= state.global_step]
+        path.write_text("".join(ln + "\n" for ln in kept))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or not args.output_dir:
+            return
+        path = Path(args.output_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        record = {"step": state.global_step, **{k: v for k, v in logs.items() if k != "total_flos"}}
+        with open(path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0
+
+
 class CompactConsole(TrainerCallback):
-    """One line per log on rank 0, and every log's full dict appended to output_dir/metrics.jsonl."""
+    """One line per log on rank 0; warnings logged by toolkit during training are counted into the line."""
 
     def __init__(self, progress: ProgressCallback | None = None) -> None:
         self.progress = progress
         self.counter = _WarningCounter()
-        logging.getLogger("toolkit").addHandler(self.counter)
         self._last_time: float | None = None
         self._last_step = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._last_time, self._last_step = time.perf_counter(), state.global_step
+        self.counter.count = 0
+        toolkit_logger = logging.getLogger("toolkit")
+        if self.counter not in toolkit_logger.handlers:  # attached while training only (train() may be rerun)
+            toolkit_logger.addHandler(self.counter)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        record = {"step": state.global_step, **{k: v for k, v in logs.items() if k != "total_flos"}}
-        if args.output_dir:
-            path = Path(args.output_dir)
-            path.mkdir(parents=True, exist_ok=True)
-            with open(path / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record, default=str) + "\n")
         now = time.perf_counter()
         per_step = None
         if self._last_time is not None and state.global_step > self._last_step and "loss" in logs:
@@ -115,7 +145,9 @@ class _BarOnly(ProgressCallback):
 
 
 def install_console(trainer: Any) -> None:
-    """Swap transformers' dict printing for `CompactConsole` on `trainer` (unless TOOLKIT_CONSOLE=full)."""
+    """`MetricsFile` always; and transformers' dict printing swapped for `CompactConsole` (unless
+    TOOLKIT_CONSOLE=full, or a notebook/custom progress display is in place)."""
+    trainer.add_callback(MetricsFile())
     if os.environ.get(CONSOLE_ENV, "").lower() == "full":
         return
     handler = trainer.callback_handler

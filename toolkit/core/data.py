@@ -78,6 +78,8 @@ class DatasetFormat:
     extra_columns: tuple[str, ...] = ()
 
     def describe(self) -> str:
+        if self.kind == "tokenized":
+            return f"pre-tokenized ({', '.join(self.columns)})"
         style = "conversational" if self.conversational else "plain-text"
         return f"{style} {self.kind.replace('_', '-')} ({', '.join(self.columns)})"
 
@@ -202,8 +204,11 @@ def _suggest(columns: Iterable[str]) -> str:
     return f" Did you mean to rename {', '.join(hints)}?" if hints else ""
 
 
-def detect_format(rows: list[dict[str, Any]]) -> DatasetFormat:
-    """Tell which of the known formats `rows` are in, from their columns and the type of the first row."""
+def detect_format(rows: list[dict[str, Any]], *, tokenized: bool = False) -> DatasetFormat:
+    """Tell which of the known formats `rows` are in, from their columns and the type of the first row.
+
+    `tokenized=True` (SFT) reads an `input_ids` column as pre-tokenized rows; elsewhere it is an extra column
+    like any other (a `Dataset.map(tokenize)` keeps the text next to it, and reward functions may use it)."""
     if not rows:
         raise DataError("dataset: it has no rows. Pass at least one example.")
     columns = list(rows[0].keys())
@@ -219,7 +224,7 @@ def detect_format(rows: list[dict[str, Any]]) -> DatasetFormat:
         raise DataError(f"dataset: columns {columns} have '{'chosen' if 'chosen' in cols else 'rejected'}' but not "
                         f"'{'rejected' if 'chosen' in cols else 'chosen'}'; preference data needs both 'chosen' "
                         "and 'rejected' (and optionally 'prompt').")
-    if "input_ids" in cols:
+    if tokenized and "input_ids" in cols:
         text_like = sorted(cols & set(_KNOWN_COLUMNS))
         if text_like:
             raise DataError(f"dataset: it has 'input_ids' and {text_like}, so it is ambiguous (pre-tokenized or "
@@ -572,6 +577,7 @@ def tokenize_for_sft(
     completion_only_loss: bool,
     assistant_only_loss: bool,
     template_kwargs: Mapping[str, Any] | None = None,
+    keep_extra_columns: bool = False,
 ) -> tuple[list[dict[str, list[int]]], TokenizationReport]:
     """Tokenize SFT rows into `input_ids` and `completion_mask` (1 where the loss applies).
 
@@ -583,7 +589,7 @@ def tokenize_for_sft(
         if assistant_only_loss:
             raise DataError("assistant_only_loss=True needs conversational 'messages' rows; pre-tokenized rows carry "
                             "their loss mask in 'completion_mask' or 'labels'.")
-        return _tokenized_for_sft(rows, fmt, max_length=max_length)
+        return _tokenized_for_sft(rows, fmt, max_length=max_length, keep_extra_columns=keep_extra_columns)
     if fmt.kind not in ("language_modeling", "prompt_completion"):
         hint = {"preference": "DPOTrainer", "unpaired_preference": "a KTO-style trainer",
                 "prompt_only": "GRPOTrainer (RL needs only prompts)"}.get(fmt.kind, "another trainer")
@@ -673,8 +679,8 @@ def tokenize_for_sft(
     return out, report
 
 
-def _tokenized_for_sft(rows: list[dict[str, Any]], fmt: DatasetFormat, *, max_length: int | None
-                       ) -> tuple[list[dict[str, Any]], TokenizationReport]:
+def _tokenized_for_sft(rows: list[dict[str, Any]], fmt: DatasetFormat, *, max_length: int | None,
+                       keep_extra_columns: bool = False) -> tuple[list[dict[str, Any]], TokenizationReport]:
     """Pre-tokenized rows as given: the loss mask from `completion_mask`, else `labels != -100`, else every token
     (position 0 never, as for tokenized text); `attention_mask` zeros (padding a wrapper left in) are dropped."""
     report = TokenizationReport(rows=len(rows))
@@ -702,7 +708,7 @@ def _tokenized_for_sft(rows: list[dict[str, Any]], fmt: DatasetFormat, *, max_le
         report.tokens += len(ids)
         report.loss_tokens += sum(mask)
         out.append({"input_ids": ids, "completion_mask": mask,
-                    **{c: r[c] for c in fmt.extra_columns}})
+                    **({c: r[c] for c in fmt.extra_columns} if keep_extra_columns else {})})
     if report.empty_mask_rows:
         rws = report.empty_mask_rows
         raise DataError(f"dataset: {len(rws)} of {len(rows)} pre-tokenized rows have no token in the loss (rows "

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 __all__ = ["METHODS", "base_model_id", "build_model_card", "write_model_card"]
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .._version import __version__
 from .models import EMBEDDED_HUB_ID, is_embedded_checkpoint, is_peft_model, unwrap_model
+
+logger = logging.getLogger(__name__)
 
 #: method tag -> (title, BibTeX citation)
 METHODS: dict[str, tuple[str, str]] = {
@@ -58,9 +61,25 @@ def base_model_id(model: Any) -> str | None:
         return None
     if is_embedded_checkpoint(source):
         return EMBEDDED_HUB_ID
-    if Path(source).exists() or source.startswith(("/", ".", "~")):
-        return None
-    return source
+    return source if _hub_id(source) else None
+
+
+def _hub_id(name: str) -> bool:
+    """Whether `name` can only mean a Hub repo: a valid repo id (at most one '/') that is not a path here."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(name).exists() or name.startswith(("/", ".", "~", "builtin:")) or name.count("/") > 1:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return "/" in name or "." not in Path(name).suffix  # 'data.jsonl' is a file name, 'gsm8k' a Hub dataset
+
+
+def _shown(name: str) -> str:
+    """A dataset for the card: Hub ids as they are, local paths by file name only (this machine's paths stay)."""
+    return name if _hub_id(name) or name.startswith("builtin:") else Path(name).name
 
 
 def _method(trainer: Any) -> str:
@@ -69,8 +88,11 @@ def _method(trainer: Any) -> str:
 
 
 def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_name: str | Sequence[str] | None = None,
-                     tags: str | Sequence[str] | None = None, results: Mapping[str, Any] | None = None) -> Any:
-    """The card of `trainer`'s model; TRL's keywords (`model_name`, `dataset_name`, `tags`) are accepted."""
+                     tags: str | Sequence[str] | None = None, results: Mapping[str, Any] | None = None,
+                     plot: str | None = None) -> Any:
+    """The card of `trainer`'s model; TRL's keywords (`model_name`, `dataset_name`, `tags`) are accepted.
+
+    `plot`: a file name next to the card (e.g. the CLI's report.png) shown under the results."""
     from huggingface_hub import ModelCard, ModelCardData
 
     method = _method(trainer)
@@ -83,7 +105,7 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
             all_tags.append(t)
     datasets = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name or [])
     # a dataset given as a local file or a generated builtin is described in the text, not as a Hub dataset id
-    hub_datasets = [d for d in datasets if "/" in d and not Path(d).exists() and not d.startswith(("builtin:", "/", "."))]
+    hub_datasets = [d for d in datasets if _hub_id(d)]
     data = ModelCardData(
         base_model=base, library_name="peft" if adapter else "transformers", tags=all_tags,
         datasets=hub_datasets or None, pipeline_tag="text-generation", model_name=model_name,
@@ -99,7 +121,7 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
         lines += ["", "This repository holds a **PEFT adapter**; load it on top of the base model "
                       "(`peft.AutoPeftModelForCausalLM.from_pretrained`)."]
     if datasets:
-        lines += ["", "## Data", "", *[f"- `{d}`" for d in datasets]]
+        lines += ["", "## Data", "", *[f"- `{_shown(d)}`" for d in datasets]]
     settings = [(k, getattr(trainer.args, k)) for k in _KEY_SETTINGS if getattr(trainer.args, k, None) is not None]
     lines += ["", "## Training settings", "", "| setting | value |", "|---|---|",
               *[f"| `{k}` | `{v}` |" for k, v in settings]]
@@ -109,7 +131,10 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
     if results:
         lines += ["", "## Results", "", "| metric | value |", "|---|---|",
                   *[f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in results.items()
-                    if isinstance(v, (int, float, str)) and k not in ("saved_to",)]]
+                    if isinstance(v, (int, float, str))
+                    and k not in ("saved_to", "plot", "metrics", "summary_file", "model", "dataset", "pushed_to")]]
+    if plot:
+        lines += ["", f"![training curves]({plot})"]
     lines += ["", "## Citation", ""]
     if citation:
         lines += ["```bibtex", citation, "```", ""]
@@ -118,9 +143,17 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
 
 
-def write_model_card(trainer: Any, folder: str | Path, **kwargs: Any) -> Path:
-    """Write `README.md` (the card) into `folder`; returns its path. Keywords as `build_model_card`."""
+def write_model_card(trainer: Any, folder: str | Path, **kwargs: Any) -> Path | None:
+    """Write `README.md` (the card) into `folder` from rank 0; returns its path (None on other ranks).
+
+    A card that cannot be built is a warning, never a lost save or checkpoint."""
+    if hasattr(trainer, "is_world_process_zero") and not trainer.is_world_process_zero():
+        return None
     path = Path(folder) / "README.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    build_model_card(trainer, **kwargs).save(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_model_card(trainer, **kwargs).save(path)
+    except Exception as e:  # noqa: BLE001 (the weights are what matters; the card is a description of them)
+        logger.warning("model card: not written to %s (%s: %s).", path, type(e).__name__, e)
+        return None
     return path

@@ -231,6 +231,10 @@ def prepare_model(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
     Adding a second set of adapters over a wrapper's would silently train the wrong ones, so it is refused.
     """
     if peft_config is None:
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError("model: no parameter of the given model requires grad, so training would change "
+                              "nothing. A PeftModel loaded with PeftModel.from_pretrained(...) is frozen unless "
+                              "is_trainable=True; or unfreeze the parameters to train.")
         return model
     if is_peft_model(model):
         raise ConfigError("peft_config: the model already has PEFT adapters (a PeftModel); its adapters are trained "

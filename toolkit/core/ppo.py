@@ -382,7 +382,7 @@ class PPOTrainer(Trainer):
         policy = load_model(model, dtype=dtype, **init_kwargs)
         self.ref_model = None
         policy = prepare_model(policy, peft_config)  # a wrapper's PeftModel is used as given
-        if is_peft_model(policy):
+        if is_peft_model(policy) and ref_model is None:
             pass  # the reference is the base with adapters disabled
         else:
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(policy)
@@ -391,7 +391,7 @@ class PPOTrainer(Trainer):
         hidden_size = base.config.hidden_size
         if args.critic == "separate":
             if value_model is not None:
-                vm = value_model if isinstance(value_model, PreTrainedModel) else _load_classifier(value_model, dtype)
+                vm = value_model if isinstance(value_model, nn.Module) else _load_classifier(value_model, dtype)
                 backbone, head = sequence_classifier_parts(vm)
                 self.critic = ScalarHead(hidden_size, backbone, head)
             else:
@@ -402,7 +402,7 @@ class PPOTrainer(Trainer):
             self.critic = ScalarHead(hidden_size)
         self.reward_model = None
         if reward_model is not None:
-            rm = reward_model if isinstance(reward_model, PreTrainedModel) else _load_classifier(reward_model, dtype)
+            rm = reward_model if isinstance(reward_model, nn.Module) else _load_classifier(reward_model, dtype)
             self.reward_model = ScalarHead(hidden_size, *sequence_classifier_parts(rm)).eval().requires_grad_(False)
         self.padding_free = supports_varlen(base)
         if self.padding_free:

@@ -77,11 +77,13 @@ class Progress:
 
     @contextmanager
     def bounded(self, seconds: float):
-        self.bounded_until = time.time() + seconds
+        """Nestable: an inner bound (scoring inside a vLLM round) never shortens or ends an outer one."""
+        outer = self.bounded_until
+        self.bounded_until = max(outer, time.time() + seconds)
         try:
             yield
         finally:
-            self.bounded_until = 0.0
+            self.bounded_until = outer
             self.tick()
 
 
@@ -189,6 +191,8 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                     break
                 except queue.Full:
                     continue
+            if r == start_round:
+                progress.bounded_until = 0.0  # start-up is over: from now on only progress counts
             r += 1
     except BaseException:
         err_q.put(traceback.format_exc())

@@ -204,12 +204,12 @@ class SFTTrainer(Trainer):
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         train_rows = normalize_rows(_formatted(as_rows(train_dataset), formatting_func, "train_dataset"))
-        self.dataset_format = detect_format(train_rows)
+        self.dataset_format = detect_format(train_rows, tokenized=True)
         validate(train_rows, self.dataset_format, tokenizer=tokenizer)
         eval_rows = None
         if eval_dataset is not None:
             eval_rows = normalize_rows(_formatted(as_rows(eval_dataset), formatting_func, "eval_dataset"))
-            eval_fmt = detect_format(eval_rows)
+            eval_fmt = detect_format(eval_rows, tokenized=True)
             if (eval_fmt.kind, eval_fmt.conversational) != (self.dataset_format.kind, self.dataset_format.conversational):
                 raise ConfigError(f"eval_dataset: it is {eval_fmt.describe()} but train_dataset is "
                                   f"{self.dataset_format.describe()}; use the same format for both.")
@@ -217,11 +217,16 @@ class SFTTrainer(Trainer):
         completion_only = args.completion_only_loss
         if completion_only is None:
             completion_only = self.dataset_format.kind == "prompt_completion"
+        elif completion_only and self.dataset_format.kind == "tokenized":
+            raise ConfigError("completion_only_loss=True: pre-tokenized rows carry their loss mask in "
+                              "'completion_mask' or 'labels'; leave completion_only_loss unset.")
         elif completion_only and self.dataset_format.kind != "prompt_completion":
             raise ConfigError(f"completion_only_loss=True needs prompt-completion data; this dataset is "
                               f"{self.dataset_format.describe()}. Use assistant_only_loss for 'messages' rows.")
+        # a pre-tokenized dataset's other columns go to a collator of your own, never into our batches
         tok_kwargs = dict(max_length=args.max_length, completion_only_loss=completion_only,
-                          assistant_only_loss=args.assistant_only_loss, template_kwargs=args.chat_template_kwargs)
+                          assistant_only_loss=args.assistant_only_loss, template_kwargs=args.chat_template_kwargs,
+                          keep_extra_columns=data_collator is not None)
         train_tok, report = tokenize_for_sft(train_rows, self.dataset_format, tokenizer, **tok_kwargs)
         self.tokenization_report = report
         logger.info("SFT train data: %s: %s", self.dataset_format.describe(), report.summary(args.max_length))
