@@ -223,3 +223,43 @@ def test_a_csv_dataset_and_an_abbreviation_get_a_useful_error(tmp_path, capsys):
     assert "is a local file that is not .json/.jsonl; convert it" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="unknown key 'lr'. Did you mean 'learning_rate'?"):
         build_configs({"lr": 1e-5}, SFTConfig)
+
+
+def test_any_eval_dataset_is_scored_by_the_runs_rewards(tmp_path, capsys):
+    """Held-out accuracy is not only for the builtin task: a .jsonl eval set with an answer column is scored by the
+    run's reward functions (numeric_match here): accuracy = share of greedy completions at solved_reward."""
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(12)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:8]))
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows[8:]))
+    rc = main(["grpo", "--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "train.jsonl"), "--eval_dataset",
+               str(tmp_path / "eval.jsonl"), "--max_steps", "2", "--per_device_train_batch_size", "8",
+               "--num_generations", "4", "--max_completion_length", "4", "--output_dir", str(tmp_path / "out"),
+               "--save_strategy", "no", "--disable_tqdm", "true", "--eval_every", "1"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "out" / "report" / "summary.json").read_text())
+    assert [s for s, _ in summary["accuracy_history"]] == [0, 1, 2]
+    assert 0.0 <= summary["heldout_accuracy_after"] <= 1.0
+    assert summary["heldout_mean_reward_before"] == pytest.approx(summary["heldout_accuracy_before"])  # 0/1 reward
+
+
+def test_heldout_by_rewards_counts_what_the_rewards_say(tmp_path):
+    """The scorer itself, against a reward whose answer is known: rewards 1 exactly for completions of length 3."""
+    from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+    from toolkit.core.report import heldout_by_rewards
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    def exactly_three(completion_ids, **kw):
+        return [1.0 if len(ids) == 3 else 0.25 for ids in completion_ids]
+
+    t = GRPOTrainer(tiny_model(), [exactly_three],
+                    GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                               max_completion_length=3, report_to="none", stop_token_ids=[999]),
+                    train_dataset=[{"prompt": f"Count {i}:"} for i in range(4)], processing_class=tiny_tokenizer())
+    acc, mean = heldout_by_rewards(t, [{"prompt": f"Say {i}:"} for i in range(5)], max_new_tokens=3)
+    assert acc == 1.0 and mean == 1.0  # no stop token in the vocabulary: every greedy completion has 3 tokens
+    acc, mean = heldout_by_rewards(t, [{"prompt": f"Say {i}:"} for i in range(5)], max_new_tokens=2)
+    assert acc == 0.0 and mean == 0.25

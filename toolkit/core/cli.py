@@ -238,17 +238,25 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     started = time.perf_counter()
     callbacks = []
     accuracy = None
-    if held_out is not None and run.report_accuracy:
-        accuracy = AccuracyCallback(held_out, every=run.eval_every, max_new_tokens=cfg.max_completion_length)
+    # builtin:arithmetic is checked by its number; any other eval_dataset by the run's own reward functions
+    # (GRPO and async GRPO; PPO's rewards include a reward model and are not replayed here)
+    by_rewards = run.eval_dataset != "builtin:arithmetic"
+    if held_out is not None and run.report_accuracy and not (by_rewards and title == "PPO"):
+        accuracy = AccuracyCallback(held_out, every=run.eval_every, max_new_tokens=cfg.max_completion_length,
+                                    by_rewards=by_rewards)
         callbacks.append(accuracy)
     trainer = make_trainer(run, cfg, train, callbacks)
     summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset, "reward_funcs": list(run.reward_funcs)}
     if accuracy is not None:
+        accuracy.trainer = trainer
         summary["heldout_accuracy_before"] = accuracy.measure(trainer, step=0)
         logger.info("held-out greedy accuracy before training: %.3f", summary["heldout_accuracy_before"])
     trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     if accuracy is not None:
         summary["heldout_accuracy_after"] = accuracy.measure(trainer, step=trainer.state.global_step)
+        if accuracy.mean_rewards:
+            summary["heldout_mean_reward_before"] = accuracy.mean_rewards[0][1]
+            summary["heldout_mean_reward_after"] = accuracy.mean_rewards[-1][1]
     final_dir = Path(cfg.output_dir) / "final"
     trainer.save_model(str(final_dir), _internal_call=True)  # no push from here (_publish pushes once)
     summary["saved_to"] = str(final_dir)

@@ -55,7 +55,8 @@ class RunArgs:
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base model in 4-bit NF4 "
                                                                 "(bitsandbytes; needs lora_r > 0)."})
     report_accuracy: bool = field(default=True, metadata={
-        "help": "For builtin:arithmetic, print held-out greedy accuracy before and after training."})
+        "help": "With eval_dataset: held-out greedy accuracy before, every eval_every steps, and after training "
+                "(builtin:arithmetic by its number; other data, GRPO, by the run's reward functions)."})
     task_max_value: int = field(default=20, metadata={"help": "builtin:arithmetic: largest number in a problem."})
     task_max_terms: int = field(default=2, metadata={"help": "builtin:arithmetic: most numbers in a problem (2 or 3)."})
     reward_funcs: list = field(default_factory=lambda: ["numeric_match"], metadata={

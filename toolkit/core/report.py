@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "AccuracyCallback",
+    "heldout_by_rewards",
     "write_report",
 ]
 
@@ -12,34 +13,83 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
 
 class AccuracyCallback(TrainerCallback):
-    """Held-out greedy accuracy every `every` optimizer steps (0: only when asked), kept in `history`."""
+    """Held-out greedy accuracy every `every` optimizer steps (0: only when asked), kept in `history`.
 
-    def __init__(self, rows: list[dict[str, Any]], *, every: int = 0, max_new_tokens: int = 16):
-        self.rows, self.every, self.max_new_tokens = rows, every, max_new_tokens
+    `by_rewards=False`: the builtin arithmetic check (the number in the answer). `by_rewards=True`: any prompt
+    dataset, scored by the run's own reward functions (`heldout_by_rewards`): accuracy is the fraction of greedy
+    completions whose total reward reaches `solved_reward`, and the mean reward is kept in `mean_rewards`.
+    Set `trainer` (the CLI does) so steps during training can be measured by rewards.
+    """
+
+    def __init__(self, rows: Any, *, every: int = 0, max_new_tokens: int = 16, by_rewards: bool = False):
+        self.rows, self.every, self.max_new_tokens, self.by_rewards = rows, every, max_new_tokens, by_rewards
         self.history: list[tuple[int, float]] = []
+        self.mean_rewards: list[tuple[int, float]] = []
+        self.trainer: Any = None
 
     def measure(self, trainer, step: int) -> float:
-        from .tasks import greedy_accuracy
+        if self.history and self.history[-1][0] == step:
+            return self.history[-1][1]
+        if self.by_rewards:
+            acc, mean = heldout_by_rewards(trainer, self.rows, max_new_tokens=self.max_new_tokens)
+            self.mean_rewards.append((step, mean))
+        else:
+            from .tasks import greedy_accuracy
 
-        acc = greedy_accuracy(trainer.model, trainer.processing_class, self.rows, max_new_tokens=self.max_new_tokens)
-        if not self.history or self.history[-1][0] != step:
-            self.history.append((step, acc))
+            acc = greedy_accuracy(trainer.model, trainer.processing_class, self.rows,
+                                  max_new_tokens=self.max_new_tokens)
+        self.history.append((step, acc))
         return acc
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.every and state.global_step % self.every == 0 and state.global_step < state.max_steps:
-            from .tasks import greedy_accuracy
+            if self.by_rewards:
+                acc = self.measure(self.trainer, state.global_step)
+            else:
+                from .tasks import greedy_accuracy
 
-            acc = greedy_accuracy(kwargs["model"], kwargs["processing_class"], self.rows,
-                                  max_new_tokens=self.max_new_tokens)
-            self.history.append((state.global_step, acc))
+                acc = greedy_accuracy(kwargs["model"], kwargs["processing_class"], self.rows,
+                                      max_new_tokens=self.max_new_tokens)
+                self.history.append((state.global_step, acc))
             logger.info("step %d: held-out greedy accuracy %.3f", state.global_step, acc)
+
+
+@torch.no_grad()
+def heldout_by_rewards(trainer: Any, dataset: Any, *, max_new_tokens: int, batch_size: int = 64
+                       ) -> tuple[float, float]:
+    """(accuracy, mean reward) of greedy completions to the held-out prompts in `dataset`, scored by the trainer's
+    reward functions (GRPO's `compute_rewards`, weighted as in training). Accuracy: total reward >= solved_reward.
+    A progress bar shows on a terminal when there is more than one batch."""
+    from tqdm.auto import tqdm
+
+    from .data import prompt_rows, tokenize_prompts
+    from .generation import SamplingParams, TransformersBackend
+    from .rewards import weighted_total
+
+    tokenizer, args = trainer.processing_class, trainer.args
+    rows, _ = prompt_rows(dataset, tokenizer, trainer="eval_dataset")
+    prompts, _ = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
+                                  chat_template_kwargs=args.chat_template_kwargs)
+    backend = TransformersBackend(trainer.model, pad_token_id=tokenizer.pad_token_id, max_batch_size=batch_size)
+    stop = tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id])
+    params = SamplingParams(max_tokens=max_new_tokens, top_k=1, stop_token_ids=stop)
+    completion_ids: list[list[int]] = []
+    starts = range(0, len(prompts), batch_size)
+    for start in tqdm(starts, desc="held-out eval", disable=None if len(starts) > 1 else True, leave=False):
+        groups = backend.generate(prompts[start:start + batch_size], params, n=1, seed=0)
+        completion_ids += [g[0].token_ids for g in groups]
+    total = weighted_total(trainer.compute_rewards(rows, completion_ids), trainer.reward_weights)
+    judged = ~torch.isnan(total)
+    accuracy = float((total[judged] >= args.solved_reward).float().mean()) if judged.any() else 0.0
+    mean = float(total[judged].mean()) if judged.any() else float("nan")
+    return accuracy, mean
 
 
 def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summary: dict[str, Any], *,
