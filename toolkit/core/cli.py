@@ -5,6 +5,7 @@
     toolkit async-grpo --config examples/grpo_arithmetic.toml [--field value ...]
     toolkit dpo --config examples/dpo_arithmetic.toml [--field value ...]
     toolkit ppo --config examples/ppo_arithmetic.toml [--field value ...]
+    toolkit pipeline --config examples/arithmetic_pipeline.toml   # stages in sequence (e.g. SFT, then GRPO)
     toolkit sft --help                      # every key, with its help text (likewise grpo)
     toolkit model-path                      # where the embedded SmolLM2 checkpoint is cached
     toolkit vllm-serve --model <folder>     # a vLLM engine over HTTP for generation_backend = "vllm-server"
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     commands = {"sft": run_sft, "grpo": run_grpo, "async-grpo": run_async_grpo, "dpo": run_dpo, "ppo": run_ppo,
+                "pipeline": _pipeline,
                 "model-path": _model_path, "plugins": _plugins, "vllm-serve": _vllm_serve}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     quiet_other_ranks()
-    if argv[0] in ("sft", "grpo", "async-grpo", "dpo", "ppo"):
+    if argv[0] in ("sft", "grpo", "async-grpo", "dpo", "ppo", "pipeline"):
         warn_if_fewer_processes_than_asked()
     try:
         return commands[argv[0]](argv[1:])
@@ -302,6 +304,25 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {type(e).__name__}: {e}\n(run again with --debug for the traceback)", file=sys.stderr)
         return 1
+
+
+def _pipeline(argv: list[str]) -> int:
+    from .pipeline import run_pipeline
+
+    stage_commands = {"sft": run_sft, "grpo": run_grpo, "async-grpo": run_async_grpo, "dpo": run_dpo, "ppo": run_ppo}
+
+    def parse_stage(command: str, stage_argv: list[str]) -> None:
+        from .async_grpo import AsyncGRPOConfig
+        from .dpo import DPOConfig
+        from .grpo import GRPOConfig
+        from .ppo import PPOConfig
+        from .sft import SFTConfig
+
+        config_cls = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "async-grpo": AsyncGRPOConfig,
+                      "ppo": PPOConfig}[command]
+        _parse(stage_argv, config_cls)
+
+    return run_pipeline(argv, stage_commands, parse_stage)
 
 
 def _plugins(argv: list[str]) -> int:

@@ -1,0 +1,83 @@
+"""`toolkit pipeline`: stages in sequence from one file, each starting from the previous stage's model."""
+
+import json
+
+import pytest
+
+from toolkit.core.cli import main
+from toolkit.core.errors import ConfigError
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+SFT = """model = "unused"
+dataset = "builtin:arithmetic"
+eval_dataset = "builtin:arithmetic"
+dataset_size = 32
+eval_size = 8
+max_steps = 2
+per_device_train_batch_size = 8
+learning_rate = 1e-3
+save_strategy = "no"
+disable_tqdm = true
+"""
+GRPO = """dataset = "builtin:arithmetic"
+eval_dataset = "builtin:arithmetic"
+dataset_size = 32
+eval_size = 8
+max_steps = 2
+per_device_train_batch_size = 8
+num_generations = 4
+max_completion_length = 6
+learning_rate = 1e-3
+save_strategy = "no"
+disable_tqdm = true
+"""
+
+
+def files(tmp_path, grpo_extra=""):
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    (tmp_path / "sft.toml").write_text(SFT.replace('"unused"', f'"{tmp_path / "m"}"'))
+    (tmp_path / "grpo.toml").write_text(GRPO + grpo_extra)
+    pipeline = tmp_path / "pipeline.toml"
+    pipeline.write_text(f'''output_dir = "{tmp_path / 'out'}"
+stages = [
+  {{command = "sft", config = "{tmp_path / 'sft.toml'}"}},
+  {{command = "grpo", config = "{tmp_path / 'grpo.toml'}", overrides = {{eval_every = 1}}}},
+]
+''')
+    return pipeline
+
+
+def test_stages_run_in_sequence_from_the_previous_model(tmp_path, capsys):
+    assert main(["pipeline", "--config", str(files(tmp_path))]) == 0
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["command"] for s in summary["stages"]] == ["sft", "grpo"]
+    sft, grpo = summary["stages"]
+    assert sft["output_dir"].endswith("0-sft") and grpo["output_dir"].endswith("1-grpo")
+    # the RL stage started from the SFT stage's model: its "before" is the SFT stage's "after"
+    assert grpo["heldout_accuracy_before"] == pytest.approx(sft["heldout_accuracy_after"])
+    assert [s for s, _ in grpo["accuracy_history"]] == [0, 1, 2]
+    assert summary["final_model"].endswith("1-grpo/final") and (out / "1-grpo" / "final" / "model.safetensors").exists()
+    assert (out / "report.png").stat().st_size > 1000
+    assert "=== pipeline summary ===" in capsys.readouterr().out
+
+
+def test_a_bad_later_stage_stops_the_pipeline_before_the_first_trains(tmp_path):
+    pipeline = files(tmp_path, grpo_extra="learning_rat = 1e-5\n")
+    with pytest.raises(ConfigError, match="learning_rat"):
+        main(["pipeline", "--config", str(pipeline), "--debug"])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text,message", [
+    ('output_dir = "o"\nstages = []', "stages must be a non-empty list"),
+    ('output_dir = "o"\nstages = [{command = "kto", config = "x.toml"}]', "command 'kto' is not one of"),
+    ('output_dir = "o"\nstages = [{command = "sft", config = "missing.toml"}]', "run file 'missing.toml' does not exist"),
+    ('output_dir = "o"\nstage = []', "unknown keys ['stage']"),
+])
+def test_bad_pipeline_files_are_named(tmp_path, text, message):
+    (tmp_path / "p.toml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        main(["pipeline", "--config", str(tmp_path / "p.toml"), "--debug"])
+    assert message in str(e.value)

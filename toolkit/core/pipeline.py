@@ -1,0 +1,197 @@
+"""`toolkit pipeline`: run files in sequence, each stage starting from the model the previous one saved.
+
+    # examples/arithmetic_pipeline.toml
+    output_dir = "outputs/arithmetic"
+    stages = [
+      {command = "sft", config = "examples/arithmetic_warmup_sft.toml"},
+      {command = "grpo", config = "examples/grpo_arithmetic.toml", overrides = {max_steps = 60}},
+    ]
+
+Stage i writes into `<output_dir>/<i>-<command>/` (its usual summary, report and `final/` model); stage i > 0
+gets `model = <previous stage>/final`. Every stage's run file and overrides are checked before the first stage
+starts, so a typo in the last stage does not surface after the first one trained. The pipeline writes
+`<output_dir>/summary.json` (stages side by side, the commit it ran at) and `<output_dir>/report.png`
+(held-out accuracy across the stages, the RL reward curve), and prints one table.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PIPELINE_COMMANDS", "load_pipeline", "run_pipeline"]
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import load_run_file
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+logger = logging.getLogger(__name__)
+
+PIPELINE_COMMANDS = ("sft", "dpo", "grpo", "async-grpo", "ppo")
+
+
+def load_pipeline(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
+    """(output_dir, stages) from a pipeline file, checked: known commands, existing run files, dict overrides."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"--config: pipeline file '{path}' does not exist.")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config: '{path}' is not valid TOML: {e}") from None
+    unknown = sorted(set(data) - {"output_dir", "stages"})
+    if unknown:
+        raise ConfigError(f"pipeline '{path}': unknown keys {unknown}; a pipeline file has output_dir and stages.")
+    out = data.get("output_dir")
+    if not isinstance(out, str) or not out:
+        raise ConfigError(f"pipeline '{path}': output_dir must be a folder name, got {out!r}.")
+    stages = data.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise ConfigError(f"pipeline '{path}': stages must be a non-empty list of {{command = ..., config = ...}}.")
+    checked = []
+    for i, stage in enumerate(stages):
+        where = f"pipeline '{path}', stage {i}"
+        if not isinstance(stage, dict):
+            raise ConfigError(f"{where}: expected {{command = ..., config = ...}}, got {stage!r}.")
+        extra = sorted(set(stage) - {"command", "config", "overrides"})
+        if extra:
+            raise ConfigError(f"{where}: unknown keys {extra}; a stage has command, config and optional overrides.")
+        if stage.get("command") not in PIPELINE_COMMANDS:
+            raise ConfigError(f"{where}: command {stage.get('command')!r} is not one of {list(PIPELINE_COMMANDS)}.")
+        config = Path(str(stage.get("config", "")))
+        if not config.is_absolute() and not config.exists():
+            config = path.parent.parent / config if (path.parent.parent / config).exists() else config
+        if not config.exists():
+            raise ConfigError(f"{where}: run file '{stage.get('config')}' does not exist.")
+        overrides = stage.get("overrides", {})
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"{where}: overrides must be a table of key = value, got {overrides!r}.")
+        load_run_file(config)  # flat and valid TOML
+        checked.append({"command": stage["command"], "config": str(config), "overrides": overrides})
+    return out, checked
+
+
+def _argv(stage: dict[str, Any], out_dir: Path, model: str | None) -> list[str]:
+    argv = ["--config", stage["config"]]
+    for key, value in stage["overrides"].items():
+        argv += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
+    argv += ["--output_dir", str(out_dir)]
+    if model is not None:
+        argv += ["--model", model]
+    return argv
+
+
+def _stage_summary(out_dir: Path) -> dict[str, Any]:
+    for candidate in (out_dir / "report" / "summary.json", out_dir / "summary.json"):
+        if candidate.exists():
+            return json.loads(candidate.read_text())
+    return {}
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_pipeline(argv: list[str], commands: dict[str, Any], parse_stage: Any) -> int:
+    """Check every stage, then run them in order; `commands` maps a command to its CLI entry point and
+    `parse_stage(command, argv)` checks a stage's run file + overrides the way that command will."""
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        raise ConfigError("--config: give the pipeline file, e.g. toolkit pipeline --config "
+                          "examples/arithmetic_pipeline.toml.")
+    extra = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
+    if extra:
+        raise ConfigError(f"pipeline: unexpected arguments {extra}; put settings in the stages' run files or "
+                          "their `overrides`.")
+    out, stages = load_pipeline(argv[argv.index("--config") + 1])
+    root = Path(out)
+    for i, stage in enumerate(stages):  # all stages checked before the first trains
+        parse_stage(stage["command"], _argv(stage, root / f"{i}-{stage['command']}", "checked" if i else None))
+    started = time.perf_counter()
+    results, model = [], None
+    for i, stage in enumerate(stages):
+        stage_dir = root / f"{i}-{stage['command']}"
+        logger.info("pipeline stage %d/%d: toolkit %s --config %s -> %s", i + 1, len(stages), stage["command"],
+                    stage["config"], stage_dir)
+        t0 = time.perf_counter()
+        rc = commands[stage["command"]](_argv(stage, stage_dir, model))
+        if rc != 0:
+            return rc
+        summary = _stage_summary(stage_dir)
+        results.append({"stage": i, "command": stage["command"], "config": stage["config"],
+                        "output_dir": str(stage_dir), "minutes": round((time.perf_counter() - t0) / 60, 2),
+                        **{k: v for k, v in summary.items() if k.startswith(("heldout_", "eval_", "train_loss"))},
+                        "accuracy_history": summary.get("accuracy_history", [])})
+        model = str(stage_dir / "final")
+    total = {"stages": results, "minutes": round((time.perf_counter() - started) / 60, 2), "commit": _commit(),
+             "final_model": model,
+             "heldout_accuracy_before": results[0].get("heldout_accuracy_before"),
+             "heldout_accuracy_after": results[-1].get("heldout_accuracy_after")}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "summary.json").write_text(json.dumps(total, indent=2))
+    _plot(root, results)
+    _print(total)
+    return 0
+
+
+def _print(total: dict[str, Any]) -> None:
+    print("\n=== pipeline summary ===")
+    print(f"{'stage':<18}{'minutes':>8}{'acc before':>12}{'acc after':>11}")
+    for r in total["stages"]:
+        before, after = r.get("heldout_accuracy_before"), r.get("heldout_accuracy_after")
+        print(f"{str(r['stage']) + '-' + r['command']:<18}{r['minutes']:>8.2f}"
+              f"{before if before is None else f'{before:.3f}':>12}{after if after is None else f'{after:.3f}':>11}")
+    print(f"{'total':<18}{total['minutes']:>8.2f}   final model: {total['final_model']}   commit: {total['commit']}")
+
+
+def _plot(root: Path, results: list[dict[str, Any]]) -> None:
+    """Held-out accuracy across stages (one x axis, stages shaded) and the last RL stage's reward curve."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed; no pipeline report.png.")
+        return
+    fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(11, 4))
+    offset = 0
+    for r in results:
+        history = r["accuracy_history"] or [(0, r.get("heldout_accuracy_before")), (1, r.get("heldout_accuracy_after"))]
+        points = [(offset + s, a) for s, a in history if a is not None]
+        if points:
+            ax_acc.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{r['stage']}-{r['command']}")
+            end = points[-1][0]
+            ax_acc.axvspan(offset, end, alpha=0.06)
+            offset = end
+    ax_acc.set(title="held-out greedy accuracy by stage", xlabel="steps (stages in sequence)", ylabel="accuracy",
+               ylim=(0, 1))
+    ax_acc.legend()
+    rl = [r for r in results if r["command"] in ("grpo", "async-grpo", "ppo")]
+    if rl:
+        metrics = Path(rl[-1]["output_dir"]) / "report" / "metrics.jsonl"
+        rows = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.exists() else []
+        key = "reward" if rl[-1]["command"] != "ppo" else "objective/scores"
+        rewards = [(row["step"], row[key]) for row in rows if key in row and "step" in row]
+        if rewards:
+            steps, values = zip(*rewards)
+            smooth = [sum(values[max(0, i - 9):i + 1]) / len(values[max(0, i - 9):i + 1]) for i in range(len(values))]
+            ax_rew.plot(steps, values, alpha=0.3, label=key)
+            ax_rew.plot(steps, smooth, label="10-step average")
+            ax_rew.legend()
+        ax_rew.set(title=f"{rl[-1]['stage']}-{rl[-1]['command']}: training reward", xlabel="step")
+    fig.tight_layout()
+    fig.savefig(root / "report.png", dpi=110)
+    plt.close(fig)
