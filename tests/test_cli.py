@@ -27,6 +27,12 @@ def test_every_shipped_run_file_loads_and_says_how_to_run_it(path):
     first = path.read_text().splitlines()[0]
     command = first.split()[3] if first.startswith("# Run: toolkit ") else None
     assert first == f"# Run: toolkit {command} --config examples/{path.name}"
+    if command == "pipeline":
+        from toolkit.core.pipeline import load_pipeline
+
+        _, stages = load_pipeline(path)  # every stage's run file exists and is itself a shipped example
+        assert all(Path(s["config"]).resolve().parent == path.parent.resolve() for s in stages)
+        return
     config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig, "ppo": PPOConfig}[command]
     run, config = build_configs(load_run_file(path), config_cls)
     assert isinstance(run, RunArgs) and isinstance(config, config_cls)
