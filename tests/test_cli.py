@@ -269,3 +269,19 @@ def test_heldout_by_rewards_counts_what_the_rewards_say(tmp_path):
     assert acc == 1.0 and mean == 1.0  # no stop token in the vocabulary: every greedy completion has 3 tokens
     acc, mean = heldout_by_rewards(t, [{"prompt": f"Say {i}:"} for i in range(5)], max_new_tokens=2)
     assert acc == 0.0 and mean == 0.25
+
+
+def test_heldout_by_rewards_says_unknown_when_nothing_is_judged(tmp_path):
+    from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+    from toolkit.core.report import heldout_by_rewards
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    def never_judges(completions, **kw):
+        return [None] * len(completions)
+
+    t = GRPOTrainer(tiny_model(), [never_judges],
+                    GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                               max_completion_length=3, report_to="none"),
+                    train_dataset=[{"prompt": f"Count {i}:"} for i in range(4)], processing_class=tiny_tokenizer())
+    acc, mean = heldout_by_rewards(t, [{"prompt": "Say 1:"}], max_new_tokens=2)
+    assert acc != acc and mean != mean  # NaN: unknown, not 0%

@@ -277,22 +277,49 @@ def _observe(health, rewards, **extra):
         health.observe(step, {"reward": r, "frac_reward_zero_std": 0.3, **extra})
 
 
-def test_a_falling_reward_warns_and_names_collapsed_entropy(caplog):
+def _bernoulli_curve(seed, means, completions=32):
+    """Step rewards as a GRPO run logs them: the mean of `completions` 0/1 rewards with the given success rates."""
+    import random
+
+    rng = random.Random(seed)
+    return [sum(rng.random() < p for _ in range(completions)) / completions for p in means]
+
+
+def _warned(rewards, **extra):
     from toolkit.core.grpo import _Health
 
-    rise_then_fall = [0.1 + 0.04 * i for i in range(15)] + [0.3] * 15  # best 10-step average ~0.58, then ~0.3
-    with caplog.at_level(logging.WARNING, logger="toolkit.core.grpo"):
-        _observe(_Health(GRPOConfig(output_dir="/tmp/h")), rise_then_fall, entropy=0.01)
-    falling = [r.getMessage() for r in caplog.records if "REWARD FALLING" in r.getMessage()]
-    assert falling and "entropy at 0.0100" in falling[0] and "narrowed onto worse answers" in falling[0]
+    health = _Health(GRPOConfig(output_dir="/tmp/h"))
+    logger = logging.getLogger("toolkit.core.grpo")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        _observe(health, rewards, **extra)
+    finally:
+        logger.removeHandler(handler)
+    return [m for m in seen if "REWARD FALLING" in m]
 
 
-def test_a_healthy_curve_and_a_solved_task_do_not_warn(caplog):
+def test_a_falling_reward_warns_and_names_collapsed_entropy():
+    """A rise to 0.6 and a fall to 0.35 (what the issue saw on the main job) is caught in every seed tried."""
+    rise_then_fall = [0.3 + 0.3 * min(t, 40) / 40 if t < 45 else 0.6 - 0.25 * min(t - 45, 20) / 20 for t in range(80)]
+    for seed in range(10):
+        warnings = _warned(_bernoulli_curve(seed, rise_then_fall), entropy=0.01)
+        assert warnings, seed
+        assert "entropy at 0.0100" in warnings[0] and "narrowed onto worse answers" in warnings[0]
+
+
+def test_a_flat_noisy_curve_and_a_solved_task_do_not_warn(caplog):
+    """Noise at the main job's batch shape (32 completions of p=0.5 per step, 80 steps) is not a falling reward:
+    the simulation behind the threshold gives 0.5% false warnings; these 40 seeds give none."""
     from toolkit.core.grpo import _Health
 
-    noisy_rise = [min(0.95, 0.2 + 0.01 * i) + (0.05 if i % 2 else -0.05) for i in range(80)]  # +-0.05 noise
+    flat = [sum(1 for w in _warned(_bernoulli_curve(seed, [0.5] * 80))) for seed in range(40)]
+    assert sum(1 for n in flat if n) == 0
+    rising = [min(0.95, 0.2 + 0.01 * t) for t in range(80)]
+    assert not _warned(_bernoulli_curve(0, rising))
     with caplog.at_level(logging.WARNING, logger="toolkit.core.grpo"):
-        _observe(_Health(GRPOConfig(output_dir="/tmp/h")), noisy_rise, entropy=0.02)
         health = _Health(GRPOConfig(output_dir="/tmp/h", no_signal_warn_steps=2))
         for step in range(1, 6):  # every group tied at the top: solved, not stuck
             health.observe(step, {"reward": 1.0, "frac_reward_zero_std": 1.0})

@@ -81,3 +81,42 @@ def test_bad_pipeline_files_are_named(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
         main(["pipeline", "--config", str(tmp_path / "p.toml"), "--debug"])
     assert message in str(e.value)
+
+
+def test_overrides_reach_the_stage_with_their_types():
+    from toolkit.core.config import parse_overrides
+    from toolkit.core.pipeline import _argv
+
+    overrides = {"learning_rate": 5e-6, "run_name": "123", "packing": False, "lora_target_modules": ["q_proj"],
+                 "chat_template_kwargs": {"enable_thinking": False}, "hub_model_id": "me/2026-11-30"}
+    argv = _argv({"config": "x.toml", "overrides": overrides}, tmp := __import__("pathlib").Path("o"), None)
+    parsed = parse_overrides(argv[2:-2])  # the same parser the stage's command uses
+    assert parsed == overrides and argv[-2:] == ["--output_dir", str(tmp)]
+
+
+def test_a_stage_without_held_out_accuracy_still_gets_a_summary(tmp_path, capsys):
+    """An SFT stage on a .jsonl file has no accuracy: the table shows '-' (it crashed on None before)."""
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)})
+                                                for i in range(8)))
+    (tmp_path / "sft.toml").write_text(f'model = "{tmp_path / "m"}"\ndataset = "{tmp_path / "d.jsonl"}"\n'
+                                       'max_steps = 1\nsave_strategy = "no"\ndisable_tqdm = true\n')
+    (tmp_path / "p.toml").write_text(f'output_dir = "{tmp_path / "out"}"\nstages = [{{command = "sft", config = "sft.toml"}}]\n')
+    assert main(["pipeline", "--config", str(tmp_path / "p.toml")]) == 0  # sft.toml found next to the pipeline file
+    out = capsys.readouterr().out
+    assert "0-sft" in out and "-          -" in out.split("=== pipeline summary ===")[1]
+
+
+def test_what_would_fail_late_is_refused_up_front(tmp_path):
+    pipeline = files(tmp_path, grpo_extra='reward_funcs = ["numeric_mtach"]\n')
+    with pytest.raises(ConfigError, match="numeric_mtach"):
+        main(["pipeline", "--config", str(pipeline), "--debug"])
+    (tmp_path / "grpo.toml").write_text(GRPO.replace('dataset = "builtin:arithmetic"\n', 'dataset = "nothere.jsonl"\n', 1))
+    with pytest.raises(ConfigError, match="nothere.jsonl"):
+        main(["pipeline", "--config", str(pipeline), "--debug"])
+    (tmp_path / "p2.toml").write_text('output_dir = "o"\nstages = [{command = "sft", config = "sft.toml", '
+                                      'overrides = {output_dir = "x"}}]\n')
+    with pytest.raises(ConfigError, match=r"overrides may not set \['output_dir'\]"):
+        main(["pipeline", "--config", str(tmp_path / "p2.toml"), "--debug"])
+    assert not (tmp_path / "out").exists()

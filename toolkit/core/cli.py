@@ -242,6 +242,9 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     # builtin:arithmetic is checked by its number; any other eval_dataset by the run's own reward functions
     # (GRPO and async GRPO; PPO's rewards include a reward model and are not replayed here)
     by_rewards = run.eval_dataset != "builtin:arithmetic"
+    if held_out is not None and run.report_accuracy and by_rewards and title == "PPO":
+        logger.info("PPO: no held-out evaluation of a custom eval_dataset (its rewards include a reward model and "
+                    "are not replayed); builtin:arithmetic is evaluated.")
     if held_out is not None and run.report_accuracy and not (by_rewards and title == "PPO"):
         accuracy = AccuracyCallback(held_out, every=run.eval_every, max_new_tokens=cfg.max_completion_length,
                                     by_rewards=by_rewards)
@@ -320,7 +323,16 @@ def _pipeline(argv: list[str]) -> int:
 
         config_cls = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "async-grpo": AsyncGRPOConfig,
                       "ppo": PPOConfig}[command]
-        _parse(stage_argv, config_cls)
+        run, _ = _parse(stage_argv, config_cls)
+        # what else can fail only after earlier stages trained: a missing data file, an unknown reward name
+        for spec in (run.dataset, run.eval_dataset):
+            if spec and Path(spec).suffix in (".json", ".jsonl") and not Path(spec).expanduser().exists():
+                raise ConfigError(f"dataset: '{spec}' (a {command} stage) does not exist.")
+        if command in ("grpo", "async-grpo", "ppo"):
+            from .plugins import resolve_reward
+
+            for spec in run.reward_funcs:
+                resolve_reward(spec)
 
     return run_pipeline(argv, stage_commands, parse_stage)
 

@@ -62,7 +62,7 @@ class RunArgs:
     reward_funcs: list = field(default_factory=lambda: ["numeric_match"], metadata={
         "help": "RL only: reward functions by name ('numeric_match', 'format:<regex>')."})
     eval_every: int = field(default=0, metadata={
-        "help": "RL on builtin:arithmetic: held-out greedy accuracy every this many steps (0 = before/after only)."})
+        "help": "RL with eval_dataset: held-out greedy accuracy every this many steps (0 = before/after only)."})
 
     def __post_init__(self):
         if self.load_in_4bit and self.lora_r <= 0:

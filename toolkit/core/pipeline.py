@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import load_run_file
+from .distributed import env_rank
 from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -67,23 +68,45 @@ def load_pipeline(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
             raise ConfigError(f"{where}: unknown keys {extra}; a stage has command, config and optional overrides.")
         if stage.get("command") not in PIPELINE_COMMANDS:
             raise ConfigError(f"{where}: command {stage.get('command')!r} is not one of {list(PIPELINE_COMMANDS)}.")
-        config = Path(str(stage.get("config", "")))
-        if not config.is_absolute() and not config.exists():
-            config = path.parent.parent / config if (path.parent.parent / config).exists() else config
-        if not config.exists():
-            raise ConfigError(f"{where}: run file '{stage.get('config')}' does not exist.")
+        given = Path(str(stage.get("config", ""))).expanduser()
+        # a relative run file: next to the pipeline file, else from the working directory (the repo root for
+        # the shipped examples, which name "examples/...")
+        candidates = [given] if given.is_absolute() else [path.parent / given, given]
+        config = next((c for c in candidates if c.is_file()), None)
+        if config is None:
+            raise ConfigError(f"{where}: run file '{stage.get('config')}' does not exist (looked in "
+                              f"{', '.join(str(c) for c in candidates)}).")
         overrides = stage.get("overrides", {})
         if not isinstance(overrides, dict):
             raise ConfigError(f"{where}: overrides must be a table of key = value, got {overrides!r}.")
+        reserved = sorted(set(overrides) & {"output_dir", "model", "config", "help"})
+        if reserved:
+            raise ConfigError(f"{where}: overrides may not set {reserved}; the pipeline sets output_dir and model "
+                              "for every stage.")
         load_run_file(config)  # flat and valid TOML
         checked.append({"command": stage["command"], "config": str(config), "overrides": overrides})
     return out, checked
 
 
+def _toml_literal(value: Any) -> str:
+    """A value as the TOML literal the CLI's override parser reads back to the same value and type."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return {float("inf"): "inf", float("-inf"): "-inf"}.get(value, "nan" if value != value else repr(value))
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a TOML basic string: "123" stays a string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_literal(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"pipeline overrides: cannot pass {value!r} ({type(value).__name__}) to a stage.")
+
+
 def _argv(stage: dict[str, Any], out_dir: Path, model: str | None) -> list[str]:
     argv = ["--config", stage["config"]]
     for key, value in stage["overrides"].items():
-        argv += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
+        argv.append(f"--{key}={_toml_literal(value)}")
     argv += ["--output_dir", str(out_dir)]
     if model is not None:
         argv += ["--model", model]
@@ -116,9 +139,10 @@ def run_pipeline(argv: list[str], commands: dict[str, Any], parse_stage: Any) ->
         raise ConfigError(f"pipeline: unexpected arguments {extra}; put settings in the stages' run files or "
                           "their `overrides`.")
     out, stages = load_pipeline(argv[argv.index("--config") + 1])
-    root = Path(out)
+    root = Path(out).expanduser()
     for i, stage in enumerate(stages):  # all stages checked before the first trains
         parse_stage(stage["command"], _argv(stage, root / f"{i}-{stage['command']}", "checked" if i else None))
+    main_process = env_rank() == 0
     started = time.perf_counter()
     results, model = [], None
     for i, stage in enumerate(stages):
@@ -129,6 +153,7 @@ def run_pipeline(argv: list[str], commands: dict[str, Any], parse_stage: Any) ->
         rc = commands[stage["command"]](_argv(stage, stage_dir, model))
         if rc != 0:
             return rc
+        _barrier()  # under torchrun the next stage loads final/, which rank 0 wrote
         summary = _stage_summary(stage_dir)
         results.append({"stage": i, "command": stage["command"], "config": stage["config"],
                         "output_dir": str(stage_dir), "minutes": round((time.perf_counter() - t0) / 60, 2),
@@ -139,20 +164,28 @@ def run_pipeline(argv: list[str], commands: dict[str, Any], parse_stage: Any) ->
              "final_model": model,
              "heldout_accuracy_before": results[0].get("heldout_accuracy_before"),
              "heldout_accuracy_after": results[-1].get("heldout_accuracy_after")}
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "summary.json").write_text(json.dumps(total, indent=2))
-    _plot(root, results)
-    _print(total)
+    if main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "summary.json").write_text(json.dumps(total, indent=2))
+        _plot(root, results)
+        _print(total)
     return 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _print(total: dict[str, Any]) -> None:
     print("\n=== pipeline summary ===")
     print(f"{'stage':<18}{'minutes':>8}{'acc before':>12}{'acc after':>11}")
     for r in total["stages"]:
-        before, after = r.get("heldout_accuracy_before"), r.get("heldout_accuracy_after")
-        print(f"{str(r['stage']) + '-' + r['command']:<18}{r['minutes']:>8.2f}"
-              f"{before if before is None else f'{before:.3f}':>12}{after if after is None else f'{after:.3f}':>11}")
+        before, after = (r.get(k) for k in ("heldout_accuracy_before", "heldout_accuracy_after"))
+        shown = ["-" if v is None else f"{v:.3f}" for v in (before, after)]
+        print(f"{str(r['stage']) + '-' + r['command']:<18}{r['minutes']:>8.2f}{shown[0]:>12}{shown[1]:>11}")
     print(f"{'total':<18}{total['minutes']:>8.2f}   final model: {total['final_model']}   commit: {total['commit']}")
 
 

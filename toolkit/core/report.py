@@ -35,6 +35,8 @@ class AccuracyCallback(TrainerCallback):
         self.trainer: Any = None
 
     def measure(self, trainer, step: int) -> float:
+        if trainer is None:
+            raise ValueError("AccuracyCallback(by_rewards=True): set callback.trainer = trainer before training.")
         if self.history and self.history[-1][0] == step:
             return self.history[-1][1]
         if self.by_rewards:
@@ -71,10 +73,10 @@ def heldout_by_rewards(trainer: Any, dataset: Any, *, max_new_tokens: int, batch
 
     from .data import prompt_rows, tokenize_prompts
     from .generation import SamplingParams, TransformersBackend
-    from .rewards import weighted_total
+    from .rewards import RewardRunner, score_completions, weighted_total
 
     tokenizer, args = trainer.processing_class, trainer.args
-    rows, _ = prompt_rows(dataset, tokenizer, trainer="eval_dataset")
+    rows, fmt = prompt_rows(dataset, tokenizer, trainer="eval_dataset")
     prompts, _ = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
                                   chat_template_kwargs=args.chat_template_kwargs)
     backend = TransformersBackend(trainer.model, pad_token_id=tokenizer.pad_token_id, max_batch_size=batch_size)
@@ -85,11 +87,21 @@ def heldout_by_rewards(trainer: Any, dataset: Any, *, max_new_tokens: int, batch
     for start in tqdm(starts, desc="held-out eval", disable=None if len(starts) > 1 else True, leave=False):
         groups = backend.generate(prompts[start:start + batch_size], params, n=1, seed=0)
         completion_ids += [g[0].token_ids for g in groups]
-    total = weighted_total(trainer.compute_rewards(rows, completion_ids), trainer.reward_weights)
+    # A runner of its own (the eval set's columns and format; its failures never count towards stopping training)
+    runner = RewardRunner(trainer.reward_runner.funcs, timeout=args.reward_timeout, max_consecutive_failures=10**9)
+    outcome, _ = score_completions(runner, tokenizer, rows, completion_ids, conversational=fmt.conversational,
+                                   extra_columns=fmt.extra_columns)
+    total = weighted_total(torch.tensor(outcome.rewards, dtype=torch.float32), trainer.reward_weights)
     judged = ~torch.isnan(total)
-    accuracy = float((total[judged] >= args.solved_reward).float().mean()) if judged.any() else 0.0
-    mean = float(total[judged].mean()) if judged.any() else float("nan")
-    return accuracy, mean
+    if not judged.any():
+        logger.warning("held-out eval: no completion was judged by the reward functions (all None/failed; "
+                       "failures: %s); accuracy is unknown (NaN).", dict(outcome.failures))
+        return float("nan"), float("nan")
+    if not judged.all():
+        logger.warning("held-out eval: %d of %d completions were not judged; accuracy counts the judged ones.",
+                       int((~judged).sum()), len(total))
+    accuracy = float((total[judged] >= args.solved_reward).float().mean())
+    return accuracy, float(total[judged].mean())
 
 
 def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summary: dict[str, Any], *,
