@@ -3,7 +3,7 @@ rotation with save_total_limit=1), check that a complete checkpoint always exist
 resume, and check that the resumed run's per-step losses equal an uninterrupted run's, for SFT, DPO, GRPO and PPO.
 
 The kill points come from TOOLKIT_FAULT_AT (toolkit/core/checkpoint.py), so each kill lands exactly where a
-real crash would hurt most; one more kill per trainer comes from outside at a random-ish moment (a timer).
+real crash would hurt most; two more kills per trainer come from outside, at timed moments (a timer).
 """
 
 import json
