@@ -16,6 +16,7 @@ __all__ = [
     "load_run_file",
     "parse_overrides",
     "parse_value",
+    "read_toml",
 ]
 
 import dataclasses
@@ -125,14 +126,19 @@ def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def load_run_file(path: str | Path) -> dict[str, Any]:
+def read_toml(path: str | Path, *, what: str = "file") -> dict[str, Any]:
+    """A TOML file as a dict; a missing file or bad TOML is a ConfigError naming it (run files, pipelines)."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"--config: file '{path}' does not exist.")
+        raise ConfigError(f"--config: {what} '{path}' does not exist.")
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config: '{path}' is not valid TOML: {e}") from None
+
+
+def load_run_file(path: str | Path) -> dict[str, Any]:
+    data = read_toml(path)
     nested = [k for k, v in data.items() if isinstance(v, dict) and k != "chat_template_kwargs"]
     if nested:
         raise ConfigError(f"--config: '{path}' has sections {nested}; run files are flat (key = value at the top).")

@@ -568,6 +568,25 @@ def _assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], ids: list[in
     return mask
 
 
+def _finish_example(ids: list[int], mask: list[int], max_length: int | None, report: TokenizationReport,
+                    row: int) -> tuple[list[int], list[int]]:
+    """Truncate to `max_length`, take position 0 out of the loss, and count the row in `report` (the one place
+    SFT's loss mask is finished, for text and pre-tokenized rows alike)."""
+    report.longest = max(report.longest, len(ids))
+    if max_length is not None and len(ids) > max_length:
+        report.truncated_rows += 1
+        ids, mask = ids[:max_length], mask[:max_length]
+    # Position 0 is never predicted (nothing precedes it); the loss mask must say so, so that the
+    # token count Trainer uses for normalisation equals the number of predicted tokens.
+    if mask:
+        mask = [0, *mask[1:]]
+    if sum(mask) == 0:
+        report.empty_mask_rows.append(row)
+    report.tokens += len(ids)
+    report.loss_tokens += sum(mask)
+    return ids, mask
+
+
 def tokenize_for_sft(
     rows: list[dict[str, Any]],
     fmt: DatasetFormat,
@@ -654,18 +673,7 @@ def tokenize_for_sft(
                 ids, prefix = full_ids, False
             report.non_prefix_rows += 0 if prefix else 1
             mask = [0] * start + [1] * (len(ids) - start) if completion_only_loss else [1] * len(ids)
-        report.longest = max(report.longest, len(ids))
-        if max_length is not None and len(ids) > max_length:
-            report.truncated_rows += 1
-            ids, mask = ids[:max_length], mask[:max_length]
-        # Position 0 is never predicted (nothing precedes it); the loss mask must say so, so that the
-        # token count Trainer uses for normalisation equals the number of predicted tokens.
-        if mask:
-            mask[0] = 0
-        if sum(mask) == 0:
-            report.empty_mask_rows.append(i)
-        report.tokens += len(ids)
-        report.loss_tokens += sum(mask)
+        ids, mask = _finish_example(ids, mask, max_length, report, i)
         out.append({"input_ids": ids, "completion_mask": mask})
     if report.empty_mask_rows:
         rws = report.empty_mask_rows
@@ -697,16 +705,7 @@ def _tokenized_for_sft(rows: list[dict[str, Any]], fmt: DatasetFormat, *, max_le
             keep = _int_list(r["attention_mask"])
             ids = [t for t, k in zip(ids, keep) if k]
             mask = [m for m, k in zip(mask, keep) if k]
-        report.longest = max(report.longest, len(ids))
-        if max_length is not None and len(ids) > max_length:
-            report.truncated_rows += 1
-            ids, mask = ids[:max_length], mask[:max_length]
-        if mask:
-            mask[0] = 0
-        if sum(mask) == 0:
-            report.empty_mask_rows.append(i)
-        report.tokens += len(ids)
-        report.loss_tokens += sum(mask)
+        ids, mask = _finish_example(ids, mask, max_length, report, i)
         out.append({"input_ids": ids, "completion_mask": mask,
                     **({c: r[c] for c in fmt.extra_columns} if keep_extra_columns else {})})
     if report.empty_mask_rows:

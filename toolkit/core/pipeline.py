@@ -21,19 +21,13 @@ __all__ = ["PIPELINE_COMMANDS", "load_pipeline", "run_pipeline"]
 import json
 import logging
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from .config import load_run_file
+from .config import load_run_file, read_toml
 from .distributed import env_rank
 from .errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +37,7 @@ PIPELINE_COMMANDS = ("sft", "dpo", "grpo", "async-grpo", "ppo")
 def load_pipeline(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
     """(output_dir, stages) from a pipeline file, checked: known commands, existing run files, dict overrides."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"--config: pipeline file '{path}' does not exist.")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config: '{path}' is not valid TOML: {e}") from None
+    data = read_toml(path, what="pipeline file")
     unknown = sorted(set(data) - {"output_dir", "stages"})
     if unknown:
         raise ConfigError(f"pipeline '{path}': unknown keys {unknown}; a pipeline file has output_dir and stages.")
