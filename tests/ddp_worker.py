@@ -71,6 +71,13 @@ def run(case: str, out: Path, world: int) -> dict:
     if case == "sft":
         trainer = SFTTrainer(tiny_model(), SFTConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=per_device,
                                                       **SGD), train_dataset=sft_rows(), processing_class=tok)
+    elif case == "sft-stream":
+        # a stream (never materialised): every rank reads it and keeps its share of each global batch of 8
+        from datasets import IterableDataset
+
+        stream = IterableDataset.from_generator(lambda: iter(sft_rows()))
+        trainer = SFTTrainer(tiny_model(), SFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=per_device,
+                                                      **SGD), train_dataset=stream, processing_class=tok)
     elif case == "dpo":
         trainer = DPOTrainer(tiny_model(), args=DPOConfig(output_dir=str(out), max_steps=1, beta=0.5,
                                                           per_device_train_batch_size=per_device, **SGD),

@@ -200,3 +200,48 @@ def test_flat_margins_are_reported(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="toolkit.core.dpo"):
         t.train()
     assert any("reward margins stayed at ~0" in r.getMessage() for r in caplog.records)
+
+
+def test_pre_tokenized_pairs_train_like_the_same_text(tmp_path):
+    """TRL's pre-tokenized columns (prompt_input_ids, chosen_input_ids, rejected_input_ids) are trained on as
+    given: the ids our own tokenization produced for text rows give the same losses."""
+    tok = tiny_tokenizer()
+    text = DPOTrainer(tiny_model(), args=cfg(tmp_path / "a"), train_dataset=conv_rows(8), processing_class=tok)
+    ids = [{"prompt_input_ids": e["prompt_ids"], "chosen_input_ids": e["chosen_ids"],
+            "rejected_input_ids": e["rejected_ids"], "source": "wrapper"} for e in text.train_dataset]
+    given = DPOTrainer(tiny_model(), args=cfg(tmp_path / "b"), train_dataset=ids, processing_class=tok)
+    assert [(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) for e in given.train_dataset] == \
+        [(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) for e in text.train_dataset]
+    text.train()
+    given.train()
+    assert logged(given, "loss") == pytest.approx(logged(text, "loss"), rel=1e-6)
+
+
+@pytest.mark.parametrize("row,words", [
+    ({"prompt_input_ids": [1, 2], "chosen_input_ids": [3, 99999], "rejected_input_ids": [4]},
+     ["'chosen_input_ids', row 0", "99999", "vocabulary"]),
+    ({"prompt_input_ids": [], "chosen_input_ids": [3], "rejected_input_ids": [4]},
+     ["'prompt_input_ids' must hold a non-empty list", "row 0"]),
+    ({"prompt_input_ids": [1], "chosen_input_ids": [3]}, ["need all of", "rejected_input_ids"]),
+])
+def test_bad_pre_tokenized_pairs_are_named(tmp_path, row, words):
+    with pytest.raises(DataError) as e:
+        DPOTrainer("no-such/model", args=cfg(tmp_path), train_dataset=[row], processing_class=tiny_tokenizer())
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_pre_tokenized_rows_elsewhere_get_a_pointer_to_the_trainer_that_reads_them():
+    from toolkit.core.data import prompt_rows
+
+    with pytest.raises(DataError, match="the RL trainers need each prompt as text"):
+        prompt_rows([{"prompt_input_ids": [1, 2]}], tiny_tokenizer(), trainer="GRPO")
+    with pytest.raises(DataError, match="Pre-tokenized 'input_ids' rows are read by SFTTrainer"):
+        DPOTrainer("no-such/model", args=DPOConfig(output_dir="unused", report_to="none"),
+                   train_dataset=[{"input_ids": [1, 2]}], processing_class=tiny_tokenizer())
+
+
+def test_a_collator_of_your_own_is_refused_with_what_to_do_instead(tmp_path):
+    with pytest.raises(ConfigError, match="data_collator: DPOTrainer forms its own batches.*pre-tokenized pairs"):
+        DPOTrainer("no-such/model", args=cfg(tmp_path), train_dataset=plain_rows(2), processing_class=tiny_tokenizer(),
+                   data_collator=lambda f: f)

@@ -96,6 +96,7 @@ def test_push_to_hub_of_an_adapter_uploads_the_adapter_and_says_so(tmp_path, hub
     assert "adapter_model.safetensors" in upload["files"] and "model.safetensors" not in upload["files"]
     card = ModelCard(upload["card"])
     assert card.data.library_name == "peft" and card.data.base_model == EMBEDDED_HUB_ID
+    assert "lora" in card.data.tags and f"base_model:adapter:{EMBEDDED_HUB_ID}" in card.data.tags
     assert "PEFT adapter" in card.text
 
 
@@ -128,3 +129,24 @@ def test_the_cli_pushes_the_final_model_once_with_its_card(tmp_path, hub):
     assert "sft" in card.data.tags and "## Results" in card.text
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["saved_to"].endswith("final")
+
+
+def test_the_cli_pushes_a_lora_adapter_once_with_a_peft_card(tmp_path, hub):
+    from toolkit.core.cli import main
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ROWS))
+    rc = main(["sft", "--model", str(tmp_path / "m"), "--dataset", str(data), "--max_steps", "2", "--output_dir",
+               str(tmp_path / "out"), "--save_strategy", "no", "--disable_tqdm", "true", "--push_to_hub", "true",
+               "--hub_model_id", "me/arith-lora", "--lora_r", "4", "--lora_target_modules", '["q_proj", "v_proj"]'])
+    assert rc == 0
+    (upload,) = hub  # once
+    assert upload["repo_id"] == "me/arith-lora"
+    assert "adapter_model.safetensors" in upload["files"] and "adapter_config.json" in upload["files"]
+    assert "model.safetensors" not in upload["files"]
+    card = ModelCard(upload["card"])
+    assert card.data.library_name == "peft" and "lora" in card.data.tags and "PEFT adapter" in card.text
+    # a local folder has no Hub id: the card must not claim one (base_model stays unset, not a cache path)
+    assert card.data.base_model is None

@@ -1,6 +1,6 @@
 """Real two-process (gloo) runs: 2 ranks x batch 4 equal 1 process x batch 8, losses per step and final weights.
 
-SFT, DPO and GRPO (loss types dapo, grpo, dr_grpo and prompt; group and batch reward scaling; one case with
+SFT (a list and a stream), DPO and GRPO (loss types dapo, grpo, dr_grpo and prompt; group and batch reward scaling; one case with
 gradient accumulation 2 per rank and num_iterations 2): GRPO's loss counts (tokens,
 completions, prompts of the step) and batch-level advantage statistics are global across ranks, so the
 2-process run is the same optimisation as the 1-process run with twice the batch.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
-CASES = ["sft", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch", "grpo-prompt-batch-accum"]
+CASES = ["sft", "sft-stream", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch", "grpo-prompt-batch-accum"]
 
 
 def _run(cmd, env):

@@ -1,5 +1,5 @@
 """What TRL users and wrappers hand SFTTrainer besides text rows: pre-tokenized rows, their own collator,
-TRL's formatting_func, and streams (refused by name)."""
+TRL's formatting_func, and streams (tokenized as read, never materialised)."""
 
 import pytest
 import torch
@@ -109,13 +109,94 @@ def test_formatting_func_turns_rows_into_text(tmp_path):
                    formatting_func=lambda r: 3)
 
 
-def test_a_stream_is_refused_instead_of_read_whole(tmp_path):
+class CountingStream:
+    """A re-iterable stream with no length that counts the rows handed out (proof nothing is read whole)."""
+
+    def __init__(self, rows):
+        self.rows, self.read = rows, 0
+
+    def __iter__(self):
+        for r in self.rows:
+            self.read += 1
+            yield r
+
+
+def test_a_stream_trains_like_the_same_rows_in_a_list(tmp_path):
+    # batch = all 8 rows, so every step sees the same examples whatever order the list run samples them in
+    kw = dict(per_device_train_batch_size=8, max_steps=3)
+    listed = SFTTrainer(tiny_model(), cfg(tmp_path / "a", **kw), train_dataset=text_rows(), processing_class=tiny_tokenizer())
     stream = IterableDataset.from_generator(lambda: iter(text_rows()))
-    with pytest.raises(DataError, match="a streamed IterableDataset is not supported"):
-        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=stream, processing_class=tiny_tokenizer())
+    streamed = SFTTrainer(tiny_model(), cfg(tmp_path / "b", **kw), train_dataset=stream, processing_class=tiny_tokenizer())
+    assert streamed.dataset_format.kind == "prompt_completion" and streamed.padding_free
+    listed.train()
+    streamed.train()
+    assert len(losses(streamed)) == 3
+    assert losses(streamed) == pytest.approx(losses(listed), rel=1e-5)
+
+
+def test_a_stream_is_read_as_training_needs_it_not_whole(tmp_path):
+    rows = CountingStream([{"prompt": f"What is {i} + 1? ", "completion": str(i + 1)} for i in range(100_000)])
+    t = SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=rows, processing_class=tiny_tokenizer())
+    assert rows.read == 64  # the rows checked before the model loads
+    t.train()
+    assert len(losses(t)) == 2
+    assert rows.read < 200, rows.read  # 2 steps x 4 rows, plus the check and the DataLoader's read-ahead
+
+
+def test_a_bad_row_deep_in_a_stream_stops_the_run_by_its_index(tmp_path):
+    rows = text_rows(200)
+    rows[150] = {"prompt": "What is 1 + 1? ", "completion": ""}
+    t = SFTTrainer(tiny_model(), cfg(tmp_path, per_device_train_batch_size=50, max_steps=4),
+                   train_dataset=CountingStream(rows), processing_class=tiny_tokenizer())
+    with pytest.raises(DataError, match=r"column 'completion'.*rows 150 of the rows read so far"):
+        t.train()
+
+
+def test_a_stream_needs_max_steps_and_refuses_packing(tmp_path):
+    stream = IterableDataset.from_generator(lambda: iter(text_rows()))
+    with pytest.raises(ConfigError, match="max_steps: a streamed train_dataset has no length"):
+        SFTTrainer(tiny_model(), cfg(tmp_path, max_steps=-1), train_dataset=stream, processing_class=tiny_tokenizer())
+    with pytest.raises(ConfigError, match="packing: fills rows best-fit from the whole dataset"):
+        SFTTrainer(tiny_model(), cfg(tmp_path, packing=True), train_dataset=stream, processing_class=tiny_tokenizer())
+    with pytest.raises(DataError, match="train_dataset: the stream yielded no rows"):
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=iter([]), processing_class=tiny_tokenizer())
+
+
+def test_a_generator_streams_once_with_formatting_func_and_a_streamed_eval_set(tmp_path, caplog):
+    gen = ({"question": f"{i}+1", "answer": str(i + 1)} for i in range(12))
+    evals = IterableDataset.from_generator(lambda: iter([{"question": "2+2", "answer": "4"}] * 3))
+    t = SFTTrainer(tiny_model(), cfg(tmp_path, max_steps=10), train_dataset=gen, eval_dataset=evals,
+                   processing_class=tiny_tokenizer(), formatting_func=lambda r: f"Q: {r['question']} A: {r['answer']}")
+    assert "one-shot iterator" in caplog.text
+    t.train()
+    # 12 rows in batches of 4: three steps, then the generator is spent and training ends before max_steps
+    assert len(losses(t)) == 3
+    assert "eval_loss" in t.evaluate()
+
+
+def test_other_trainers_refuse_a_stream_by_name():
+    from toolkit.core.data import as_rows
+
+    with pytest.raises(DataError, match="a streamed IterableDataset is not supported by this trainer"):
+        as_rows(IterableDataset.from_generator(lambda: iter(text_rows())))
     with pytest.raises(DataError, match="streamed generator"):
-        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=(r for r in text_rows()), processing_class=tiny_tokenizer())
-    Dataset.from_list(text_rows())  # a materialised Dataset is fine (tested everywhere else)
+        as_rows(r for r in text_rows())
+
+
+def test_a_streamed_run_resumes_exactly(tmp_path):
+    from conftest import StopAt
+
+    kw = dict(max_steps=6, per_device_train_batch_size=2, save_strategy="steps", save_steps=3, learning_rate=1e-3)
+    make = lambda: IterableDataset.from_generator(lambda: iter(text_rows(24)))  # noqa: E731
+    straight = SFTTrainer(tiny_model(), cfg(tmp_path / "a", **kw), train_dataset=make(), processing_class=tiny_tokenizer())
+    straight.train()
+    first = SFTTrainer(tiny_model(), cfg(tmp_path / "b", **kw), train_dataset=make(), processing_class=tiny_tokenizer(),
+                       callbacks=[StopAt(3)])
+    first.train()
+    second = SFTTrainer(tiny_model(seed=123), cfg(tmp_path / "b", **kw), train_dataset=make(),
+                        processing_class=tiny_tokenizer())
+    second.train(resume_from_checkpoint=True)
+    assert losses(first) + losses(second)[3:] == pytest.approx(losses(straight), rel=1e-6)
 
 
 def test_input_ids_next_to_text_is_only_pre_tokenized_for_sft():

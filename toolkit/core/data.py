@@ -15,7 +15,9 @@ unpaired_preference         ``prompt``, ``completion``, ``label``          lists
 Pre-tokenized rows (what Axolotl-style wrappers hand over) are their own kind, `tokenized`: `input_ids`
 and optionally `completion_mask` (1 = in the loss), `labels` (-100 = not in the loss) and
 `attention_mask`, validated (ids in the vocabulary, masks as long as the ids) and trained on as given.
-SFT accepts them; the other trainers say which format they need.
+SFT accepts them. Pre-tokenized preference pairs (TRL's column names) are `tokenized_preference`:
+`prompt_input_ids`, `chosen_input_ids` and `rejected_input_ids` (the answers' ids after the prompt), read
+by DPO. The RL trainers need prompts as text (rewards and chat templates read it) and say so.
 
 ShareGPT-style ``conversations`` with ``from``/``value`` keys is read as ``messages``.
 
@@ -34,6 +36,7 @@ __all__ = [
     "TokenizationReport",
     "as_rows",
     "detect_format",
+    "is_stream",
     "normalize_rows",
     "pack_bins",
     "prompt_rows",
@@ -58,7 +61,8 @@ from .errors import DataError
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("language_modeling", "prompt_only", "prompt_completion", "preference", "unpaired_preference", "tokenized")
+KINDS = ("language_modeling", "prompt_only", "prompt_completion", "preference", "unpaired_preference", "tokenized",
+         "tokenized_preference")
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speaker names -> chat roles.
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -66,6 +70,7 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 _KNOWN_COLUMNS = ("text", "messages", "conversations", "prompt", "completion", "chosen", "rejected", "label")
 _MAX_ROWS_IN_MESSAGE = 5
 _TOKENIZED_COLUMNS = ("input_ids", "completion_mask", "labels", "attention_mask")
+_TOKENIZED_PAIR_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class DatasetFormat:
     def describe(self) -> str:
         if self.kind == "tokenized":
             return f"pre-tokenized ({', '.join(self.columns)})"
+        if self.kind == "tokenized_preference":
+            return f"pre-tokenized preference ({', '.join(self.columns)})"
         style = "conversational" if self.conversational else "plain-text"
         return f"{style} {self.kind.replace('_', '-')} ({', '.join(self.columns)})"
 
@@ -114,12 +121,12 @@ def as_rows(data: Any) -> list[dict[str, Any]]:
                     rows.append(row)
             return rows
         return as_rows(_load_json(text, f"'{path}'"))
-    if type(data).__name__ == "IterableDataset" or (hasattr(data, "__iter__") and not hasattr(data, "__len__")
-                                                    and not isinstance(data, (str, bytes, Mapping))):
+    if is_stream(data):
         # Reading a stream whole would hold it all in memory (or never end); say so instead.
-        raise DataError(f"dataset: a streamed {type(data).__name__} is not supported (it would be read whole into "
-                        "memory). Materialise the part to train on, e.g. datasets.Dataset.from_list(list("
-                        "stream.take(10_000))), or pass a datasets.Dataset / list of dicts / .jsonl path.")
+        raise DataError(f"dataset: a streamed {type(data).__name__} is not supported by this trainer (it would be "
+                        "read whole into memory; SFTTrainer streams). Materialise the part to train on, e.g. "
+                        "datasets.Dataset.from_list(list(stream.take(10_000))), or pass a datasets.Dataset / list of "
+                        "dicts / .jsonl path.")
     if isinstance(data, Mapping) and data and all(hasattr(v, "column_names") for v in data.values()):
         # a datasets.DatasetDict: its values are splits, not columns
         raise DataError(f"dataset: got a DatasetDict with splits {sorted(data)}; pass one split, e.g. "
@@ -140,6 +147,12 @@ def as_rows(data: Any) -> list[dict[str, Any]]:
         return [dict(r) for r in data]
     raise DataError(f"dataset: cannot read a {type(data).__name__}; pass a datasets.Dataset, a list of dicts, "
                     "a dict of columns or a .json/.jsonl path.")
+
+
+def is_stream(data: Any) -> bool:
+    """True for data read row by row with no length: a `datasets.IterableDataset`, a generator, any iterator."""
+    return type(data).__name__ == "IterableDataset" or (
+        hasattr(data, "__iter__") and not hasattr(data, "__len__") and not isinstance(data, (str, bytes, Mapping)))
 
 
 def _load_json(text: str, where: str) -> Any:
@@ -175,12 +188,13 @@ def _normalize_sharegpt(turns: Any, row: int, column: str) -> Any:
     return out
 
 
-def normalize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def normalize_rows(rows: list[dict[str, Any]], first_row: int = 0) -> list[dict[str, Any]]:
     """Rename aliases: `conversations` -> `messages` and ShareGPT `from`/`value` -> `role`/`content`."""
     if rows and "conversations" in rows[0] and "messages" not in rows[0]:
         rows = [{("messages" if k == "conversations" else k): v for k, v in r.items()} for r in rows]
     conv_cols = ("messages", "prompt", "completion", "chosen", "rejected")
-    return [{k: (_normalize_sharegpt(v, i, k) if k in conv_cols else v) for k, v in r.items()} for i, r in enumerate(rows)]
+    return [{k: (_normalize_sharegpt(v, i, k) if k in conv_cols else v) for k, v in r.items()}
+            for i, r in enumerate(rows, start=first_row)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -232,6 +246,15 @@ def detect_format(rows: list[dict[str, Any]], *, tokenized: bool = False) -> Dat
         used = [c for c in _TOKENIZED_COLUMNS if c in cols]
         extras = tuple(c for c in columns if c not in used)
         return DatasetFormat(kind="tokenized", conversational=False, columns=tuple(used), extra_columns=extras)
+    pair_ids = [c for c in _TOKENIZED_PAIR_COLUMNS if c in cols]
+    if {"chosen_input_ids", "rejected_input_ids"} & cols and not {"chosen", "rejected"} & cols:
+        # text columns next to the ids win (a Dataset.map(tokenize) keeps both); ids alone are read as given
+        if len(pair_ids) < 3:
+            raise DataError(f"dataset: pre-tokenized preference rows need all of {list(_TOKENIZED_PAIR_COLUMNS)} "
+                            f"(the answers' ids follow the prompt's); these rows have only {pair_ids}.")
+        extras = tuple(c for c in columns if c not in pair_ids)
+        return DatasetFormat(kind="tokenized_preference", conversational=False, columns=_TOKENIZED_PAIR_COLUMNS,
+                             extra_columns=extras)
     if {"chosen", "rejected"} <= cols:
         kind, used = "preference", [c for c in ("prompt", "chosen", "rejected") if c in cols]
         probe = rows[0]["chosen"]
@@ -251,6 +274,10 @@ def detect_format(rows: list[dict[str, Any]], *, tokenized: bool = False) -> Dat
             partial = " There is a 'completion' column but no 'prompt' column to go with it."
         elif "chosen" in cols or "rejected" in cols:
             partial = " Preference data needs both 'chosen' and 'rejected'."
+        elif "input_ids" in cols or "prompt_input_ids" in cols:
+            partial = (" Pre-tokenized 'input_ids' rows are read by SFTTrainer; DPOTrainer reads "
+                       f"{list(_TOKENIZED_PAIR_COLUMNS)}; the RL trainers need each prompt as text in a 'prompt' "
+                       "column (reward functions and the chat template read it).")
         raise DataError(
             f"dataset: no known format in columns {columns}.{partial}{_suggest(columns)} Known formats: "
             "'text' or 'messages' (language modeling), 'prompt' (prompt-only), 'prompt'+'completion', "
@@ -279,7 +306,7 @@ class _Problems:
         self.by_key.setdefault(key, []).append(row)
         self.first_msg.setdefault(key, message)
 
-    def raise_if_any(self, n_rows: int) -> None:
+    def raise_if_any(self, n_rows: int | str) -> None:
         if not self.by_key:
             return
         lines = []
@@ -406,10 +433,11 @@ def _int_list(value: Any) -> list[int] | None:
     return None
 
 
-def _check_tokenized(p: _Problems, rows: list[dict[str, Any]], fmt: DatasetFormat, tokenizer: Any) -> None:
+def _check_tokenized(p: _Problems, rows: list[dict[str, Any]], fmt: DatasetFormat, tokenizer: Any,
+                     first_row: int = 0) -> None:
     """Pre-tokenized rows: ids are whole numbers inside the vocabulary, every mask is as long as the ids."""
     vocab = len(tokenizer) if tokenizer is not None else None
-    for i, r in enumerate(rows):
+    for i, r in enumerate(rows, start=first_row):
         ids = _int_list(r.get("input_ids"))
         if not ids:
             p.add("input_ids:type", i, f"column 'input_ids' must hold a non-empty list of token ids in row {i}, got "
@@ -434,14 +462,36 @@ def _check_tokenized(p: _Problems, rows: list[dict[str, Any]], fmt: DatasetForma
                                          "are the ids themselves or -100, unshifted, as transformers expects)")
 
 
-def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any = None) -> None:
-    """Check every row of `rows` against `fmt`; raise one DataError listing every kind of problem found."""
-    p = _Problems()
-    if fmt.kind == "tokenized":
-        _check_tokenized(p, rows, fmt, tokenizer)
-        p.raise_if_any(len(rows))
-        return
+def _check_tokenized_pairs(p: _Problems, rows: list[dict[str, Any]], tokenizer: Any) -> None:
+    """Pre-tokenized pairs: each of the three columns a non-empty list of ids inside the vocabulary."""
+    vocab = len(tokenizer) if tokenizer is not None else None
     for i, r in enumerate(rows):
+        for c in _TOKENIZED_PAIR_COLUMNS:
+            ids = _int_list(r.get(c))
+            if not ids:
+                p.add(f"{c}:type", i, f"column '{c}' must hold a non-empty list of token ids in row {i}, got "
+                                      f"{r.get(c)!r:.40}")
+            elif vocab is not None and not all(0 <= t < vocab for t in ids):
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                p.add(f"{c}:vocab", i, f"column '{c}', row {i}: token id {bad} is outside the tokenizer's vocabulary "
+                                       f"(0..{vocab - 1}); the rows were tokenized with another tokenizer")
+
+
+def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any = None, first_row: int = 0) -> None:
+    """Check every row of `rows` against `fmt`; raise one DataError listing every kind of problem found.
+
+    `first_row` is the index of `rows[0]` in the whole dataset (a stream is checked a row at a time)."""
+    p = _Problems()
+    n_rows = len(rows) if first_row == 0 else f"the rows read so far, {first_row + len(rows)}"
+    if fmt.kind == "tokenized":
+        _check_tokenized(p, rows, fmt, tokenizer, first_row)
+        p.raise_if_any(n_rows)
+        return
+    if fmt.kind == "tokenized_preference":
+        _check_tokenized_pairs(p, rows, tokenizer)
+        p.raise_if_any(n_rows)
+        return
+    for i, r in enumerate(rows, start=first_row):
         for c in fmt.columns:
             if c not in r:
                 p.add(f"{c}:missing", i, f"column '{c}' is missing from row {i} (row has {sorted(r)})")
@@ -472,7 +522,7 @@ def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any =
                                            "(row 0 holds a string); use one form for all rows and columns")
                     continue
                 _check_text(p, value, c, i)
-    p.raise_if_any(len(rows))
+    p.raise_if_any(n_rows)
     if fmt.conversational and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"dataset is conversational ({', '.join(fmt.columns)} hold lists of turns) but the tokenizer has no chat "
@@ -587,6 +637,11 @@ def _finish_example(ids: list[int], mask: list[int], max_length: int | None, rep
     return ids, mask
 
 
+def _how_many(bad: list[int], rows: list[Any], first_row: int) -> str:
+    """'3 of 100 rows' for a whole dataset; for rows of a stream (first_row > 0) the total is not known."""
+    return f"{len(bad)} of {len(rows)} rows" if first_row == 0 else f"{len(bad)} streamed row(s)"
+
+
 def tokenize_for_sft(
     rows: list[dict[str, Any]],
     fmt: DatasetFormat,
@@ -597,6 +652,7 @@ def tokenize_for_sft(
     assistant_only_loss: bool,
     template_kwargs: Mapping[str, Any] | None = None,
     keep_extra_columns: bool = False,
+    first_row: int = 0,
 ) -> tuple[list[dict[str, list[int]]], TokenizationReport]:
     """Tokenize SFT rows into `input_ids` and `completion_mask` (1 where the loss applies).
 
@@ -608,9 +664,11 @@ def tokenize_for_sft(
         if assistant_only_loss:
             raise DataError("assistant_only_loss=True needs conversational 'messages' rows; pre-tokenized rows carry "
                             "their loss mask in 'completion_mask' or 'labels'.")
-        return _tokenized_for_sft(rows, fmt, max_length=max_length, keep_extra_columns=keep_extra_columns)
+        return _tokenized_for_sft(rows, fmt, max_length=max_length, keep_extra_columns=keep_extra_columns,
+                                  first_row=first_row)
     if fmt.kind not in ("language_modeling", "prompt_completion"):
-        hint = {"preference": "DPOTrainer", "unpaired_preference": "a KTO-style trainer",
+        hint = {"preference": "DPOTrainer", "tokenized_preference": "DPOTrainer",
+                "unpaired_preference": "a KTO-style trainer",
                 "prompt_only": "GRPOTrainer (RL needs only prompts)"}.get(fmt.kind, "another trainer")
         raise DataError(f"SFT needs language-modeling ('text'/'messages') or prompt-completion data; this dataset is "
                         f"{fmt.describe()}. Use {hint}, or add a 'completion' column.")
@@ -624,7 +682,7 @@ def tokenize_for_sft(
                         "model would never learn to stop; set tokenizer.eos_token (e.g. to its end-of-turn token).")
     report = TokenizationReport(rows=len(rows))
     out: list[dict[str, list[int]]] = []
-    for i, r in enumerate(rows):
+    for i, r in enumerate(rows, start=first_row):
         if fmt.kind == "language_modeling" and not fmt.conversational:
             ids = _ids(tokenizer, r["text"], special=True)
             if eos is not None and (not ids or ids[-1] != eos):
@@ -681,19 +739,20 @@ def tokenize_for_sft(
         why = (f"the prompt fills max_length={max_length}" if report.truncated_rows else
                "no token is marked for the loss (no assistant turn, or an empty completion)")
         raise DataError(
-            f"dataset: {len(rws)} of {len(rows)} rows would have an empty loss mask (rows {shown}): {why}. "
+            f"dataset: {_how_many(rws, rows, first_row)} would have an empty loss mask (rows {shown}): {why}. "
             "Raise max_length, shorten or drop those rows, or set completion_only_loss/assistant_only_loss to False."
         )
     return out, report
 
 
 def _tokenized_for_sft(rows: list[dict[str, Any]], fmt: DatasetFormat, *, max_length: int | None,
-                       keep_extra_columns: bool = False) -> tuple[list[dict[str, Any]], TokenizationReport]:
+                       keep_extra_columns: bool = False,
+                       first_row: int = 0) -> tuple[list[dict[str, Any]], TokenizationReport]:
     """Pre-tokenized rows as given: the loss mask from `completion_mask`, else `labels != -100`, else every token
     (position 0 never, as for tokenized text); `attention_mask` zeros (padding a wrapper left in) are dropped."""
     report = TokenizationReport(rows=len(rows))
     out = []
-    for i, r in enumerate(rows):
+    for i, r in enumerate(rows, start=first_row):
         ids = _int_list(r["input_ids"])
         if "completion_mask" in fmt.columns:
             mask = _int_list(r["completion_mask"])
@@ -710,7 +769,7 @@ def _tokenized_for_sft(rows: list[dict[str, Any]], fmt: DatasetFormat, *, max_le
                     **({c: r[c] for c in fmt.extra_columns} if keep_extra_columns else {})})
     if report.empty_mask_rows:
         rws = report.empty_mask_rows
-        raise DataError(f"dataset: {len(rws)} of {len(rows)} pre-tokenized rows have no token in the loss (rows "
+        raise DataError(f"dataset: {_how_many(rws, rows, first_row)} (pre-tokenized) have no token in the loss (rows "
                         f"{', '.join(map(str, rws[:_MAX_ROWS_IN_MESSAGE]))}); check their completion_mask/labels.")
     return out, report
 
@@ -823,6 +882,23 @@ def split_preference(row: dict[str, Any], fmt: DatasetFormat, i: int) -> tuple[A
     return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
+def _finish_pair(prompt_ids: list[int], sides: list[list[int]], max_length: int | None, report: TokenizationReport,
+                 row: int) -> dict[str, list[int]]:
+    """Truncate a pair to `max_length` (the prompt kept whole, the answers' ends cut) and count it in `report`."""
+    longest = len(prompt_ids) + max(len(s) for s in sides)
+    report.longest = max(report.longest, longest)
+    if max_length is not None and longest > max_length:
+        report.truncated_rows += 1
+        room = max_length - len(prompt_ids)
+        if room < 1:
+            report.empty_mask_rows.append(row)
+            room = 1
+        sides = [s[:room] for s in sides]
+    report.tokens += 2 * len(prompt_ids) + sum(len(s) for s in sides)
+    report.loss_tokens += sum(len(s) for s in sides)
+    return {"prompt_ids": prompt_ids, "chosen_ids": sides[0], "rejected_ids": sides[1]}
+
+
 def tokenize_for_preference(
     rows: list[dict[str, Any]],
     fmt: DatasetFormat,
@@ -837,13 +913,21 @@ def tokenize_for_preference(
     rejected (no preference to learn; the caller warns). Truncation keeps the prompt and cuts the
     completions' ends, and is reported.
     """
-    if fmt.kind != "preference":
+    if fmt.kind not in ("preference", "tokenized_preference"):
         raise DataError(f"DPO needs preference data ('chosen' and 'rejected', optional 'prompt'); this dataset is "
                         f"{fmt.describe()}.")
     eos = tokenizer.eos_token_id
     report = TokenizationReport(rows=len(rows))
     out, identical = [], []
     for i, r in enumerate(rows):
+        if fmt.kind == "tokenized_preference":
+            # as given: no template, no EOS added (a wrapper's ids are what it wants trained on)
+            prompt_ids, sides = _int_list(r["prompt_input_ids"]), [_int_list(r["chosen_input_ids"]),
+                                                                   _int_list(r["rejected_input_ids"])]
+            if sides[0] == sides[1]:
+                identical.append(i)
+            out.append(_finish_pair(prompt_ids, sides, max_length, report, i))
+            continue
         prompt, chosen, rejected = split_preference(r, fmt, i)
         if chosen == rejected:
             identical.append(i)
@@ -879,18 +963,7 @@ def tokenize_for_preference(
         if not prompt_ids:
             raise DataError(f"row {i}: the prompt is empty, so the first completion token has no context; give a "
                             "'prompt' column or rows whose chosen and rejected share a beginning.")
-        longest = len(prompt_ids) + max(len(s) for s in sides)
-        report.longest = max(report.longest, longest)
-        if max_length is not None and longest > max_length:
-            report.truncated_rows += 1
-            room = max_length - len(prompt_ids)
-            if room < 1:
-                report.empty_mask_rows.append(i)
-                room = 1
-            sides = [s[:room] for s in sides]
-        report.tokens += 2 * len(prompt_ids) + sum(len(s) for s in sides)
-        report.loss_tokens += sum(len(s) for s in sides)
-        out.append({"prompt_ids": prompt_ids, "chosen_ids": sides[0], "rejected_ids": sides[1]})
+        out.append(_finish_pair(prompt_ids, sides, max_length, report, i))
     if report.empty_mask_rows:
         rws = report.empty_mask_rows
         raise DataError(f"dataset: {len(rws)} rows have prompts of max_length={max_length} tokens or more (rows "

@@ -132,10 +132,17 @@ class DPOTrainer(Trainer):
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
         model_init_kwargs: dict | None = None,
+        data_collator: Any = None,
     ):
         args = args if args is not None else DPOConfig()
         if not isinstance(args, DPOConfig):
             raise ConfigError(f"args: DPOTrainer needs a DPOConfig, got {type(args).__name__}.")
+        if data_collator is not None:
+            # accepted as a keyword (TRL's DPOTrainer has it) so the refusal can say what to do instead
+            raise ConfigError("data_collator: DPOTrainer forms its own batches (each pair packed around one shared "
+                              "prompt copy), so a collator cannot be swapped in. To choose the tokens, pass "
+                              "pre-tokenized pairs (prompt_input_ids, chosen_input_ids, rejected_input_ids); to "
+                              "change how log-probs are computed, override compute_sequence_logps in a subclass.")
         if train_dataset is None:
             raise ConfigError("train_dataset: DPOTrainer needs preference data (chosen/rejected).")
 

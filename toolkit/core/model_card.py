@@ -100,6 +100,12 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
     base = base_model_id(trainer.model)
     adapter = is_peft_model(trainer.model)
     all_tags = ["toolkit", method, *(t for t in getattr(trainer, "_tag_names", []) if t not in ("toolkit", method))]
+    if adapter:
+        # the Hub's adapter conventions: the PEFT method (e.g. "lora") and which base model it adapts
+        peft_configs = getattr(trainer.model, "peft_config", None) or {}
+        all_tags += sorted({str(getattr(c.peft_type, "value", c.peft_type)).lower() for c in peft_configs.values()})
+        if base:
+            all_tags.append(f"base_model:adapter:{base}")
     for t in [tags] if isinstance(tags, str) else list(tags or []):
         if t not in all_tags:
             all_tags.append(t)

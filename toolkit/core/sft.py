@@ -25,9 +25,11 @@ __all__ = [
     "SFTTrainer",
 ]
 
+import itertools
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ from .data import (
     SFTCollator,
     as_rows,
     detect_format,
+    is_stream,
     normalize_rows,
     pack_bins,
     tokenize_for_sft,
@@ -124,12 +127,12 @@ class SFTConfig(TrainingArguments):
             raise ConfigError(f"model_dtype: '{self.model_dtype}' is not one of float32, bfloat16, float16.")
 
 
-def _formatted(rows: list[dict[str, Any]], formatting_func: Any, name: str) -> list[dict[str, Any]]:
+def _formatted(rows: list[dict[str, Any]], formatting_func: Any, name: str, first_row: int = 0) -> list[dict[str, Any]]:
     """TRL's `formatting_func(row) -> str`: each row becomes `{"text": ...}` (a one-string list is accepted)."""
     if formatting_func is None:
         return rows
     out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, start=first_row):
         try:
             text = formatting_func(row)
         except Exception as e:
@@ -163,11 +166,69 @@ def _check_collator(collator: Any, examples: list[dict[str, Any]]) -> None:
                           "labels (-100 = not in the loss) and attention_mask.")
 
 
+# Rows of a stream read before the model loads: enough to detect the format and catch a wrong column early.
+_STREAM_HEAD_ROWS = 64
+
+
+def _stream_head(data: Any, name: str) -> tuple[list[dict[str, Any]], Any]:
+    """The first rows of a stream, and the stream to train on (for a one-shot iterator: those rows, then the rest)."""
+    if iter(data) is data:
+        # A generator or iterator can be read once: keep what was peeked and go on from there (one pass only).
+        head = list(itertools.islice(data, _STREAM_HEAD_ROWS))
+        source: Any = itertools.chain(head, data)
+        logger.warning("SFT: %s is a one-shot iterator (e.g. a generator); it is read once, so training stops when "
+                       "it runs out even before max_steps. Pass a datasets.IterableDataset to read it again.", name)
+    else:
+        head = list(itertools.islice(iter(data), _STREAM_HEAD_ROWS))
+        source = data
+    if not head:
+        raise DataError(f"{name}: the stream yielded no rows.")
+    for i, row in enumerate(head):
+        if not isinstance(row, Mapping):
+            raise DataError(f"{name}: streamed row {i} is a {type(row).__name__}, not a dict of columns.")
+    return [dict(r) for r in head], source
+
+
+class _SFTStream(torch.utils.data.IterableDataset):
+    """A streamed dataset validated and tokenized one row at a time as Trainer reads it, never held whole.
+
+    The format was detected, and the first rows checked, before the model loaded; every row is checked
+    against that format as it arrives, and a bad one stops the run naming its index in the stream.
+    """
+
+    def __init__(self, source: Any, fmt: Any, tokenizer: Any, formatting_func: Any, tok_kwargs: dict[str, Any],
+                 name: str, standard_keys: bool):
+        self.source, self.fmt, self.tokenizer = source, fmt, tokenizer
+        self.formatting_func, self.tok_kwargs, self.name = formatting_func, tok_kwargs, name
+        self.standard_keys = standard_keys
+        self.rows_read = 0
+        self._warned_truncation = False
+
+    def __iter__(self):
+        for i, row in enumerate(self.source):
+            if not isinstance(row, Mapping):
+                raise DataError(f"{self.name}: streamed row {i} is a {type(row).__name__}, not a dict of columns.")
+            rows = normalize_rows(_formatted([dict(row)], self.formatting_func, self.name, first_row=i), first_row=i)
+            validate(rows, self.fmt, tokenizer=self.tokenizer, first_row=i)
+            (example,), report = tokenize_for_sft(rows, self.fmt, self.tokenizer, first_row=i, **self.tok_kwargs)
+            if report.truncated_rows and not self._warned_truncation:
+                self._warned_truncation = True
+                logger.warning("SFT: streamed %s row %d (%d tokens) was truncated to max_length=%s; later truncations "
+                               "are not reported one by one.", self.name, i, report.longest,
+                               self.tok_kwargs["max_length"])
+            self.rows_read = i + 1
+            yield _standard_keys(example) if self.standard_keys else example
+
+
 class SFTTrainer(Trainer):
     """Supervised fine-tuning on language-modeling or prompt-completion data (plain or conversational).
 
     Supports completion-only and assistant-only loss, padding-free batches and packing (each example
     attends only to itself), PEFT LoRA and QLoRA, evaluation, atomic checkpoints and exact resume.
+    A streamed dataset (`datasets.IterableDataset`, a generator) is tokenized row by row as training
+    reads it, never held whole; its first 64 rows are checked before the model loads, and the run
+    needs `max_steps` (a stream has no length) and cannot use `packing` (it fills rows from the
+    whole dataset).
     Departs from TRL's SFTTrainer in three ways: the logits tensor is never materialised (chunked
     LM head), the loss mask never comes from `input_ids == pad_token_id` (so EOS is learned when
     pad == eos), and bad rows stop the run before the model loads.
@@ -199,16 +260,34 @@ class SFTTrainer(Trainer):
             raise ConfigError("data_collator: a collator of your own pads the batch itself, so packing/padding_free "
                               "cannot apply; set packing=False and padding_free=False, or drop data_collator.")
 
-        # 1. Data first: every row is checked before a model is loaded (minutes saved per mistake).
+        streamed = {name: is_stream(d) for name, d in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset))}
+        if streamed["train_dataset"] and args.max_steps <= 0:
+            raise ConfigError("max_steps: a streamed train_dataset has no length, so the number of optimizer steps "
+                              "cannot be derived from epochs; set max_steps=N.")
+        if any(streamed.values()) and args.packing:
+            raise ConfigError("packing: fills rows best-fit from the whole dataset, which a stream does not have; set "
+                              "packing=False (padding_free, on by default, already keeps pad tokens out).")
+
+        # 1. Data first: every row is checked before a model is loaded (minutes saved per mistake). Of a stream,
+        #    the first rows are checked now and each later one as training reads it.
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        train_rows = normalize_rows(_formatted(as_rows(train_dataset), formatting_func, "train_dataset"))
+        sources: dict[str, Any] = {}
+        if streamed["train_dataset"]:
+            head, sources["train_dataset"] = _stream_head(train_dataset, "train_dataset")
+            train_rows = normalize_rows(_formatted(head, formatting_func, "train_dataset"))
+        else:
+            train_rows = normalize_rows(_formatted(as_rows(train_dataset), formatting_func, "train_dataset"))
         self.dataset_format = detect_format(train_rows, tokenized=True)
         validate(train_rows, self.dataset_format, tokenizer=tokenizer)
         eval_rows = None
         if eval_dataset is not None:
-            eval_rows = normalize_rows(_formatted(as_rows(eval_dataset), formatting_func, "eval_dataset"))
+            if streamed["eval_dataset"]:
+                head, sources["eval_dataset"] = _stream_head(eval_dataset, "eval_dataset")
+            else:
+                head = as_rows(eval_dataset)
+            eval_rows = normalize_rows(_formatted(head, formatting_func, "eval_dataset"))
             eval_fmt = detect_format(eval_rows, tokenized=True)
             if (eval_fmt.kind, eval_fmt.conversational) != (self.dataset_format.kind, self.dataset_format.conversational):
                 raise ConfigError(f"eval_dataset: it is {eval_fmt.describe()} but train_dataset is "
@@ -229,7 +308,8 @@ class SFTTrainer(Trainer):
                           keep_extra_columns=data_collator is not None)
         train_tok, report = tokenize_for_sft(train_rows, self.dataset_format, tokenizer, **tok_kwargs)
         self.tokenization_report = report
-        logger.info("SFT train data: %s: %s", self.dataset_format.describe(), report.summary(args.max_length))
+        logger.info("SFT train data%s: %s: %s", " (the first rows of the stream)" if streamed["train_dataset"] else "",
+                    self.dataset_format.describe(), report.summary(args.max_length))
         if report.truncated_rows:
             logger.warning("SFT: %d of %d training rows were truncated to max_length=%s (longest: %d tokens).",
                            report.truncated_rows, report.rows, args.max_length, report.longest)
@@ -268,6 +348,17 @@ class SFTTrainer(Trainer):
             eval_tok = [_standard_keys(e) for e in eval_tok] if eval_tok is not None else None
             _check_collator(data_collator, train_tok[:2])
             collator = data_collator
+        datasets_ = {"train_dataset": Dataset.from_list(train_tok),
+                     "eval_dataset": Dataset.from_list(eval_tok) if eval_tok is not None else None}
+        for name, source in sources.items():
+            fmt = self.dataset_format if name == "train_dataset" else eval_fmt
+            datasets_[name] = _SFTStream(source, fmt, tokenizer, formatting_func, tok_kwargs, name,
+                                         standard_keys=data_collator is not None)
+        if sources:
+            # accelerate's default for a stream is to read it on rank 0 and split each batch, which cannot split the
+            # padding-free rows of different lengths; instead every rank reads the stream and keeps its share of
+            # each global batch (IterableDatasetShard), the same examples per step as one process with world x B.
+            args.accelerator_config.dispatch_batches = False
         logger.info(
             "SFT loss settings: %s; completion_only_loss=%s assistant_only_loss=%s packing=%s padding_free=%s "
             "max_length=%s gradient_checkpointing=%s; loss = token-mean over the whole accumulated step "
@@ -278,10 +369,7 @@ class SFTTrainer(Trainer):
         callbacks = list(callbacks or []) + [CompleteCheckpointCallback(
             on_complete=lambda step, path: notify_checkpoint_saved("sft", step, path))]
         super().__init__(
-            model=model, args=args, data_collator=collator,
-            train_dataset=Dataset.from_list(train_tok),
-            eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
-            processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers, **kwargs,
+            model=model, args=args, data_collator=collator, **datasets_, processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers, **kwargs,
         )
         install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
         # Our compute_loss divides by the token count of the whole accumulated step (num_items_in_batch),
