@@ -3,7 +3,7 @@ TRL's formatting_func, and streams (tokenized as read, never materialised)."""
 
 import pytest
 import torch
-from datasets import Dataset, IterableDataset
+from datasets import IterableDataset
 from transformers import DataCollatorForSeq2Seq
 
 from toolkit.core.errors import ConfigError, DataError
