@@ -5,6 +5,7 @@ learning rate 1 without clipping, so any difference in how the loss is normalise
 """
 
 import json
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -65,22 +66,46 @@ def uneven_reward(completions, completion_ids, **kw):
     return [float(sum(ids) % 7) / 7 + 0.1 * len(ids) for ids in completion_ids]
 
 
+def enable_fsdp2_on_cpu() -> dict:
+    """accelerate (1.15) turns its FSDP plugin on only for GPU-like launches; on CPU it silently runs DDP. This
+    lifts that gate in the test process only, so accelerate's own FSDP2 preparation (fully_shard of each decoder
+    layer, the embedding/norm/head unit, the root) runs for real with gloo. Returns the TrainingArguments."""
+    import accelerate.state as acc_state
+    from accelerate.utils import DistributedType
+
+    original = acc_state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    acc_state.AcceleratorState.__init__ = init
+    return dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                        "reshard_after_forward": True})
+
+
+FSDP: dict = {}
+
+
 def run(case: str, out: Path, world: int) -> dict:
     per_device = 8 // world
     tok = tiny_tokenizer()
+    sharded = FSDP if world > 1 else {}
     if case == "sft":
         trainer = SFTTrainer(tiny_model(), SFTConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=per_device,
-                                                      **SGD), train_dataset=sft_rows(), processing_class=tok)
+                                                      **SGD, **sharded), train_dataset=sft_rows(), processing_class=tok)
     elif case == "sft-stream":
         # a stream (never materialised): every rank reads it and keeps its share of each global batch of 8
         from datasets import IterableDataset
 
         stream = IterableDataset.from_generator(lambda: iter(sft_rows()))
         trainer = SFTTrainer(tiny_model(), SFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=per_device,
-                                                      **SGD), train_dataset=stream, processing_class=tok)
+                                                      **SGD, **sharded), train_dataset=stream, processing_class=tok)
     elif case == "dpo":
         trainer = DPOTrainer(tiny_model(), args=DPOConfig(output_dir=str(out), max_steps=1, beta=0.5,
-                                                          per_device_train_batch_size=per_device, **SGD),
+                                                          per_device_train_batch_size=per_device, **SGD, **sharded),
                              train_dataset=pairs(), processing_class=tok)
     else:  # grpo-<loss_type>-<scale_rewards>[-accum]
         _, loss_type, scale, *accum = case.split("-")
@@ -93,17 +118,23 @@ def run(case: str, out: Path, world: int) -> dict:
         cfg = GRPOConfig(output_dir=str(out), max_steps=2 * iterations, per_device_train_batch_size=2 * per_device // ga,
                          gradient_accumulation_steps=ga, num_iterations=iterations, num_generations=2,
                          max_completion_length=6, stop_token_ids=list(range(0, 384, 4)), loss_type=loss_type, scale_rewards=scale, beta=0.0,
-                         generation_backend="per_prompt_seeded", **{**SGD, "learning_rate": 0.5})
+                         generation_backend="per_prompt_seeded", **{**SGD, "learning_rate": 0.5}, **sharded)
         trainer = GRPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # under FSDP2 each rank holds shards (DTensors): gather them whole (a collective, so on every rank)
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+              for k, v in trainer.model.named_parameters()}
     if trainer.is_world_process_zero():
-        torch.save({k: v.detach().clone() for k, v in trainer.model.named_parameters()}, out / "params.pt")
-    return {"losses": losses, "world_size": trainer.args.world_size}
+        torch.save(params, out / "params.pt")
+    return {"losses": losses, "world_size": trainer.args.world_size,
+            "sharded": type(trainer.model).__name__.startswith("FSDP")}
 
 
 def main(out_dir: str, world: int, cases: list[str]) -> None:
     torch.set_num_threads(1)
+    if os.environ.get("TOOLKIT_TEST_FSDP2") == "1":
+        FSDP.update(enable_fsdp2_on_cpu())
     registry().register(_Plugin(), name="ddp-test-backend")
     results = {}
     for case in cases:

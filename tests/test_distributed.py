@@ -54,3 +54,22 @@ def test_single_process_trainers_refuse_a_multi_process_launch_before_loading_an
         AsyncGRPOTrainer(tiny_model(), ["numeric_match"], async_cfg, train_dataset=rows,
                          processing_class=tiny_tokenizer())
     assert not (tmp_path / "out").exists()
+
+
+def test_fsdp_asked_for_on_cpu_is_reported_not_silently_dropped(monkeypatch, caplog):
+    """Under torchrun on CPU, accelerate runs a run configured for FSDP as DDP without a word (transformers
+    itself refuses fsdp in a single process); the trainers say so. Checked on the trainer's two attributes the
+    decision reads (the sharded run itself is tests/test_multiprocess.py)."""
+    import logging
+    import types
+
+    from toolkit.core.distributed import warn_if_sharding_ignored
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    unsharded = types.SimpleNamespace(args=types.SimpleNamespace(fsdp=True), is_fsdp_enabled=False)
+    with caplog.at_level(logging.WARNING, logger="toolkit.core.distributed"):
+        assert warn_if_sharding_ignored(unsharded)
+    assert "FSDP was configured" in caplog.text and "runs DDP over 2 processes" in caplog.text
+    sharded = types.SimpleNamespace(args=types.SimpleNamespace(fsdp=True), is_fsdp_enabled=True)
+    assert not warn_if_sharding_ignored(sharded)
+    assert not warn_if_sharding_ignored(types.SimpleNamespace(args=types.SimpleNamespace(fsdp=False)))

@@ -3,7 +3,8 @@
 SFT (a list and a stream), DPO and GRPO (loss types dapo, grpo, dr_grpo and prompt; group and batch reward scaling; one case with
 gradient accumulation 2 per rank and num_iterations 2): GRPO's loss counts (tokens,
 completions, prompts of the step) and batch-level advantage statistics are global across ranks, so the
-2-process run is the same optimisation as the 1-process run with twice the batch.
+2-process run is the same optimisation as the 1-process run with twice the batch. The same equality
+holds under FSDP2 (accelerate's preparation, sharded weights) for SFT, DPO and GRPO.
 """
 
 import json
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
+FSDP2_CASES = ["sft", "sft-stream", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-prompt-batch-accum"]
 CASES = ["sft", "sft-stream", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch", "grpo-prompt-batch-accum"]
 
 
@@ -25,24 +27,41 @@ def _run(cmd, env):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
-@pytest.mark.slow
-def test_two_ranks_match_one_process(tmp_path):
+def _two_ranks_against_one(tmp_path, cases, port, **extra_env):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun comes with torch"
     # ACCELERATE_USE_CPU: what `accelerate launch --cpu` sets; without it Trainer stays single-process on CPU.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true",
            "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     one, two = tmp_path / "one", tmp_path / "two"
-    _run([sys.executable, WORKER, str(one), "1", ",".join(CASES)], env)
-    _run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", WORKER, str(two), "2", ",".join(CASES)], env)
+    _run([sys.executable, WORKER, str(one), "1", ",".join(cases)], env)
+    _run([torchrun, "--nproc_per_node", "2", "--master_port", str(port), WORKER, str(two), "2", ",".join(cases)],
+         {**env, **extra_env})
     r1, r2 = json.loads((one / "result.json").read_text()), json.loads((two / "result.json").read_text())
-    for case in CASES:
+    for case in cases:
         assert r1[case]["world_size"] == 1 and r2[case]["world_size"] == 2, case
         assert len(r1[case]["losses"]) == len(r2[case]["losses"]) >= 1, case
         assert r2[case]["losses"] == pytest.approx(r1[case]["losses"], rel=1e-5, abs=1e-6), case
         p1, p2 = torch.load(one / case / "params.pt"), torch.load(two / case / "params.pt")
         for k in p1:
             torch.testing.assert_close(p1[k], p2[k], rtol=1e-5, atol=1e-5, msg=f"{case}: {k}")
+    return r2
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process(tmp_path):
+    r2 = _two_ranks_against_one(tmp_path, CASES, 29533)
+    assert not any(r["sharded"] for r in r2.values())  # plain DDP
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_match_one_process(tmp_path):
+    """accelerate's own FSDP2 preparation (each decoder layer, the embedding/norm/head unit and the root sharded,
+    reshard_after_forward=True) over 2 gloo processes: the chunked LM head reads the weight outside the forward
+    (models.output_head) and GRPO's decoding runs in lockstep across ranks (each forward all-gathers; a rank
+    that stopped early crashed the collective before). The worker lifts accelerate's GPU-only gate for FSDP."""
+    r2 = _two_ranks_against_one(tmp_path, FSDP2_CASES, 29535, TOOLKIT_TEST_FSDP2="1")
+    assert all(r["sharded"] for r in r2.values())
 
 
 @pytest.mark.slow
@@ -66,3 +85,16 @@ def test_the_cli_under_torchrun_prints_and_writes_from_rank_zero_only(tmp_path):
     assert proc.stderr.count("SFT train data:") <= 1  # an INFO line of the data layer, once
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["saved_to"].endswith("final") and (tmp_path / "out" / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_the_lm_head_read_outside_forward_is_whole_when_fsdp2_resharded_it(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    worker = str(Path(__file__).with_name("fsdp_head_worker.py"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    _run([sys.executable, worker, str(tmp_path / "one.pt")], env)
+    _run([torchrun, "--nproc_per_node", "2", "--master_port", "29536", worker, str(tmp_path / "two.pt")], env)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert two["head_type_after_forward"] == "DTensor"  # a direct read would get a shard (and a matmul error)
+    for k in one["params"]:
+        torch.testing.assert_close(one["params"][k], two["params"][k], rtol=1e-5, atol=1e-6, msg=k)

@@ -15,6 +15,7 @@ __all__ = [
     "is_main_process",
     "quiet_other_ranks",
     "refuse_multiprocess",
+    "warn_if_sharding_ignored",
     "requested_processes",
     "warn_if_fewer_processes_than_asked",
 ]
@@ -98,4 +99,17 @@ def warn_if_fewer_processes_than_asked(parent_argv: Sequence[str] | None = None)
                    "single process unless it is configured for multi-CPU. This run trains in ONE process. For "
                    "%d processes use `torchrun --nproc_per_node %d -m toolkit.core.cli ...` with "
                    "ACCELERATE_USE_CPU=true (docs/distributed.md).", asked, asked, asked)
+    return True
+
+
+def warn_if_sharding_ignored(trainer: object) -> bool:
+    """Warn when a run configured for FSDP is not sharded. accelerate (1.15) turns FSDP on only for GPU-like
+    launches; on CPU, or in one process, it runs the whole model on every rank without a word."""
+    args = getattr(trainer, "args", None)
+    if not getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
+        return False
+    runs = f"DDP over {env_world_size()} processes" if env_world_size() > 1 else "in one process"
+    logger.warning("FSDP was configured (fsdp=%r) but this run is not sharded: accelerate enables FSDP only for GPU "
+                   "(or other accelerator) launches with several processes, so it runs %s and every rank holds the "
+                   "whole model. docs/distributed.md says what was tested where.", args.fsdp, runs)
     return True

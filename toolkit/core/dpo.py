@@ -42,6 +42,7 @@ from .checkpoint import (
 )
 from .console import install_console
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
+from .distributed import warn_if_sharding_ignored
 from .errors import ConfigError, DataError, TrainingHealthError
 from .model_card import write_model_card
 from .models import (
@@ -182,6 +183,7 @@ class DPOTrainer(Trainer):
                              on_complete=lambda step, path: notify_checkpoint_saved("dpo", step, path))],
                          optimizers=optimizers)
         install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
+        warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
         self.preference_losses = []  # (name, PreferenceLoss, its settings at start-up, weight)
         for name, weight in zip(args.loss_types, args.loss_weight_values):
             loss = registry().get("preference_loss", name, field="loss_type")

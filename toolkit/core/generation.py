@@ -154,13 +154,35 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _decodes_in_lockstep(model: torch.nn.Module) -> bool:
+    """Whether every rank must run the same number of forwards: a sharded (FSDP2) model all-gathers its weights
+    in each forward, a collective, so a rank that stopped decoding early would leave the others waiting forever."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _all_ranks_finished(finished: bool, device: torch.device) -> bool:
+    """True when every rank's sequences are done; a rank that finished first keeps stepping its (padded) rows."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([0 if finished else 1], dtype=torch.int32, device=device)  # on the device nccl needs
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
 class TransformersBackend:
     """Batched, KV-cached sampling with the training model itself (so weights never need syncing).
 
     Efficient on CPU: each prompt is prefilled once and its KV cache shared by its `n` samples
     (GRPO's G generations of one prompt differ only after the prompt); all sequences then decode
     together, one forward per token, computing the LM head for the last position only; finished
-    sequences stop counting and the loop ends when all are done.
+    sequences stop counting and the loop ends when all are done (under FSDP2, when all are done on
+    every rank: each forward all-gathers the sharded weights, so the ranks decode in lockstep).
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, max_batch_size: int = 256,
@@ -227,6 +249,7 @@ class TransformersBackend:
             tokens_out = torch.full((total, params.max_tokens), self.pad_token_id, dtype=torch.long)
             logps_out = torch.zeros((total, params.max_tokens), dtype=torch.float32)
             lengths = torch.zeros(total, dtype=torch.long)
+            lockstep = _decodes_in_lockstep(model)
             for step in range(params.max_tokens):
                 tok, lp = sample_tokens(logits, params, generator)
                 tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
@@ -236,7 +259,10 @@ class TransformersBackend:
                 lengths += active.long().cpu()
                 if stop.numel():
                     done = done | (active & torch.isin(tok, stop))
-                if bool(done.all()) or step == params.max_tokens - 1:
+                finished = bool(done.all()) or step == params.max_tokens - 1
+                if lockstep:
+                    finished = _all_ranks_finished(finished, device)
+                if finished:
                     break
                 # the token just sampled is real for every row that was active at this step
                 mask = torch.cat([mask, active.long()[:, None]], dim=1)

@@ -59,7 +59,7 @@ from .checkpoint import (
 )
 from .data import prompt_rows, tokenize_prompts
 from .console import install_console
-from .distributed import env_world_size
+from .distributed import env_world_size, warn_if_sharding_ignored
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
 from .model_card import write_model_card
@@ -69,6 +69,7 @@ from .models import (
     is_peft_model,
     load_model,
     load_tokenizer,
+    output_head,
     prepare_model,
     unwrap_model,
 )
@@ -349,6 +350,7 @@ class GRPOTrainer(Trainer):
                          train_dataset=Dataset.from_list([{"row_index": i} for i in range(len(rows))]),
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
         install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
+        warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
         self.loss_is_scaled_for_ga = True
         self.solved: set[int] = set()
         self._micro = 0
@@ -715,8 +717,7 @@ class GRPOTrainer(Trainer):
         if hidden is not None and hidden.shape[0] == int(inputs.completion_mask.sum()):
             # entropy from the hidden states of this forward (a compute_token_logps override that does not call
             # the default leaves none, and then no entropy is logged rather than a stale one)
-            head = unwrap_model(self.model).get_output_embeddings()
-            ent = chunked_entropy(hidden, head.weight.detach(), temperature=self.args.temperature,
+            ent = chunked_entropy(hidden, output_head(self.model)[0].detach(), temperature=self.args.temperature,
                                   chunk_size=self.args.logps_chunk_size)
             s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)
 

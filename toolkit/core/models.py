@@ -20,6 +20,7 @@ __all__ = [
     "is_peft_model",
     "load_model",
     "load_tokenizer",
+    "output_head",
     "prepare_model",
     "resolve_model_path",
     "unwrap_model",
@@ -215,6 +216,48 @@ def unwrap_model(model: torch.nn.Module) -> PreTrainedModel:
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     return model
+
+
+def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head's whole (weight, bias), for log-probs computed outside the model's forward (the chunked head).
+
+    Plain and DDP models: the parameters themselves, no copy. FSDP2: a unit that resharded after its forward
+    leaves the weight as a DTensor shard (a matmul with it fails: "mixed torch.Tensor and DTensor"); the unit
+    owning the head is unsharded here (`FSDPModule.unshard()`), so the weight is the unsharded parameter FSDP
+    itself computes with, and its gradient is reduce-scattered and the unit resharded after backward like any
+    other (tests/test_fsdp2.py: equal to one process). accelerate's FSDP2 setup keeps the head's unit unsharded
+    after forward, so there this is a no-op. DeepSpeed ZeRO-3 partitions the weight in a way that needs the
+    read to happen inside a gathered scope held through backward; it is refused here rather than run wrong.
+    """
+    base = unwrap_model(model)
+    head = base.get_output_embeddings()
+    if head is None:
+        raise ConfigError(f"model: {type(base).__name__} has no output embeddings (LM head); a causal LM is needed.")
+    weight = head.weight
+    if hasattr(weight, "ds_id"):
+        raise ConfigError("DeepSpeed ZeRO-3: the LM head weight is partitioned, and toolkit computes log-probs with "
+                          "it outside the model's forward (chunked, so no full logits tensor exists); that path is "
+                          "not supported under ZeRO-3 yet. Use ZeRO-2 or FSDP2 (docs/distributed.md).")
+    if type(weight).__name__ == "DTensor" or type(getattr(weight, "data", None)).__name__ == "DTensor":
+        _unshard_owner(base, head)
+        weight = head.weight
+        if type(weight).__name__ == "DTensor":
+            raise ConfigError("model: the LM head weight is a DTensor that no FSDP2 unit owns (tensor parallel?); "
+                              "toolkit's chunked LM head needs the whole weight.")
+    return weight, getattr(head, "bias", None)
+
+
+def _unshard_owner(base: torch.nn.Module, head: torch.nn.Module) -> None:
+    """Unshard the innermost FSDP2 unit holding `head` (itself, or the nearest ancestor that is an FSDPModule)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    name = next(n for n, m in base.named_modules() if m is head)
+    parts = name.split(".") if name else []
+    for k in range(len(parts), -1, -1):
+        owner = base.get_submodule(".".join(parts[:k]))
+        if isinstance(owner, FSDPModule):
+            owner.unshard()
+            return
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .attention import varlen_kwargs
-from .models import unwrap_model
+from .models import output_head, unwrap_model
 from .numerics import chunked_token_logps
 
 
@@ -162,8 +162,8 @@ def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, 
     """Flat [N] log-probs of the completion tokens under `model` (pass `hidden` to reuse a forward)."""
     if hidden is None:
         hidden = completion_hidden(model, batch)
-    head = unwrap_model(model).get_output_embeddings()
-    return chunked_token_logps(hidden, head.weight, batch["completion_targets"], bias=getattr(head, "bias", None),
+    weight, bias = output_head(model)  # whole even under FSDP2 (models.output_head)
+    return chunked_token_logps(hidden, weight, batch["completion_targets"], bias=bias,
                                temperature=temperature, chunk_size=chunk_size, upcast=upcast)
 
 

@@ -65,6 +65,7 @@ from .models import (
     is_peft_model,
     load_model,
     load_tokenizer,
+    output_head,
     prepare_model,
     unwrap_model,
 )
@@ -595,8 +596,7 @@ class PPOTrainer(Trainer):
         with torch.no_grad():
             diff = (logps - inputs["old_logps"]) * mask
             clipped = (info["clipped_low"] | info["clipped_high"]) & mask
-            head = unwrap_model(model).get_output_embeddings()
-            entropy = chunked_entropy(hidden.detach(), head.weight.detach(), temperature=self.args.temperature,
+            entropy = chunked_entropy(hidden.detach(), output_head(model)[0].detach(), temperature=self.args.temperature,
                                       chunk_size=self.args.logps_chunk_size)
             stats = {"loss/policy": pg_loss.item(), "loss/value": vf_loss.item(),
                      "policy/approxkl": float(0.5 * (diff ** 2).sum() / mask.sum()),

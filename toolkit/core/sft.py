@@ -55,6 +55,7 @@ from .data import (
     tokenize_for_sft,
     validate,
 )
+from .distributed import warn_if_sharding_ignored
 from .errors import ConfigError, DataError, TrainingHealthError
 from .model_card import write_model_card
 from .models import (
@@ -62,6 +63,7 @@ from .models import (
     apply_cpu_training_defaults,
     load_model,
     load_tokenizer,
+    output_head,
     prepare_model,
     unwrap_model,
 )
@@ -372,6 +374,7 @@ class SFTTrainer(Trainer):
             model=model, args=args, data_collator=collator, **datasets_, processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers, **kwargs,
         )
         install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
+        warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
         # Our compute_loss divides by the token count of the whole accumulated step (num_items_in_batch),
         # so Trainer must count the tokens and must not divide by the accumulation steps again.
         self.model_accepts_loss_kwargs = True
@@ -402,9 +405,9 @@ class SFTTrainer(Trainer):
         labels = inputs["labels"]
         shifted = labels[:, 1:]
         selected = shifted != -100  # [B, T-1]
-        head = unwrap_model(model).get_output_embeddings()
+        weight, bias = output_head(model)  # whole even under FSDP2 (models.output_head)
         logps = chunked_token_logps(
-            hidden[:, :-1][selected], head.weight, shifted[selected], bias=getattr(head, "bias", None),
+            hidden[:, :-1][selected], weight, shifted[selected], bias=bias,
             chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head,
         )
         return logps, shifted[selected]
