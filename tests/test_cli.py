@@ -1,6 +1,7 @@
 """Run files and the `toolkit` command."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,13 @@ def test_every_shipped_run_file_loads_and_says_how_to_run_it(path):
         _, stages = load_pipeline(path)  # every stage's run file exists and is itself a shipped example
         assert all(Path(s["config"]).resolve().parent == path.parent.resolve() for s in stages)
         return
-    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig, "ppo": PPOConfig}[command]
+    if command == "reward":
+        os.environ.setdefault("TOOLKIT_EXPERIMENTAL_SILENCE", "1")
+        from toolkit.experimental.reward import RewardConfig
+    else:
+        RewardConfig = None  # noqa: N806
+    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig, "ppo": PPOConfig,
+                  "reward": RewardConfig}[command]
     run, config = build_configs(load_run_file(path), config_cls)
     assert isinstance(run, RunArgs) and isinstance(config, config_cls)
 
@@ -285,3 +292,27 @@ def test_heldout_by_rewards_says_unknown_when_nothing_is_judged(tmp_path):
                     train_dataset=[{"prompt": f"Count {i}:"} for i in range(4)], processing_class=tiny_tokenizer())
     acc, mean = heldout_by_rewards(t, [{"prompt": "Say 1:"}], max_new_tokens=2)
     assert acc != acc and mean != mean  # NaN: unknown, not 0%
+
+
+def test_the_toolkit_script_runs_an_experimental_command_the_core_cli_does_not_know(tmp_path, capsys):
+    """`toolkit reward` (toolkit.cli adds the experimental tier's commands; toolkit.core.cli never imports it)."""
+    from toolkit.cli import main as script_main
+    from toolkit.core.cli import main as core_main
+    from toolkit.testing import tiny_model, tiny_tokenizer
+
+    assert core_main(["reward", "--config", "x.toml"]) == 2  # unknown to the stable core
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"What is {i} + 1? ", "chosen": str(i + 1),
+                                          "rejected": f"{i + 5} maybe"}) for i in range(16)))
+    rc = script_main(["reward", "--model", str(tmp_path / "m"), "--dataset", str(data), "--eval_dataset", str(data),
+                      "--max_steps", "3", "--output_dir", str(tmp_path / "out"), "--learning_rate", "1e-3",
+                      "--save_strategy", "no", "--disable_tqdm", "true"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert 0.0 <= summary["eval_accuracy_before"] <= 1.0 and 0.0 <= summary["eval_accuracy_after"] <= 1.0
+    assert "heldout_accuracy_before" not in summary  # a reward model does not generate
+    final = tmp_path / "out" / "final"
+    assert (final / "model.safetensors").exists() and "reward-modeling" in (final / "README.md").read_text()
+    assert "ForSequenceClassification" in (final / "config.json").read_text()

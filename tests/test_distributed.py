@@ -73,3 +73,31 @@ def test_fsdp_asked_for_on_cpu_is_reported_not_silently_dropped(monkeypatch, cap
     sharded = types.SimpleNamespace(args=types.SimpleNamespace(fsdp=True), is_fsdp_enabled=True)
     assert not warn_if_sharding_ignored(sharded)
     assert not warn_if_sharding_ignored(types.SimpleNamespace(args=types.SimpleNamespace(fsdp=False)))
+
+
+@pytest.mark.parametrize("name,kind", [("ddp", "MULTI_GPU"), ("fsdp2", "FSDP"), ("zero2", "DEEPSPEED")])
+def test_the_shipped_accelerate_configs_load(name, kind):
+    """examples/accelerate/*.yaml are read by accelerate's own loader (a typo in a key would fail here)."""
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = Path(__file__).parents[1] / "examples" / "accelerate" / f"{name}.yaml"
+    config = load_config_from_file(str(path))
+    assert str(config.distributed_type).endswith(kind) and config.num_processes == 2
+    if name == "fsdp2":
+        assert config.fsdp_config["fsdp_version"] == 2 and config.fsdp_config["fsdp_reshard_after_forward"]
+    if name == "zero2":
+        assert config.deepspeed_config["zero_stage"] == 2
+
+
+def test_output_head_is_the_parameter_itself_without_sharding_and_refuses_zero3():
+    from toolkit.core.models import output_head
+
+    model = tiny_model()
+    weight, bias = output_head(model)
+    assert weight is model.get_output_embeddings().weight and bias is None  # no copy, no gather
+    # DeepSpeed ZeRO-3 marks its partitioned parameters with ds_id (deepspeed is not installed here)
+    model.get_output_embeddings().weight.ds_id = 7
+    with pytest.raises(ConfigError, match="DeepSpeed ZeRO-3: the LM head weight is partitioned"):
+        output_head(model)

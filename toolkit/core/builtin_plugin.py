@@ -38,6 +38,10 @@ def toolkit_register_rewards():
 def toolkit_make_reward(spec):
     if spec.startswith("format:"):
         return format_reward(spec[len("format:"):])
+    if spec.startswith("reward_model:"):
+        from .rewards import RewardModelReward
+
+        return RewardModelReward(spec[len("reward_model:"):])
     return None
 
 

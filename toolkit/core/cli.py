@@ -11,6 +11,10 @@
     toolkit vllm-serve --model <folder>     # a vLLM engine over HTTP for generation_backend = "vllm-server"
     toolkit plugins                         # losses, estimators, rewards, backends by name, and their packages
     toolkit <command> ... --debug           # show the traceback of an error (otherwise one line, exit 1 or 2)
+
+Experimental commands (toolkit.experimental, no stability promise; the `toolkit` script adds them):
+
+    toolkit reward --config examples/reward_arithmetic.toml   # a Bradley-Terry reward model from preference pairs
 """
 
 from __future__ import annotations
@@ -111,8 +115,10 @@ def _print_summary(title: str, summary: dict[str, Any]) -> None:
 
 
 def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: str, title: str,
-                 eval_keys: tuple[str, ...] = ()) -> int:
-    """SFT and DPO from the command line: train, evaluate before/after, save, print a summary."""
+                 eval_keys: tuple[str, ...] = (), generates: bool = True) -> int:
+    """SFT, DPO (and the experimental reward trainer) from the command line: train, evaluate before/after, save,
+    print a summary. `generates=False`: the trained model does not generate (a reward model), so no greedy
+    accuracy."""
     parsed = _parse(argv, config_cls)
     if parsed is None:
         return 0
@@ -121,14 +127,17 @@ def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: 
     started = time.perf_counter()
     trainer = make_trainer(run, cfg, train, held_out)
     summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset}
-    arithmetic_eval = run.report_accuracy and run.eval_dataset == "builtin:arithmetic"
+    arithmetic_eval = generates and run.report_accuracy and run.eval_dataset == "builtin:arithmetic"
     if arithmetic_eval:
         from .tasks import greedy_accuracy
 
         summary["heldout_accuracy_before"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
         logger.info("held-out greedy accuracy before training: %.3f", summary["heldout_accuracy_before"])
     if held_out is not None:
-        summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+        before = trainer.evaluate()
+        summary["eval_loss_before"] = before["eval_loss"]
+        for key in eval_keys:
+            summary[key.replace("eval_rewards/", "eval_reward_") + "_before"] = before.get(key)
     trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if losses:
@@ -273,14 +282,16 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extra_commands: dict[str, Any] | None = None) -> int:
+    """Run one command. `extra_commands` ({name: fn(argv) -> exit code}) adds commands from outside the stable
+    core: the `toolkit` script (toolkit.cli) adds the experimental tier's, which the core never imports."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     commands = {"sft": run_sft, "grpo": run_grpo, "async-grpo": run_async_grpo, "dpo": run_dpo, "ppo": run_ppo,
                 "pipeline": _pipeline,
-                "model-path": _model_path, "plugins": _plugins, "vllm-serve": _vllm_serve}
+                "model-path": _model_path, "plugins": _plugins, "vllm-serve": _vllm_serve, **(extra_commands or {})}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):
@@ -290,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     quiet_other_ranks()
-    if argv[0] in ("sft", "grpo", "async-grpo", "dpo", "ppo", "pipeline"):
+    if argv[0] in ("sft", "grpo", "async-grpo", "dpo", "ppo", "pipeline", *(extra_commands or {})):
         warn_if_fewer_processes_than_asked()
     try:
         return commands[argv[0]](argv[1:])

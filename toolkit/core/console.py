@@ -31,7 +31,8 @@ CONSOLE_ENV = "TOOLKIT_CONSOLE"
 _FIELDS = (
     ("loss", "loss", ".4f"), ("eval_loss", "eval_loss", ".4f"), ("reward", "reward", ".3f"),
     ("objective/scores", "score", ".3f"), ("rewards/accuracies", "pref_acc", ".3f"),
-    ("eval_rewards/accuracies", "eval_pref_acc", ".3f"), ("heldout_accuracy", "heldout_acc", ".3f"),
+    ("eval_rewards/accuracies", "eval_pref_acc", ".3f"), ("accuracy", "pair_acc", ".3f"),
+    ("eval_accuracy", "eval_pair_acc", ".3f"), ("heldout_accuracy", "heldout_acc", ".3f"),
     ("entropy", "entropy", ".3f"), ("kl", "kl", ".4f"), ("grad_norm", "grad", ".3g"), ("learning_rate", "lr", ".1e"),
     ("train_loss", "train_loss (mean)", ".4f"), ("train_runtime", "runtime_s", ".1f"),
 )

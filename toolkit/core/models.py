@@ -18,11 +18,13 @@ __all__ = [
     "is_embedded_checkpoint",
     "is_embedded_name",
     "is_peft_model",
+    "load_classifier",
     "load_model",
     "load_tokenizer",
     "output_head",
     "prepare_model",
     "resolve_model_path",
+    "sequence_classifier_parts",
     "unwrap_model",
 ]
 
@@ -216,6 +218,31 @@ def unwrap_model(model: torch.nn.Module) -> PreTrainedModel:
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     return model
+
+
+def load_classifier(model: str, dtype: Any = "float32") -> PreTrainedModel:
+    """A `*ForSequenceClassification` model with one output (a reward or value model) from a name or path.
+
+    A causal LM checkpoint (e.g. the embedded default) loads with a new, randomly initialised score head on
+    top of its backbone; a trained reward model loads as saved."""
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(
+        resolve_model_path(str(model)), num_labels=1, dtype=_parse_dtype(dtype) if isinstance(dtype, str) else dtype)
+
+
+def sequence_classifier_parts(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(backbone, score head) of a transformers *ForSequenceClassification model (TRL's value/reward models)."""
+    model = unwrap_model(model)
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = getattr(model, "score", None)
+    if backbone is None or not isinstance(head, torch.nn.Module):
+        raise ConfigError(f"{type(model).__name__}: expected a sequence-classification model with a `score` head "
+                          f"(AutoModelForSequenceClassification, num_labels=1).")
+    if getattr(head, "out_features", 1) != 1:
+        raise ConfigError(f"{type(model).__name__}: the score head has {head.out_features} outputs; value and reward "
+                          "models need num_labels=1.")
+    return backbone, head
 
 
 def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

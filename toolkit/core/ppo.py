@@ -63,10 +63,12 @@ from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
     is_peft_model,
+    load_classifier,
     load_model,
     load_tokenizer,
     output_head,
     prepare_model,
+    sequence_classifier_parts,
     unwrap_model,
 )
 from .numerics import (
@@ -284,19 +286,6 @@ class ScalarHead(nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
 
-def sequence_classifier_parts(model: PreTrainedModel) -> tuple[nn.Module, nn.Module]:
-    """(backbone, score head) of a transformers *ForSequenceClassification model (TRL's value/reward models)."""
-    backbone = getattr(model, model.base_model_prefix, None)
-    head = getattr(model, "score", None)
-    if backbone is None or not isinstance(head, nn.Module):
-        raise ConfigError(f"{type(model).__name__}: expected a sequence-classification model with a `score` head "
-                          f"(AutoModelForSequenceClassification, num_labels=1).")
-    if getattr(head, "out_features", 1) != 1:
-        raise ConfigError(f"{type(model).__name__}: the score head has {head.out_features} outputs; value and reward "
-                          "models need num_labels=1.")
-    return backbone, head
-
-
 @dataclass
 class PPORollout:
     """One update's experience. Per-token tensors are [B, T], right-padded, with `mask`."""
@@ -392,7 +381,7 @@ class PPOTrainer(Trainer):
         hidden_size = base.config.hidden_size
         if args.critic == "separate":
             if value_model is not None:
-                vm = value_model if isinstance(value_model, nn.Module) else _load_classifier(value_model, dtype)
+                vm = value_model if isinstance(value_model, nn.Module) else load_classifier(value_model, dtype)
                 backbone, head = sequence_classifier_parts(vm)
                 self.critic = ScalarHead(hidden_size, backbone, head)
             else:
@@ -403,7 +392,7 @@ class PPOTrainer(Trainer):
             self.critic = ScalarHead(hidden_size)
         self.reward_model = None
         if reward_model is not None:
-            rm = reward_model if isinstance(reward_model, nn.Module) else _load_classifier(reward_model, dtype)
+            rm = reward_model if isinstance(reward_model, nn.Module) else load_classifier(reward_model, dtype)
             self.reward_model = ScalarHead(hidden_size, *sequence_classifier_parts(rm)).eval().requires_grad_(False)
         self.padding_free = supports_varlen(base)
         if self.padding_free:
@@ -853,12 +842,3 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
-
-
-def _load_classifier(path: str, dtype: Any) -> PreTrainedModel:
-    from transformers import AutoModelForSequenceClassification
-
-    from .models import _parse_dtype, resolve_model_path
-
-    return AutoModelForSequenceClassification.from_pretrained(
-        resolve_model_path(str(path)), num_labels=1, dtype=_parse_dtype(dtype) if isinstance(dtype, str) else dtype)

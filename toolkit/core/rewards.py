@@ -36,6 +36,7 @@ from .errors import ConfigError, TrainingHealthError
 
 __all__ = [
     "RewardFunction",
+    "RewardModelReward",
     "RewardOutcome",
     "RewardRunner",
     "format_reward",
@@ -322,3 +323,58 @@ def weighted_total(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> tor
     judged = ~torch.isnan(rewards_per_func)
     total = (torch.where(judged, rewards_per_func, torch.zeros_like(rewards_per_func)) * weights[:, None]).sum(0)
     return torch.where(judged.any(0), total, torch.full_like(total, float("nan")))
+
+
+class RewardModelReward:
+    """A reward function that scores prompt + completion with a sequence-classification reward model.
+
+    What `toolkit.experimental.reward.RewardTrainer` trains (and TRL's RewardTrainer, or any
+    `AutoModelForSequenceClassification` with one output) used as a GRPO/PPO reward function, or by spec
+    `reward_model:<path>` in a run file. Token-exact: the prompt is rendered the way the RL trainers render
+    it (`data.tokenize_prompts`), the completion is the sampled ids as they are (never decoded and
+    re-tokenized), and the score is read at the last token of prompt + completion, where the reward trainer
+    trains it and where PPOTrainer's `reward_model=` reads it.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, *, batch_size: int = 16, dtype: str = "float32",
+                 chat_template_kwargs: dict | None = None):
+        from .models import load_classifier, load_tokenizer, sequence_classifier_parts
+
+        source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        self.model = load_classifier(model, dtype) if isinstance(model, str) else model
+        self.model.eval().requires_grad_(False)
+        if tokenizer is None:
+            if not source:
+                raise ConfigError("RewardModelReward: pass the reward model's tokenizer (the model was given as an "
+                                  "object without a name to load one from).")
+            tokenizer = load_tokenizer(source)
+        self.tokenizer = tokenizer
+        self.backbone, self.head = sequence_classifier_parts(self.model)
+        self.batch_size = batch_size
+        self.chat_template_kwargs = chat_template_kwargs
+        self.__name__ = "reward_model"
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Any],
+                 **_: Any) -> list[float]:
+        from .data import tokenize_prompts
+
+        prompt_ids, _cut = tokenize_prompts([{"prompt": p} for p in prompts], self.tokenizer, max_prompt_length=None,
+                                            chat_template_kwargs=self.chat_template_kwargs)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        device = next(self.model.parameters()).device
+        scores: list[float] = []
+        for start in range(0, len(prompt_ids), self.batch_size):
+            seqs = [list(p) + list(c) for p, c in zip(prompt_ids[start:start + self.batch_size],
+                                                      completion_ids[start:start + self.batch_size])]
+            longest = max(len(q) for q in seqs)
+            ids = torch.full((len(seqs), longest), pad, dtype=torch.long)
+            mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+            for i, q in enumerate(seqs):  # right-padded: each sequence's last token at len - 1
+                ids[i, :len(q)] = torch.tensor(q, dtype=torch.long)
+                mask[i, :len(q)] = 1
+            hidden = self.backbone(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                   use_cache=False).last_hidden_state
+            last = hidden[torch.arange(len(seqs), device=device), mask.sum(1).to(device) - 1]
+            scores += self.head(last.to(self.head.weight.dtype)).squeeze(-1).float().tolist()
+        return scores

@@ -1,0 +1,205 @@
+"""toolkit.experimental.reward.RewardTrainer: learning, TRL parity on a fixed batch, the trained model consumed
+unchanged by GRPO (RewardModelReward) and PPO (reward_model=), bad input, exact resume, the pair report."""
+
+import math
+import os
+
+import pytest
+import torch
+from conftest import StopAt
+
+from toolkit.core.errors import ConfigError, DataError
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+os.environ.setdefault("TOOLKIT_EXPERIMENTAL_SILENCE", "1")
+from toolkit.experimental.reward import RewardConfig, RewardTrainer  # noqa: E402
+
+U = lambda c: {"role": "user", "content": c}  # noqa: E731
+A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
+
+
+def pairs(n=16, margin=False):
+    rows = [{"prompt": [U(f"What is {i} + 1?")], "chosen": [A(str(i + 1))], "rejected": [A(f"{i + 7} or so")]}
+            for i in range(n)]
+    if margin:
+        for i, r in enumerate(rows):
+            r["margin"] = 0.5 * (i % 3)
+    return rows
+
+
+@pytest.fixture
+def classifier_dir(tmp_path):
+    """The tiny model as a sequence classifier (score head initialised once, so every load is the same)."""
+    from transformers import AutoModelForSequenceClassification
+
+    tiny_model().save_pretrained(tmp_path / "lm")
+    torch.manual_seed(0)
+    clf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=1)
+    clf.config.pad_token_id = tiny_tokenizer().pad_token_id
+    clf.save_pretrained(tmp_path / "clf")
+    tiny_tokenizer().save_pretrained(tmp_path / "clf")
+    return str(tmp_path / "clf")
+
+
+def cfg(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=4, learning_rate=1e-3,
+                logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, report_to="none")
+    base.update(kw)
+    return RewardConfig(**base)
+
+
+def logged(t, key):
+    return [h[key] for h in t.state.log_history if key in h]
+
+
+def test_a_few_steps_learn_to_rank_and_change_the_parameters(tmp_path, classifier_dir):
+    t = RewardTrainer(classifier_dir, cfg(tmp_path, max_steps=12), train_dataset=pairs(),
+                      processing_class=tiny_tokenizer())
+    before = {k: v.clone() for k, v in t.model.named_parameters()}
+    t.train()
+    assert all(torch.isfinite(torch.tensor(logged(t, "loss"))))
+    assert logged(t, "loss")[-1] < logged(t, "loss")[0]
+    assert logged(t, "accuracy")[-1] == 1.0
+    assert any(not torch.equal(v, before[k]) for k, v in t.model.named_parameters())
+
+
+def test_a_causal_lm_name_gets_a_score_head_and_a_causal_lm_object_is_refused(tmp_path):
+    tiny_model().save_pretrained(tmp_path / "lm")
+    t = RewardTrainer(str(tmp_path / "lm"), cfg(tmp_path, max_steps=1), train_dataset=pairs(4),
+                      processing_class=tiny_tokenizer())
+    assert type(t.model).__name__.endswith("ForSequenceClassification") and t.model.config.num_labels == 1
+    with pytest.raises(ConfigError, match="RewardTrainer trains a sequence classifier; got LlamaForCausalLM"):
+        RewardTrainer(tiny_model(), cfg(tmp_path), train_dataset=pairs(4), processing_class=tiny_tokenizer())
+
+
+trl = pytest.importorskip("trl")
+
+
+@pytest.mark.parametrize("center, margin", [(None, False), (0.01, True)])
+def test_loss_and_metrics_equal_trl(tmp_path, classifier_dir, center, margin):
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+
+    tok = tiny_tokenizer()
+    rows = pairs(4, margin=margin)
+    ours = RewardTrainer(classifier_dir, cfg(tmp_path, center_rewards_coefficient=center), train_dataset=rows,
+                         processing_class=tok)
+    examples = [ours.train_dataset[i] for i in range(4)]
+    batch = ours.data_collator(examples)
+    ours.model.train()
+    our_loss = ours.compute_loss(ours.model, batch)
+    our_metrics = {k.split("/", 1)[1]: v[-1] for k, v in ours._metrics.items() if k.startswith("train/")}
+
+    theirs_model = AutoModelForSequenceClassification.from_pretrained(classifier_dir, num_labels=1)
+    theirs = trl.RewardTrainer(model=theirs_model, processing_class=tok,
+                               args=trl.RewardConfig(output_dir=str(tmp_path / "trl"), center_rewards_coefficient=center,
+                                                     use_cpu=True, bf16=False, report_to="none"),
+                               train_dataset=Dataset.from_list([{k: v for k, v in r.items() if k != "margin"}
+                                                                for r in rows]))
+    theirs.model.train()
+    # transformers pools at the last non-pad token: pad with an id no sequence holds, so it reads the same token
+    unused = next(i for i in range(len(tok)) if all(i not in s for s in batch["input_ids"].tolist()))
+    theirs.model.config.pad_token_id = unused
+    inputs = {"input_ids": batch["input_ids"].masked_fill(batch["attention_mask"] == 0, unused),
+              "attention_mask": batch["attention_mask"]}
+    if margin:
+        inputs["margin"] = batch["margin"]
+    trl_loss = theirs.compute_loss(theirs.model, inputs)
+    assert our_loss.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-6)
+    for key in ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
+        assert our_metrics[key] == pytest.approx(theirs._metrics["train"][key][-1], rel=1e-5, abs=1e-6), key
+    # and the gradients of the two losses
+    our_loss.backward()
+    trl_loss.backward()
+    ours_g = dict(ours.model.named_parameters())
+    compared = 0
+    for name, p in theirs.model.named_parameters():
+        assert ours_g[name].grad is not None and p.grad is not None, name
+        torch.testing.assert_close(ours_g[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        compared += 1
+    assert compared == len(ours_g) and abs(our_loss.item() - math.log(2)) > 1e-3  # a real, non-trivial batch
+
+
+def test_the_trained_model_is_read_the_same_way_by_grpo_and_ppo(tmp_path, classifier_dir):
+    """The score the trainer optimises equals what GRPO's RewardModelReward and PPO's reward_model= compute for the
+    same prompt + completion ids, after a save and a load."""
+    from toolkit.core.data import tokenize_prompts
+    from toolkit.core.ppo import PPOConfig, PPOTrainer
+    from toolkit.core.rewards import RewardModelReward
+
+    tok = tiny_tokenizer()
+    t = RewardTrainer(classifier_dir, cfg(tmp_path, max_steps=3), train_dataset=pairs(8), processing_class=tok)
+    t.train()
+    t.save_model(str(tmp_path / "rm"))
+    t.model.eval()
+    examples = [t.train_dataset[i] for i in range(4)]
+    chosen, _ = t.compute_rewards(t.model, t.data_collator(examples))
+
+    rows = pairs(4)
+    prompt_ids, _ = tokenize_prompts(rows, tok, max_prompt_length=None)
+    assert prompt_ids == [e["prompt_ids"] for e in examples]  # GRPO renders the prompt as the trainer did
+    completion_ids = [e["chosen_ids"] for e in examples]
+    grpo_scores = RewardModelReward(str(tmp_path / "rm"))([r["prompt"] for r in rows], [None] * 4, completion_ids)
+    assert grpo_scores == pytest.approx(chosen.tolist(), rel=1e-4, abs=1e-5)
+
+    ppo = PPOTrainer(tiny_model(), [], PPOConfig(output_dir=str(tmp_path / "ppo"), report_to="none",
+                                                 rollout_batch_size=4, per_device_train_batch_size=4,
+                                                 disable_tqdm=True),
+                     train_dataset=[{"prompt": r["prompt"]} for r in rows], processing_class=tok,
+                     reward_model=str(tmp_path / "rm"))
+    ppo_scores = ppo.compute_rewards([{"prompt": r["prompt"]} for r in rows], prompt_ids, completion_ids)
+    assert ppo_scores.tolist() == pytest.approx(chosen.tolist(), rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("rows,words", [
+    ([{"prompt": "a", "chosen": "b", "rejected": "c", "margin": "big"}], ["column 'margin'", "rows 0", "'big'"]),
+    ([{"prompt": "What is 1 + 1?"}], ["needs preference pairs", "prompt-only"]),
+    ([{"prompt": "a", "chosen": "", "rejected": "c"}], ["column 'chosen' is an empty string in row 0"]),
+    ([{"prompt": "a", "chosen": "b", "rejected": "b"}], ["every one of its 1 rows chosen == rejected"]),
+])
+def test_bad_input_is_named_before_any_model_loads(tmp_path, rows, words):
+    with pytest.raises(DataError) as e:
+        RewardTrainer("no-such/model", cfg(tmp_path), train_dataset=rows, processing_class=tiny_tokenizer())
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="center_rewards_coefficient: must be >= 0"):
+        cfg(tmp_path, center_rewards_coefficient=-1.0)
+
+
+def test_exact_resume_equals_uninterrupted(tmp_path, classifier_dir):
+    kw = dict(max_steps=6, per_device_train_batch_size=2, save_strategy="steps", save_steps=3)
+    straight = RewardTrainer(classifier_dir, cfg(tmp_path / "a", **kw), train_dataset=pairs(24),
+                             processing_class=tiny_tokenizer())
+    straight.train()
+    first = RewardTrainer(classifier_dir, cfg(tmp_path / "b", **kw), train_dataset=pairs(24),
+                          processing_class=tiny_tokenizer(), callbacks=[StopAt(3)])
+    first.train()
+    second = RewardTrainer(classifier_dir, cfg(tmp_path / "b", **kw), train_dataset=pairs(24),
+                           processing_class=tiny_tokenizer())
+    second.train(resume_from_checkpoint=True)
+    assert logged(first, "loss") + logged(second, "loss")[3:] == pytest.approx(logged(straight, "loss"), rel=1e-6)
+
+
+def test_pair_report_names_the_pairs_ranked_wrong(tmp_path, classifier_dir):
+    t = RewardTrainer(classifier_dir, cfg(tmp_path, max_steps=1, learning_rate=0.0), train_dataset=pairs(8),
+                      eval_dataset=pairs(6), processing_class=tiny_tokenizer())
+    report = t.pair_report()
+    assert report["pairs"] == 6 and 0.0 <= report["accuracy"] <= 1.0
+    examples = [t.eval_dataset[i] for i in range(6)]
+    chosen, rejected = t.compute_rewards(t.model.eval(), t.data_collator(examples))
+    assert report["failed_rows"] == [i for i in range(6) if not chosen[i] > rejected[i]]
+    assert t.evaluate()["eval_accuracy"] == pytest.approx(report["accuracy"])
+
+
+def test_batch_8x1_equals_4x2_with_accumulation(tmp_path, classifier_dir):
+    trained = []
+    for batch, accumulation in ((8, 1), (4, 2)):
+        t = RewardTrainer(classifier_dir, cfg(tmp_path / f"{batch}", max_steps=2, per_device_train_batch_size=batch,
+                                             gradient_accumulation_steps=accumulation, optim="sgd",
+                                             lr_scheduler_type="constant", max_grad_norm=0.0),
+                          train_dataset=pairs(8), processing_class=tiny_tokenizer())
+        # one optimizer step sees all 8 pairs in both layouts (whatever order they are sampled in)
+        t.train()
+        trained.append(dict(t.model.named_parameters()))
+    for name, p in trained[0].items():
+        torch.testing.assert_close(p, trained[1][name], rtol=1e-5, atol=1e-6, msg=name)

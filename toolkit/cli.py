@@ -1,0 +1,33 @@
+"""The `toolkit` script: the stable core's commands (toolkit.core.cli) plus the experimental tier's.
+
+The core never imports `toolkit.experimental` (an import-linter contract), so the experimental commands
+are added here, one level up, and their modules are imported only when one of them runs (importing the
+experimental tier warns that it has no stability promise). `python -m toolkit.core.cli` has the core
+commands only.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EXPERIMENTAL_COMMANDS", "main"]
+
+from typing import Any
+
+from toolkit.core.cli import main as core_main
+
+
+def _reward(argv: list[str]) -> int:
+    from toolkit.experimental.reward import run_reward_command
+
+    return run_reward_command(argv)
+
+
+#: command name -> fn(argv) -> exit code, for the experimental tier (docs/experimental.md)
+EXPERIMENTAL_COMMANDS: dict[str, Any] = {"reward": _reward}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return core_main(argv, extra_commands=EXPERIMENTAL_COMMANDS)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
