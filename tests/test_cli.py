@@ -34,13 +34,13 @@ def test_every_shipped_run_file_loads_and_says_how_to_run_it(path):
         _, stages = load_pipeline(path)  # every stage's run file exists and is itself a shipped example
         assert all(Path(s["config"]).resolve().parent == path.parent.resolve() for s in stages)
         return
+    os.environ.setdefault("TOOLKIT_EXPERIMENTAL_SILENCE", "1")
     if command == "reward":
-        os.environ.setdefault("TOOLKIT_EXPERIMENTAL_SILENCE", "1")
-        from toolkit.experimental.reward import RewardConfig
+        from toolkit.experimental.reward import RewardConfig as config_cls
+    elif command == "cpo":
+        from toolkit.experimental.cpo import CPOConfig as config_cls
     else:
-        RewardConfig = None  # noqa: N806
-    config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig, "ppo": PPOConfig,
-                  "reward": RewardConfig}[command]
+        config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig, "ppo": PPOConfig}[command]
     run, config = build_configs(load_run_file(path), config_cls)
     assert isinstance(run, RunArgs) and isinstance(config, config_cls)
 

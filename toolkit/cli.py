@@ -21,8 +21,14 @@ def _reward(argv: list[str]) -> int:
     return run_reward_command(argv)
 
 
+def _cpo(argv: list[str]) -> int:
+    from toolkit.experimental.cpo import run_cpo_command
+
+    return run_cpo_command(argv)
+
+
 #: command name -> fn(argv) -> exit code, for the experimental tier (docs/experimental.md)
-EXPERIMENTAL_COMMANDS: dict[str, Any] = {"reward": _reward}
+EXPERIMENTAL_COMMANDS: dict[str, Any] = {"reward": _reward, "cpo": _cpo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@
 Experimental commands (toolkit.experimental, no stability promise; the `toolkit` script adds them):
 
     toolkit reward --config examples/reward_arithmetic.toml   # a Bradley-Terry reward model from preference pairs
+    toolkit cpo --config examples/simpo_arithmetic.toml       # CPO / SimPO: preference optimisation, no reference
 """
 
 from __future__ import annotations

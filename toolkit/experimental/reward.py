@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments, set_seed
 
 from toolkit.core.checkpoint import (
     CompleteCheckpointCallback,
@@ -155,6 +155,7 @@ class RewardTrainer(Trainer):
         init_kwargs = dict(model_init_kwargs or {})
         dtype = init_kwargs.pop("dtype", args.model_dtype)
         if isinstance(model, str):
+            set_seed(args.seed)  # the new score head is drawn at random: the run's seed makes it reproducible
             model = load_classifier(model, dtype)
         else:
             try:
