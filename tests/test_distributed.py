@@ -101,3 +101,17 @@ def test_output_head_is_the_parameter_itself_without_sharding_and_refuses_zero3(
     model.get_output_embeddings().weight.ds_id = 7
     with pytest.raises(ConfigError, match="DeepSpeed ZeRO-3: the LM head weight is partitioned"):
         output_head(model)
+
+
+def test_output_head_refuses_lora_on_the_lm_head():
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.core.models import output_head
+
+    model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ConfigError, match="adapters on the LM head"):
+        output_head(model)
+    # modules_to_save trains a whole copy of the head, which the wrapper's .weight is: allowed
+    saved = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    weight, _ = output_head(saved)
+    assert weight.requires_grad

@@ -212,6 +212,11 @@ def test_pre_tokenized_pairs_train_like_the_same_text(tmp_path):
     given = DPOTrainer(tiny_model(), args=cfg(tmp_path / "b"), train_dataset=ids, processing_class=tok)
     assert [(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) for e in given.train_dataset] == \
         [(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) for e in text.train_dataset]
+    # TRL's current names read the same
+    current = [{"prompt_ids": r["prompt_input_ids"], "chosen_ids": r["chosen_input_ids"],
+                "rejected_ids": r["rejected_input_ids"]} for r in ids]
+    again = DPOTrainer(tiny_model(), args=cfg(tmp_path / "c"), train_dataset=current, processing_class=tok)
+    assert [e["chosen_ids"] for e in again.train_dataset] == [e["chosen_ids"] for e in given.train_dataset]
     text.train()
     given.train()
     assert logged(given, "loss") == pytest.approx(logged(text, "loss"), rel=1e-6)
@@ -222,7 +227,9 @@ def test_pre_tokenized_pairs_train_like_the_same_text(tmp_path):
      ["'chosen_input_ids', row 0", "99999", "vocabulary"]),
     ({"prompt_input_ids": [], "chosen_input_ids": [3], "rejected_input_ids": [4]},
      ["'prompt_input_ids' must hold a non-empty list", "row 0"]),
-    ({"prompt_input_ids": [1], "chosen_input_ids": [3]}, ["need all of", "rejected_input_ids"]),
+    ({"prompt_input_ids": [1], "chosen_input_ids": [3]}, ["need ['chosen_input_ids', 'rejected_input_ids']",
+                                                          "have only ['prompt_input_ids', 'chosen_input_ids']"]),
+    ({"chosen_ids": [3, 4], "rejected_ids": [4, 5]}, ["row 0: no prompt ids", "'prompt_ids'"]),
 ])
 def test_bad_pre_tokenized_pairs_are_named(tmp_path, row, words):
     with pytest.raises(DataError) as e:

@@ -88,7 +88,8 @@ def test_loss_and_metrics_equal_trl(tmp_path, classifier_dir, center, margin):
     batch = ours.data_collator(examples)
     ours.model.train()
     our_loss = ours.compute_loss(ours.model, batch)
-    our_metrics = {k.split("/", 1)[1]: v[-1] for k, v in ours._metrics.items() if k.startswith("train/")}
+    # as log() reports them: the mean of what one step recorded (per pair for accuracy, margin, mean_reward)
+    our_metrics = {k.split("/", 1)[1]: sum(v) / len(v) for k, v in ours._metrics.items() if k.startswith("train/")}
 
     theirs_model = AutoModelForSequenceClassification.from_pretrained(classifier_dir, num_labels=1)
     theirs = trl.RewardTrainer(model=theirs_model, processing_class=tok,
@@ -139,6 +140,9 @@ def test_the_trained_model_is_read_the_same_way_by_grpo_and_ppo(tmp_path, classi
     prompt_ids, _ = tokenize_prompts(rows, tok, max_prompt_length=None)
     assert prompt_ids == [e["prompt_ids"] for e in examples]  # GRPO renders the prompt as the trainer did
     completion_ids = [e["chosen_ids"] for e in examples]
+    # what a policy samples: the answer up to the EOS it stops at (the template's "\n" after it is not sampled,
+    # and the trainer cut it, so the score is trained where it is read)
+    assert all(c[-1] == tok.eos_token_id and tok.eos_token_id not in c[:-1] for c in completion_ids)
     grpo_scores = RewardModelReward(str(tmp_path / "rm"))([r["prompt"] for r in rows], [None] * 4, completion_ids)
     assert grpo_scores == pytest.approx(chosen.tolist(), rel=1e-4, abs=1e-5)
 
@@ -181,14 +185,31 @@ def test_exact_resume_equals_uninterrupted(tmp_path, classifier_dir):
 
 
 def test_pair_report_names_the_pairs_ranked_wrong(tmp_path, classifier_dir):
-    t = RewardTrainer(classifier_dir, cfg(tmp_path, max_steps=1, learning_rate=0.0), train_dataset=pairs(8),
-                      eval_dataset=pairs(6), processing_class=tiny_tokenizer())
+    swapped = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in pairs(4)]
+    t = RewardTrainer(classifier_dir, cfg(tmp_path, max_steps=1, learning_rate=0.0, per_device_eval_batch_size=4),
+                      train_dataset=pairs(8), eval_dataset=pairs(6) + swapped, processing_class=tiny_tokenizer())
     report = t.pair_report()
-    assert report["pairs"] == 6 and 0.0 <= report["accuracy"] <= 1.0
-    examples = [t.eval_dataset[i] for i in range(6)]
+    assert report["pairs"] == 10 and 0.0 < report["accuracy"] < 1.0
+    examples = [t.eval_dataset[i] for i in range(10)]
     chosen, rejected = t.compute_rewards(t.model.eval(), t.data_collator(examples))
-    assert report["failed_rows"] == [i for i in range(6) if not chosen[i] > rejected[i]]
+    assert report["failed_rows"] == [i for i in range(10) if not chosen[i] > rejected[i]]
+    # batches of 4, 4 and 2 pairs: the logged accuracy is the mean over pairs, not over batches
     assert t.evaluate()["eval_accuracy"] == pytest.approx(report["accuracy"])
+
+
+def test_lora_trains_the_adapters_and_the_score_head_and_a_frozen_head_is_refused(tmp_path, classifier_dir):
+    from peft import LoraConfig
+
+    t = RewardTrainer(classifier_dir, cfg(tmp_path, max_steps=2),
+                      peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"),
+                      train_dataset=pairs(8), processing_class=tiny_tokenizer())
+    head = {k: v.clone() for k, v in t.model.named_parameters() if "score" in k and v.requires_grad}
+    assert head
+    t.train()
+    assert any(not torch.equal(v, dict(t.model.named_parameters())[k]) for k, v in head.items())
+    with pytest.raises(ConfigError, match="would leave the score head frozen"):
+        RewardTrainer(classifier_dir, cfg(tmp_path), train_dataset=pairs(4), processing_class=tiny_tokenizer(),
+                      peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
 
 
 def test_batch_8x1_equals_4x2_with_accumulation(tmp_path, classifier_dir):
@@ -203,3 +224,18 @@ def test_batch_8x1_equals_4x2_with_accumulation(tmp_path, classifier_dir):
         trained.append(dict(t.model.named_parameters()))
     for name, p in trained[0].items():
         torch.testing.assert_close(p, trained[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_pre_tokenized_whole_sequence_pairs_score_like_the_text_pairs(tmp_path, classifier_dir):
+    """TRL's reward layout: chosen_ids / rejected_ids each a whole sequence, no prompt column."""
+    tok = tiny_tokenizer()
+    text = RewardTrainer(classifier_dir, cfg(tmp_path / "a"), train_dataset=pairs(4), processing_class=tok)
+    examples = [text.train_dataset[i] for i in range(4)]
+    whole = [{"chosen_ids": e["prompt_ids"] + e["chosen_ids"], "rejected_ids": e["prompt_ids"] + e["rejected_ids"]}
+             for e in examples]
+    ids = RewardTrainer(classifier_dir, cfg(tmp_path / "b"), train_dataset=whole, processing_class=tok)
+    assert ids.train_dataset[0]["prompt_ids"] == []
+    a = text.compute_rewards(text.model.eval(), text.data_collator(examples))
+    b = ids.compute_rewards(ids.model.eval(), ids.data_collator([ids.train_dataset[i] for i in range(4)]))
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)

@@ -160,6 +160,9 @@ def test_a_stream_needs_max_steps_and_refuses_packing(tmp_path):
         SFTTrainer(tiny_model(), cfg(tmp_path, packing=True), train_dataset=stream, processing_class=tiny_tokenizer())
     with pytest.raises(DataError, match="train_dataset: the stream yielded no rows"):
         SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=iter([]), processing_class=tiny_tokenizer())
+    with pytest.raises(ConfigError, match="eval_dataset: a one-shot iterator"):
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=stream, eval_dataset=iter(text_rows()),
+                   processing_class=tiny_tokenizer())
 
 
 def test_a_generator_streams_once_with_formatting_func_and_a_streamed_eval_set(tmp_path, caplog):

@@ -16,8 +16,9 @@ Pre-tokenized rows (what Axolotl-style wrappers hand over) are their own kind, `
 and optionally `completion_mask` (1 = in the loss), `labels` (-100 = not in the loss) and
 `attention_mask`, validated (ids in the vocabulary, masks as long as the ids) and trained on as given.
 SFT accepts them. Pre-tokenized preference pairs (TRL's column names) are `tokenized_preference`:
-`prompt_input_ids`, `chosen_input_ids` and `rejected_input_ids` (the answers' ids after the prompt), read
-by DPO. The RL trainers need prompts as text (rewards and chat templates read it) and say so.
+`prompt_ids`, `chosen_ids` and `rejected_ids` (or the older `prompt_input_ids`, `chosen_input_ids`,
+`rejected_input_ids`; the answers' ids after the prompt's), read by DPO; without the prompt column (each
+answer a whole sequence), by the reward trainer. The RL trainers need prompts as text (rewards and chat templates read it) and say so.
 
 ShareGPT-style ``conversations`` with ``from``/``value`` keys is read as ``messages``.
 
@@ -71,6 +72,8 @@ _KNOWN_COLUMNS = ("text", "messages", "conversations", "prompt", "completion", "
 _MAX_ROWS_IN_MESSAGE = 5
 _TOKENIZED_COLUMNS = ("input_ids", "completion_mask", "labels", "attention_mask")
 _TOKENIZED_PAIR_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+# TRL's current names (DPOTrainer >= 0.2x); the *_input_ids ones are its older names. Both are read.
+_TOKENIZED_PAIR_NAMES = (_TOKENIZED_PAIR_COLUMNS, ("prompt_ids", "chosen_ids", "rejected_ids"))
 
 
 @dataclass(frozen=True)
@@ -246,15 +249,17 @@ def detect_format(rows: list[dict[str, Any]], *, tokenized: bool = False) -> Dat
         used = [c for c in _TOKENIZED_COLUMNS if c in cols]
         extras = tuple(c for c in columns if c not in used)
         return DatasetFormat(kind="tokenized", conversational=False, columns=tuple(used), extra_columns=extras)
-    pair_ids = [c for c in _TOKENIZED_PAIR_COLUMNS if c in cols]
-    if {"chosen_input_ids", "rejected_input_ids"} & cols and not {"chosen", "rejected"} & cols:
-        # text columns next to the ids win (a Dataset.map(tokenize) keeps both); ids alone are read as given
-        if len(pair_ids) < 3:
-            raise DataError(f"dataset: pre-tokenized preference rows need all of {list(_TOKENIZED_PAIR_COLUMNS)} "
-                            f"(the answers' ids follow the prompt's); these rows have only {pair_ids}.")
-        extras = tuple(c for c in columns if c not in pair_ids)
-        return DatasetFormat(kind="tokenized_preference", conversational=False, columns=_TOKENIZED_PAIR_COLUMNS,
-                             extra_columns=extras)
+    for names in _TOKENIZED_PAIR_NAMES:
+        if not (set(names[1:]) & cols) or {"chosen", "rejected"} & cols:
+            continue  # text columns next to the ids win (a Dataset.map(tokenize) keeps both)
+        if not set(names[1:]) <= cols:
+            have = [c for c in names if c in cols]
+            raise DataError(f"dataset: pre-tokenized preference rows need {list(names[1:])} (and optionally "
+                            f"'{names[0]}', the answers' ids then follow the prompt's); these rows have only {have}.")
+        # without a prompt column each answer's ids are the whole sequence (TRL's reward-model layout)
+        used = tuple(c for c in names if c in cols)
+        return DatasetFormat(kind="tokenized_preference", conversational=False, columns=used,
+                             extra_columns=tuple(c for c in columns if c not in used))
     if {"chosen", "rejected"} <= cols:
         kind, used = "preference", [c for c in ("prompt", "chosen", "rejected") if c in cols]
         probe = rows[0]["chosen"]
@@ -274,10 +279,10 @@ def detect_format(rows: list[dict[str, Any]], *, tokenized: bool = False) -> Dat
             partial = " There is a 'completion' column but no 'prompt' column to go with it."
         elif "chosen" in cols or "rejected" in cols:
             partial = " Preference data needs both 'chosen' and 'rejected'."
-        elif "input_ids" in cols or "prompt_input_ids" in cols:
+        elif "input_ids" in cols or "prompt_input_ids" in cols or "prompt_ids" in cols:
             partial = (" Pre-tokenized 'input_ids' rows are read by SFTTrainer; DPOTrainer reads "
-                       f"{list(_TOKENIZED_PAIR_COLUMNS)}; the RL trainers need each prompt as text in a 'prompt' "
-                       "column (reward functions and the chat template read it).")
+                       f"{list(_TOKENIZED_PAIR_COLUMNS)} (or {list(_TOKENIZED_PAIR_NAMES[1])}); the RL trainers need "
+                       "each prompt as text in a 'prompt' column (reward functions and the chat template read it).")
         raise DataError(
             f"dataset: no known format in columns {columns}.{partial}{_suggest(columns)} Known formats: "
             "'text' or 'messages' (language modeling), 'prompt' (prompt-only), 'prompt'+'completion', "
@@ -462,11 +467,11 @@ def _check_tokenized(p: _Problems, rows: list[dict[str, Any]], fmt: DatasetForma
                                          "are the ids themselves or -100, unshifted, as transformers expects)")
 
 
-def _check_tokenized_pairs(p: _Problems, rows: list[dict[str, Any]], tokenizer: Any) -> None:
-    """Pre-tokenized pairs: each of the three columns a non-empty list of ids inside the vocabulary."""
+def _check_tokenized_pairs(p: _Problems, rows: list[dict[str, Any]], fmt: DatasetFormat, tokenizer: Any) -> None:
+    """Pre-tokenized pairs: each id column a non-empty list of ids inside the vocabulary."""
     vocab = len(tokenizer) if tokenizer is not None else None
     for i, r in enumerate(rows):
-        for c in _TOKENIZED_PAIR_COLUMNS:
+        for c in fmt.columns:
             ids = _int_list(r.get(c))
             if not ids:
                 p.add(f"{c}:type", i, f"column '{c}' must hold a non-empty list of token ids in row {i}, got "
@@ -488,7 +493,7 @@ def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any =
         p.raise_if_any(n_rows)
         return
     if fmt.kind == "tokenized_preference":
-        _check_tokenized_pairs(p, rows, tokenizer)
+        _check_tokenized_pairs(p, rows, fmt, tokenizer)
         p.raise_if_any(n_rows)
         return
     for i, r in enumerate(rows, start=first_row):
@@ -906,6 +911,7 @@ def tokenize_for_preference(
     *,
     max_length: int | None,
     template_kwargs: Mapping[str, Any] | None = None,
+    allow_empty_prompt: bool = False,
 ) -> tuple[list[dict[str, Any]], TokenizationReport, list[int]]:
     """Preference rows -> {prompt_ids, chosen_ids, rejected_ids} (completion ids after the shared prompt).
 
@@ -921,9 +927,16 @@ def tokenize_for_preference(
     out, identical = [], []
     for i, r in enumerate(rows):
         if fmt.kind == "tokenized_preference":
-            # as given: no template, no EOS added (a wrapper's ids are what it wants trained on)
-            prompt_ids, sides = _int_list(r["prompt_input_ids"]), [_int_list(r["chosen_input_ids"]),
-                                                                   _int_list(r["rejected_input_ids"])]
+            # as given: no template, no EOS added (a wrapper's ids are what it wants trained on); without a prompt
+            # column the prompt is empty and each answer is a whole sequence (allow_empty_prompt: a reward model)
+            names = dict(zip(("prompt", "chosen", "rejected"),
+                             next(n for n in _TOKENIZED_PAIR_NAMES if n[1] in fmt.columns)))
+            prompt_ids = _int_list(r[names["prompt"]]) if names["prompt"] in fmt.columns else []
+            sides = [_int_list(r[names["chosen"]]), _int_list(r[names["rejected"]])]
+            if not prompt_ids and not allow_empty_prompt:
+                raise DataError(f"row {i}: no prompt ids (column '{names['prompt']}' missing or empty); DPO compares "
+                                "the answers' log-probs given their prompt, so it needs the prompt's ids apart from "
+                                f"the answers'; add a '{names['prompt']}' column.")
             if sides[0] == sides[1]:
                 identical.append(i)
             out.append(_finish_pair(prompt_ids, sides, max_length, report, i))

@@ -106,10 +106,13 @@ def warn_if_sharding_ignored(trainer: object) -> bool:
     """Warn when a run configured for FSDP is not sharded. accelerate (1.15) turns FSDP on only for GPU-like
     launches; on CPU, or in one process, it runs the whole model on every rank without a word."""
     args = getattr(trainer, "args", None)
-    if not getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
+    # `fsdp=` in the arguments, or `accelerate launch --config_file <an FSDP config>` (which sets this variable)
+    asked = getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if not asked or getattr(trainer, "is_fsdp_enabled", False):
         return False
     runs = f"DDP over {env_world_size()} processes" if env_world_size() > 1 else "in one process"
-    logger.warning("FSDP was configured (fsdp=%r) but this run is not sharded: accelerate enables FSDP only for GPU "
+    logger.warning("FSDP was configured (%s) but this run is not sharded: accelerate enables FSDP only for GPU "
                    "(or other accelerator) launches with several processes, so it runs %s and every rank holds the "
-                   "whole model. docs/distributed.md says what was tested where.", args.fsdp, runs)
+                   "whole model. docs/distributed.md says what was tested where.",
+                   f"fsdp={args.fsdp!r}" if getattr(args, "fsdp", None) else "ACCELERATE_USE_FSDP=true", runs)
     return True

@@ -170,6 +170,8 @@ def _all_ranks_finished(finished: bool, device: torch.device) -> bool:
     """True when every rank's sequences are done; a rank that finished first keeps stepping its (padded) rows."""
     import torch.distributed as dist
 
+    if dist.get_backend() == "nccl" and device.type != "cuda":  # e.g. an FSDP2 model offloaded to CPU
+        device = torch.device("cuda", torch.cuda.current_device())
     flag = torch.tensor([0 if finished else 1], dtype=torch.int32, device=device)  # on the device nccl needs
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item()) == 0

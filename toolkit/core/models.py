@@ -252,7 +252,7 @@ def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     leaves the weight as a DTensor shard (a matmul with it fails: "mixed torch.Tensor and DTensor"); the unit
     owning the head is unsharded here (`FSDPModule.unshard()`), so the weight is the unsharded parameter FSDP
     itself computes with, and its gradient is reduce-scattered and the unit resharded after backward like any
-    other (tests/test_fsdp2.py: equal to one process). accelerate's FSDP2 setup keeps the head's unit unsharded
+    other (tests/test_multiprocess.py: equal to one process). accelerate's FSDP2 setup keeps the head's unit unsharded
     after forward, so there this is a no-op. DeepSpeed ZeRO-3 partitions the weight in a way that needs the
     read to happen inside a gathered scope held through backward; it is refused here rather than run wrong.
     """
@@ -260,6 +260,12 @@ def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     head = base.get_output_embeddings()
     if head is None:
         raise ConfigError(f"model: {type(base).__name__} has no output embeddings (LM head); a causal LM is needed.")
+    if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
+        # a PEFT tuner layer's .weight is the frozen base weight: the adapter's change and its gradient would be
+        # silently left out of every log-prob
+        raise ConfigError("peft_config: adapters on the LM head (target_modules including 'lm_head') are not seen by "
+                          "toolkit's chunked LM head, which reads the head's weight directly. Leave lm_head out of "
+                          "target_modules, or train it whole with modules_to_save=['lm_head'].")
     weight = head.weight
     if hasattr(weight, "ds_id"):
         raise ConfigError("DeepSpeed ZeRO-3: the LM head weight is partitioned, and toolkit computes log-probs with "

@@ -174,6 +174,10 @@ _STREAM_HEAD_ROWS = 64
 
 def _stream_head(data: Any, name: str) -> tuple[list[dict[str, Any]], Any]:
     """The first rows of a stream, and the stream to train on (for a one-shot iterator: those rows, then the rest)."""
+    if iter(data) is data and name == "eval_dataset":
+        raise ConfigError("eval_dataset: a one-shot iterator (e.g. a generator) would be used up by the first "
+                          "evaluation, and every later one would see no rows; pass a datasets.IterableDataset (read "
+                          "again each time) or a list.")
     if iter(data) is data:
         # A generator or iterator can be read once: keep what was peeked and go on from there (one pass only).
         head = list(itertools.islice(data, _STREAM_HEAD_ROWS))
@@ -203,8 +207,12 @@ class _SFTStream(torch.utils.data.IterableDataset):
         self.source, self.fmt, self.tokenizer = source, fmt, tokenizer
         self.formatting_func, self.tok_kwargs, self.name = formatting_func, tok_kwargs, name
         self.standard_keys = standard_keys
-        self.rows_read = 0
         self._warned_truncation = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Trainer calls this at each pass; a shuffled datasets.IterableDataset then reshuffles per pass."""
+        if hasattr(self.source, "set_epoch"):
+            self.source.set_epoch(epoch)
 
     def __iter__(self):
         for i, row in enumerate(self.source):
@@ -218,7 +226,6 @@ class _SFTStream(torch.utils.data.IterableDataset):
                 logger.warning("SFT: streamed %s row %d (%d tokens) was truncated to max_length=%s; later truncations "
                                "are not reported one by one.", self.name, i, report.longest,
                                self.tok_kwargs["max_length"])
-            self.rows_read = i + 1
             yield _standard_keys(example) if self.standard_keys else example
 
 

@@ -50,6 +50,7 @@ from toolkit.core.checkpoint import (
     save_trainer_checkpoint,
 )
 from toolkit.core.console import install_console
+from toolkit.core.distributed import warn_if_sharding_ignored
 from toolkit.core.data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from toolkit.core.errors import ConfigError, DataError, TrainingHealthError
 from toolkit.core.model_card import write_model_card
@@ -170,7 +171,17 @@ class RewardTrainer(Trainer):
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
+        task = str(getattr(getattr(peft_config, "task_type", None), "value", getattr(peft_config, "task_type", "")))
+        if peft_config is not None and task != "SEQ_CLS" and "score" not in (peft_config.modules_to_save or []):
+            raise ConfigError(f"peft_config: task_type={task or None!r} would leave the score head frozen at its "
+                              "random start while only the adapters train; use task_type='SEQ_CLS' (PEFT then trains "
+                              "the head, modules_to_save) or add 'score' to modules_to_save.")
         model = prepare_model(model, peft_config)
+        _, head = sequence_classifier_parts(model)
+        if not any(p.requires_grad for p in head.parameters()):
+            raise ConfigError("peft_config: the score head is frozen, so it would stay at its random start while only "
+                              "the adapters train; use task_type='SEQ_CLS' (PEFT then trains the head, "
+                              "modules_to_save) or add 'score' to modules_to_save.")
         logger.info("Reward modelling: Bradley-Terry loss%s%s; score at the last token of prompt + answer; "
                     "max_length=%s.", " with per-pair margins" if "margin" in train_tok[0] else "",
                     f", centring {args.center_rewards_coefficient}" if args.center_rewards_coefficient else "",
@@ -183,6 +194,7 @@ class RewardTrainer(Trainer):
                          eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
         install_console(self)
+        warn_if_sharding_ignored(self)
         self.loss_is_scaled_for_ga = False  # a mean over the micro-batch's pairs; Trainer divides by accumulation
         self._metrics: dict[str, list[float]] = defaultdict(list)
 
@@ -196,8 +208,10 @@ class RewardTrainer(Trainer):
                             f"'prompt'; or TRL's pre-tokenized pairs); this dataset is {fmt.describe()}.")
         validate(rows, fmt, tokenizer=tokenizer)
         margins = _margins(rows, split)
+        # pre-tokenized pairs may come without a prompt (each answer a whole sequence, TRL's reward layout)
         examples, report, identical = tokenize_for_preference(rows, fmt, tokenizer, max_length=args.max_length,
-                                                              template_kwargs=args.chat_template_kwargs)
+                                                              template_kwargs=args.chat_template_kwargs,
+                                                              allow_empty_prompt=True)
         logger.info("Reward %s data: %s: %s", split, fmt.describe(), report.summary(args.max_length))
         if report.truncated_rows:
             logger.warning("Reward: %d of %d %s rows were truncated to max_length=%s (longest %d tokens); a cut answer "
@@ -210,7 +224,16 @@ class RewardTrainer(Trainer):
             logger.warning("Reward: %d of %d %s rows have chosen == rejected (rows %s%s); their loss is log 2 whatever "
                            "the model does. Drop them.", len(identical), len(rows), split,
                            ", ".join(map(str, identical[:5])), " ..." if len(identical) > 5 else "")
+        # A chat template writes tokens after the end-of-turn token (ChatML: "<|im_end|>" then "\n"). A sampled
+        # completion stops at that token (EOS, the RL trainers' default stop), and PPO and RewardModelReward read
+        # the score at a completion's last token; so each answer is cut after its last EOS, and the score is
+        # trained at the token where it will be read.
+        eos = tokenizer.eos_token_id
         for i, e in enumerate(examples):
+            for side in ("chosen_ids", "rejected_ids"):
+                ids = list(e[side])
+                if eos is not None and eos in ids[:-1]:
+                    e[side] = ids[:len(ids) - ids[::-1].index(eos)]
             if margins is not None:
                 e["margin"] = margins[i]
         return examples
@@ -248,11 +271,16 @@ class RewardTrainer(Trainer):
                                       "learning rate or check the data for extreme lengths.")
         mode = "train" if model.training else "eval"
         with torch.no_grad():
-            both = torch.cat([chosen, rejected]).detach()
+            # per pair, from every rank: the logged accuracy and margin are means over all pairs seen, whatever the
+            # batch sizes (min/max: the mean over batches of each batch's extreme, as TRL logs them)
+            # (one process: nothing to gather, and gather_for_metrics would trim by the dataloader's remainder state)
+            gather = self.accelerator.gather_for_metrics if self.accelerator.num_processes > 1 else (lambda t: t)
+            diff = gather((chosen - rejected).detach())
+            both = gather(torch.cat([chosen, rejected]).detach())
             m = self._metrics
-            m[f"{mode}/accuracy"].append((chosen > rejected).float().mean().item())
-            m[f"{mode}/margin"].append((chosen - rejected).mean().item())
-            m[f"{mode}/mean_reward"].append(both.mean().item())
+            m[f"{mode}/accuracy"] += (diff > 0).float().tolist()
+            m[f"{mode}/margin"] += diff.tolist()
+            m[f"{mode}/mean_reward"] += both.tolist()
             m[f"{mode}/min_reward"].append(both.min().item())
             m[f"{mode}/max_reward"].append(both.max().item())
         return (loss, {"chosen": chosen.detach(), "rejected": rejected.detach()}) if return_outputs else loss
@@ -351,8 +379,11 @@ def run_reward_command(argv: list[str]) -> int:
     from toolkit.core.cli import _model_init_kwargs, _peft_config, _run_offline
 
     def make(run, cfg, train, held_out):
+        peft = _peft_config(run)
+        if peft is not None:
+            peft.task_type = "SEQ_CLS"  # PEFT then trains the score head too (modules_to_save)
         return RewardTrainer(run.model, cfg, train_dataset=train, eval_dataset=held_out,
-                             peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+                             peft_config=peft, model_init_kwargs=_model_init_kwargs(run))
 
     return _run_offline(argv, RewardConfig, make, kind="preference", title="Reward model",
                         eval_keys=("eval_accuracy", "eval_margin"), generates=False)
