@@ -35,18 +35,26 @@ def _batch(seed=0, B=4, T=5):
                             step_prompts=3.0, num_micro_batches=2)
 
 
-def _naive(inputs, aggregation, *, eps, eps_high, beta, cap, constant):
-    """Token by token, with Python loops: the composition the docstring of objectives/policy.py describes."""
+def _naive(inputs, aggregation, *, eps, eps_high, beta, cap, constant, ratio_kind="token"):
+    """Token by token, with Python loops: the composition the docstring of objectives/policy.py describes.
+
+    ratio_kind: "token" (PPO's per-token ratio), "sequence" (GSPO: exp of the mean log-ratio over the completion)
+    or "sequence_token" (GSPO-token: that value, with each token's own gradient)."""
     B, T = inputs.logps.shape
     terms = [[None] * T for _ in range(B)]
     for b in range(B):
+        ts = [t for t in range(T) if inputs.completion_mask[b, t]]
+        seq = sum(inputs.logps[b, t] - inputs.old_logps[b, t] for t in ts) / max(len(ts), 1)
         for t in range(T):
             if not inputs.completion_mask[b, t]:
                 terms[b][t] = inputs.logps[b, t] * 0
                 continue
             ratio = torch.exp(inputs.logps[b, t] - inputs.old_logps[b, t])
+            clip_ratio = {"token": ratio, "sequence": torch.exp(seq),
+                          "sequence_token": torch.exp(seq.detach() + inputs.logps[b, t] - inputs.logps[b, t].detach())
+                          }[ratio_kind]
             a = inputs.advantages[b]
-            term = -torch.min(ratio * a, ratio.clamp(1 - eps, 1 + eps_high) * a)
+            term = -torch.min(clip_ratio * a, clip_ratio.clamp(1 - eps, 1 + eps_high) * a)
             w = min(math.exp(float(inputs.old_logps[b, t] - inputs.sampler_logps[b, t])), cap)
             term = term * w
             r = inputs.ref_logps[b, t] - inputs.logps[b, t]
@@ -85,7 +93,8 @@ def test_policy_objective_equals_a_naive_composition_for_every_builtin(loss_type
     out = policy_objective(inputs, lambda i: loss(i, settings), aggregation=loss.aggregation, settings=objective)
     (grad,) = torch.autograd.grad(out.loss, inputs.logps)
     inputs2 = _batch()
-    want = _naive(inputs2, loss.aggregation, eps=0.2, eps_high=0.28, beta=0.04, cap=1.5, constant=7)
+    kind = {"gspo": "sequence", "gspo_token": "sequence_token"}.get(loss_type, "token")
+    want = _naive(inputs2, loss.aggregation, eps=0.2, eps_high=0.28, beta=0.04, cap=1.5, constant=7, ratio_kind=kind)
     (want_grad,) = torch.autograd.grad(want, inputs2.logps)
     torch.testing.assert_close(out.loss, want)
     torch.testing.assert_close(grad, want_grad)
@@ -188,3 +197,30 @@ def test_complete_checkpoint_callback_names_the_0_1_form():
 
     with pytest.raises(TypeError, match=r"toolkit 0.1's CompleteCheckpointCallback\(trainer_kind\) is gone"):
         CompleteCheckpointCallback("grpo")
+
+
+def test_gspo_token_has_gspos_value_and_each_tokens_own_gradient():
+    """The GSPO paper's property: with one advantage per sequence GSPO-token equals GSPO in value and gradient;
+    with per-token advantages the values stay GSPO's sequence ratio but each token's gradient follows its own."""
+    from toolkit.core.numerics import gspo_surrogate
+
+    def both(advantages):
+        inputs = _batch()
+        mask = inputs.completion_mask
+        out = []
+        for token_level in (False, True):
+            loss, _ = gspo_surrogate(inputs.logps, inputs.old_logps, advantages, mask, epsilon_low=0.2,
+                                     epsilon_high=0.28, token_level=token_level)
+            (grad,) = torch.autograd.grad((loss * mask).sum(), inputs.logps)
+            out.append((loss.detach(), grad))
+        return out, mask
+
+    (seq, g_seq), (tok, g_tok) = both(torch.tensor([1.0, -0.5, 0.7, 2.0]))[0]
+    torch.testing.assert_close(seq, tok)
+    torch.testing.assert_close(g_seq, g_tok)
+    row = seq[0, _batch().completion_mask[0]]
+    assert torch.allclose(row, row[0].expand_as(row))  # one ratio per completion
+    per_token = torch.linspace(-1.0, 1.0, 20).reshape(4, 5)
+    ((seq, g_seq), (tok, g_tok)), mask = both(per_token)
+    torch.testing.assert_close(seq, tok)  # values: still the sequence ratio
+    assert not torch.allclose(g_seq * mask, g_tok * mask)

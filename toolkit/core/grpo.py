@@ -156,7 +156,9 @@ class GRPOConfig(TrainingArguments):
     importance_sampling_cap: float | None = field(default=2.0, metadata={
         "help": "Truncated importance sampling between sampler and trainer log-probs: weights min(ratio, cap). "
                 "None turns the correction off."})
-    importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO-style)."})
+    importance_sampling_level: str = field(default="token", metadata={
+        "help": "Level of the sampler correction (importance_sampling_cap): token | sequence (one weight per "
+                "completion, the product of its token ratios). Not GSPO: that is loss_type='gspo'."})
     zero_variance_filter: bool = field(default=True, metadata={
         "help": "Drop groups whose rewards are all equal from the loss (they carry no signal)."})
     mask_truncated_completions: bool = field(default=False, metadata={

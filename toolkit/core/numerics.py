@@ -23,6 +23,7 @@ __all__ = [
     "chunked_entropy",
     "chunked_token_logps",
     "clipped_surrogate",
+    "gspo_surrogate",
     "clipped_value_loss",
     "explained_variance",
     "gae",
@@ -318,6 +319,43 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tenso
     zero_std = (count < 2) | (centred.abs().amax(-1, keepdim=True) < 1e-8)
     adv = torch.where(valid & ~zero_std, r0 - others_mean, torch.zeros_like(r))
     return adv.reshape(-1), zero_std.expand_as(r).reshape(-1)
+
+
+def gspo_surrogate(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    token_level: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GSPO loss (Zheng et al. 2025): the clipped surrogate with one importance ratio per sequence,
+
+        s_i = exp(mean over the completion's tokens of (log pi - log pi_old))
+
+    the length-normalised sequence likelihood ratio, clipped to [1 - eps_low, 1 + eps_high] (GSPO's ranges are
+    about 3e-4 / 4e-4, not PPO's 0.2). `token_level=True` is GSPO-token: s_i,t = sg[s_i] pi(y_t) / sg[pi(y_t)],
+    the same value for every token of a sequence, with each token's own gradient (so per-token advantages can
+    be used). logps, old_logps, mask: [B, T]; advantages [B] or [B, T]. Returns (loss [B, T], info) as
+    `clipped_surrogate` does (the masks are per sequence, repeated over its tokens).
+    """
+    m = mask.to(logps.dtype)
+    seq_log_ratio = ((logps - old_logps) * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]
+    if token_level:
+        log_ratio = seq_log_ratio.detach()[:, None] + logps - logps.detach()
+    else:
+        log_ratio = seq_log_ratio[:, None].expand_as(logps)
+    ratio = torch.exp(log_ratio)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
+    info = {
+        "ratio": ratio.detach(),
+        "clipped_low": ((ratio < 1 - epsilon_low) & (adv < 0)).detach(),
+        "clipped_high": ((ratio > 1 + epsilon_high) & (adv > 0)).detach(),
+    }
+    return loss, info
 
 
 def clipped_surrogate(

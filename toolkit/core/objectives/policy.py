@@ -25,7 +25,14 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ToolkitDeprecationWarning
-from ..numerics import AGGREGATIONS, aggregate, clipped_surrogate, kl_estimate, truncated_importance_weights
+from ..numerics import (
+    AGGREGATIONS,
+    aggregate,
+    clipped_surrogate,
+    gspo_surrogate,
+    kl_estimate,
+    truncated_importance_weights,
+)
 from .settings import NoSettings, _LegacyConfigSettings, SettingsError, resolve_settings
 
 __all__ = [
@@ -115,6 +122,20 @@ def clipped_surrogate_term(inputs: PolicyLossInputs, settings: ClipSettings) -> 
                              epsilon_high=high)
 
 
+def gspo_term(inputs: PolicyLossInputs, settings: ClipSettings) -> tuple[torch.Tensor, dict]:
+    """GSPO: the clipped surrogate on the length-normalised sequence ratio (numerics.gspo_surrogate)."""
+    high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
+    return gspo_surrogate(inputs.logps, inputs.old_logps, inputs.advantages, inputs.completion_mask,
+                          epsilon_low=settings.epsilon, epsilon_high=high)
+
+
+def gspo_token_term(inputs: PolicyLossInputs, settings: ClipSettings) -> tuple[torch.Tensor, dict]:
+    """GSPO-token: the sequence ratio's value with each token's own gradient (numerics.gspo_surrogate)."""
+    high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
+    return gspo_surrogate(inputs.logps, inputs.old_logps, inputs.advantages, inputs.completion_mask,
+                          epsilon_low=settings.epsilon, epsilon_high=high, token_level=True)
+
+
 def _clip_loss(aggregation: str, description: str) -> PolicyLoss:
     return PolicyLoss(clipped_surrogate_term, settings=ClipSettings, aggregation=aggregation, description=description)
 
@@ -128,6 +149,12 @@ BUILTIN_POLICY_LOSSES: dict[str, PolicyLoss] = {
     "dr_grpo": _clip_loss("constant", "clipped surrogate, sum / (completions x max_completion_length) (Dr. GRPO)"),
     "dapo": _clip_loss("token", "clipped surrogate, token mean over the whole optimizer step (DAPO; default)"),
     "prompt": _clip_loss("prompt", "clipped surrogate, token mean per prompt's group, then over prompts (ScaleRL)"),
+    "gspo": PolicyLoss(gspo_term, ClipSettings, "sequence",
+                       "GSPO (Zheng et al. 2025): clipped surrogate on the length-normalised sequence ratio, mean "
+                       "per sequence then over sequences (TRL: loss_type='grpo', importance_sampling_level="
+                       "'sequence'); use epsilon ~3e-4, epsilon_high ~4e-4"),
+    "gspo_token": PolicyLoss(gspo_token_term, ClipSettings, "sequence",
+                             "GSPO-token: GSPO's sequence ratio as each token's value, each token's own gradient"),
 }
 
 
