@@ -252,3 +252,12 @@ def test_a_collator_of_your_own_is_refused_with_what_to_do_instead(tmp_path):
     with pytest.raises(ConfigError, match="data_collator: DPOTrainer forms its own batches.*pre-tokenized pairs"):
         DPOTrainer("no-such/model", args=cfg(tmp_path), train_dataset=plain_rows(2), processing_class=tiny_tokenizer(),
                    data_collator=lambda f: f)
+
+
+def test_id_columns_next_to_a_prompt_are_extras_not_a_pre_tokenized_format():
+    from toolkit.core.data import detect_format, prompt_rows
+
+    rows, fmt = prompt_rows([{"prompt": "What is 1 + 1?", "chosen_ids": [1, 2], "rejected_ids": [3]}] * 2,
+                            tiny_tokenizer(), trainer="GRPO")
+    assert fmt.kind == "prompt_only" and "chosen_ids" in fmt.extra_columns
+    assert detect_format([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}]).kind == "tokenized_preference"

@@ -75,9 +75,24 @@ def test_gspo_equals_trls_sequence_level_importance_sampling(tmp_path, beta, kl_
     checked without that correction."""
     from datasets import Dataset
 
+    from toolkit.core.numerics import gspo_surrogate
+    from toolkit.core.packing import completion_logps, pack_completions
+
     tok = tiny_tokenizer()
-    prompts, completions, advantages, old, ref = _batch(tok)
-    # GSPO's clip range (3e-4 / 4e-4): with the fixed batch's log-ratios both sides of the clip are exercised
+    prompts, completions, advantages, _, ref = _batch(tok)
+    # old log-probs = the model's own, shifted per row so that the sequence log-ratios are +1e-3 (advantage > 0:
+    # above 1 + 4e-4, clipped high), -1e-3 (advantage < 0: clipped low), 1e-4 and 0 (inside the range)
+    model = tiny_model()
+    batch = pack_completions(prompts, completions, pad_token_id=tok.pad_token_id, padding_free=False)
+    with torch.no_grad():
+        flat = completion_logps(model, batch, temperature=0.7)
+    now = list(flat.split([len(c) for c in completions]))
+    shift = [1e-3, -1e-3, 1e-4, 0.0]
+    old = [lp - s for lp, s in zip(now, shift)]
+    padded = lambda rows: torch.stack([torch.nn.functional.pad(r, (0, C - len(r))) for r in rows])  # noqa: E731
+    mask = torch.stack([torch.arange(C) < len(c) for c in completions])
+    _, info = gspo_surrogate(padded(now), padded(old), advantages, mask, epsilon_low=3e-4, epsilon_high=4e-4)
+    assert info["clipped_high"].any() and info["clipped_low"].any() and not info["clipped_high"][2:].any()
     common = dict(per_device_train_batch_size=B, max_completion_length=C, temperature=0.7, beta=beta,
                   epsilon=3e-4, epsilon_high=4e-4, report_to="none", learning_rate=1e-3)
     tiny_model().save_pretrained(tmp_path / "tiny")

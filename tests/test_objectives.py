@@ -43,8 +43,8 @@ def _naive(inputs, aggregation, *, eps, eps_high, beta, cap, constant, ratio_kin
     B, T = inputs.logps.shape
     terms = [[None] * T for _ in range(B)]
     for b in range(B):
-        ts = [t for t in range(T) if inputs.completion_mask[b, t]]
-        seq = sum(inputs.logps[b, t] - inputs.old_logps[b, t] for t in ts) / max(len(ts), 1)
+        ts = [t for t in range(T) if inputs.loss_mask[b, t]]  # GSPO's mean runs over the tokens in the loss
+        seq = sum((inputs.logps[b, t] - inputs.old_logps[b, t] for t in ts), inputs.logps[b, 0] * 0) / max(len(ts), 1)
         for t in range(T):
             if not inputs.completion_mask[b, t]:
                 terms[b][t] = inputs.logps[b, t] * 0
@@ -87,14 +87,19 @@ def _naive(inputs, aggregation, *, eps, eps_high, beta, cap, constant, ratio_kin
 @pytest.mark.parametrize("loss_type", sorted(BUILTIN_POLICY_LOSSES))
 def test_policy_objective_equals_a_naive_composition_for_every_builtin(loss_type):
     loss = BUILTIN_POLICY_LOSSES[loss_type]
-    settings = ClipSettings(epsilon=0.2, epsilon_high=0.28)
+    kind = {"gspo": "sequence", "gspo_token": "sequence_token"}.get(loss_type, "token")
+    # GSPO's sequence ratios of this batch lie within 2% of 1: a tight range makes both clip sides bind
+    eps, eps_high = (0.005, 0.001) if kind != "token" else (0.2, 0.28)
+    settings = ClipSettings(epsilon=eps, epsilon_high=eps_high)
     objective = PolicyObjectiveSettings(beta=0.04, importance_sampling_cap=1.5, aggregation_constant=7)
     inputs = _batch()
     out = policy_objective(inputs, lambda i: loss(i, settings), aggregation=loss.aggregation, settings=objective)
     (grad,) = torch.autograd.grad(out.loss, inputs.logps)
+    if kind != "token":
+        assert out.info["clipped_low"].any() and out.info["clipped_high"].any()
     inputs2 = _batch()
-    kind = {"gspo": "sequence", "gspo_token": "sequence_token"}.get(loss_type, "token")
-    want = _naive(inputs2, loss.aggregation, eps=0.2, eps_high=0.28, beta=0.04, cap=1.5, constant=7, ratio_kind=kind)
+    want = _naive(inputs2, loss.aggregation, eps=eps, eps_high=eps_high, beta=0.04, cap=1.5, constant=7,
+                  ratio_kind=kind)
     (want_grad,) = torch.autograd.grad(want, inputs2.logps)
     torch.testing.assert_close(out.loss, want)
     torch.testing.assert_close(grad, want_grad)

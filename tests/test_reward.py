@@ -239,3 +239,47 @@ def test_pre_tokenized_whole_sequence_pairs_score_like_the_text_pairs(tmp_path, 
     b = ids.compute_rewards(ids.model.eval(), ids.data_collator([ids.train_dataset[i] for i in range(4)]))
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y)
+
+
+def test_the_answer_loses_only_the_templates_suffix_never_a_truncated_end(tmp_path, classifier_dir):
+    """Chat answers end at EOS (the template's newline after it is cut); an answer cut by max_length, and
+    pre-tokenized ids, are kept as they are (no earlier EOS is taken for the end)."""
+    from toolkit.experimental.reward import _template_suffix
+
+    tok = tiny_tokenizer()
+    suffix = _template_suffix(tok, None)
+    assert suffix and tok.eos_token_id not in suffix
+    full = RewardTrainer(classifier_dir, cfg(tmp_path / "a"), train_dataset=pairs(4), processing_class=tok)
+    e = full.train_dataset[0]
+    assert e["chosen_ids"][-1] == tok.eos_token_id
+    # max_length cuts into the answers: nothing is stripped, the pair stays different
+    cut = RewardTrainer(classifier_dir, cfg(tmp_path / "b", max_length=len(e["prompt_ids"]) + 2),
+                        train_dataset=pairs(4), processing_class=tok)
+    c = cut.train_dataset[0]
+    assert len(c["chosen_ids"]) == 2 and c["chosen_ids"] != c["rejected_ids"]
+    # prompt-less pre-tokenized pairs, truncated: the user turn's EOS is not mistaken for the answer's end
+    whole = [{"chosen_ids": x["prompt_ids"] + x["chosen_ids"] + suffix,
+              "rejected_ids": x["prompt_ids"] + x["rejected_ids"] + suffix} for x in full.train_dataset]
+    ids = RewardTrainer(classifier_dir, cfg(tmp_path / "c", max_length=len(e["prompt_ids"]) + 2),
+                        train_dataset=whole, processing_class=tok)
+    keep = len(e["prompt_ids"]) + 2
+    for x, y in zip(ids.train_dataset, whole):
+        assert x["chosen_ids"] == y["chosen_ids"][:keep] and x["rejected_ids"] == y["rejected_ids"][:keep]
+
+
+def test_the_cli_trains_a_lora_reward_model_with_its_head(tmp_path):
+    import json
+
+    from toolkit.cli import main as script_main
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"What is {i} + 1? ", "chosen": str(i + 1),
+                                          "rejected": f"{i + 5} maybe"}) for i in range(8)))
+    rc = script_main(["reward", "--model", str(tmp_path / "m"), "--dataset", str(data), "--max_steps", "2",
+                      "--output_dir", str(tmp_path / "out"), "--save_strategy", "no", "--disable_tqdm", "true",
+                      "--lora_r", "4", "--lora_target_modules", '["q_proj"]'])
+    assert rc == 0
+    config = json.loads((tmp_path / "out" / "final" / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and "score" in str(config.get("modules_to_save"))

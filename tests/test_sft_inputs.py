@@ -214,3 +214,17 @@ def test_input_ids_next_to_text_is_only_pre_tokenized_for_sft():
     assert detect_format([{"input_ids": [1, 2]}], tokenized=True).kind == "tokenized"
     with pytest.raises(DataError, match="ambiguous"):
         detect_format([{"prompt": "a", "input_ids": [1]}], tokenized=True)
+
+
+def test_set_epoch_reaches_the_streamed_source():
+    from toolkit.core.sft import _SFTStream
+
+    class Source(CountingStream):
+        epochs = []
+
+        def set_epoch(self, epoch):
+            self.epochs.append(epoch)
+
+    source = Source(text_rows())
+    _SFTStream(source, None, None, None, {}, "train_dataset", standard_keys=False).set_epoch(3)
+    assert source.epochs == [3]

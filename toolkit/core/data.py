@@ -252,6 +252,8 @@ def detect_format(rows: list[dict[str, Any]], *, tokenized: bool = False) -> Dat
     for names in _TOKENIZED_PAIR_NAMES:
         if not (set(names[1:]) & cols) or {"chosen", "rejected"} & cols:
             continue  # text columns next to the ids win (a Dataset.map(tokenize) keeps both)
+        if names[0] not in cols and cols & {"prompt", "text", "messages", "completion"}:
+            continue  # e.g. a prompt dataset with a 'chosen_ids' column for its rewards: an extra column
         if not set(names[1:]) <= cols:
             have = [c for c in names if c in cols]
             raise DataError(f"dataset: pre-tokenized preference rows need {list(names[1:])} (and optionally "

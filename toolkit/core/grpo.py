@@ -124,7 +124,8 @@ class GRPOConfig(TrainingArguments):
 
     loss_type: str = field(default="dapo", metadata={
         "help": "grpo (sequence mean) | bnpo (token mean per micro-batch) | dr_grpo (constant normaliser) | "
-                "dapo (token mean over the whole step) | prompt (ScaleRL prompt-level mean) | a plugin's loss "
+                "dapo (token mean over the whole step) | prompt (ScaleRL prompt-level mean) | gspo / gspo_token "
+                "(GSPO's sequence ratio; use epsilon ~3e-4) | a plugin's loss "
                 "(e.g. cispo from plugins/toolkit-cispo); `toolkit plugins` lists them."})
     loss_kwargs: dict | None = field(default=None, metadata={
         "help": "The policy loss's own settings (e.g. {epsilon_max = 5.0} for cispo), checked against its settings "
@@ -203,6 +204,11 @@ class GRPOConfig(TrainingArguments):
                 f"per_device_train_batch_size: counts completions and must be a multiple of num_generations="
                 f"{self.num_generations}; got {self.per_device_train_batch_size}. Try "
                 f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}.")
+        if self.loss_type in ("gspo", "gspo_token") and self.epsilon >= 0.01:
+            # a length-normalised sequence ratio moves far less than a token's: PPO's 0.2 would almost never clip
+            logger.warning("loss_type=%s with epsilon=%s: GSPO's sequence ratio stays close to 1, so this clip range "
+                           "barely binds; the GSPO paper uses epsilon=3e-4, epsilon_high=4e-4.", self.loss_type,
+                           self.epsilon)
         # Every loss/estimator setting is checked here, by the objects' own settings dataclasses, before any model.
         reg = registry()
         resolve_policy_loss_settings(reg.get("policy_loss", self.loss_type, field="loss_type"), self,

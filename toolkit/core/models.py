@@ -263,9 +263,10 @@ def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
         # a PEFT tuner layer's .weight is the frozen base weight: the adapter's change and its gradient would be
         # silently left out of every log-prob
-        raise ConfigError("peft_config: adapters on the LM head (target_modules including 'lm_head') are not seen by "
-                          "toolkit's chunked LM head, which reads the head's weight directly. Leave lm_head out of "
-                          "target_modules, or train it whole with modules_to_save=['lm_head'].")
+        raise ConfigError("peft_config: adapters on the LM head (target_modules including 'lm_head', or "
+                          "trainable_token_indices on a tied head) are not seen by toolkit's chunked LM head, which "
+                          "reads the head's weight directly. Leave the head out of them, or train it whole with "
+                          "modules_to_save=['lm_head'].")
     weight = head.weight
     if hasattr(weight, "ds_id"):
         raise ConfigError("DeepSpeed ZeRO-3: the LM head weight is partitioned, and toolkit computes log-probs with "

@@ -121,6 +121,17 @@ def _margins(rows: list[dict[str, Any]], split: str) -> list[float] | None:
     return [float(r["margin"]) for r in rows]
 
 
+def _template_suffix(tokenizer: Any, template_kwargs: dict | None) -> list[int]:
+    """The ids a chat template writes after an assistant turn's EOS (ChatML: the newline), [] when none."""
+    eos = tokenizer.eos_token_id
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                         tokenize=False, **(template_kwargs or {}))
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if eos is None or eos not in ids:
+        return []
+    return ids[len(ids) - ids[::-1].index(eos):]
+
+
 class RewardTrainer(Trainer):
     """Bradley-Terry reward modelling on preference pairs; see the module docstring and docs/reward.md."""
 
@@ -171,11 +182,12 @@ class RewardTrainer(Trainer):
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
-        task = str(getattr(getattr(peft_config, "task_type", None), "value", getattr(peft_config, "task_type", "")))
-        if peft_config is not None and task != "SEQ_CLS" and "score" not in (peft_config.modules_to_save or []):
-            raise ConfigError(f"peft_config: task_type={task or None!r} would leave the score head frozen at its "
-                              "random start while only the adapters train; use task_type='SEQ_CLS' (PEFT then trains "
-                              "the head, modules_to_save) or add 'score' to modules_to_save.")
+        task = getattr(peft_config, "task_type", None)
+        if str(getattr(task, "value", task)) == "CAUSAL_LM":
+            # PEFT would fail inside (a causal-LM wrapper around a classifier); and the head would stay frozen
+            raise ConfigError("peft_config: task_type='CAUSAL_LM' would leave the score head frozen at its random "
+                              "start while only the adapters train; use task_type='SEQ_CLS' (PEFT then trains the "
+                              "head, modules_to_save).")
         model = prepare_model(model, peft_config)
         _, head = sequence_classifier_parts(model)
         if not any(p.requires_grad for p in head.parameters()):
@@ -226,14 +238,17 @@ class RewardTrainer(Trainer):
                            ", ".join(map(str, identical[:5])), " ..." if len(identical) > 5 else "")
         # A chat template writes tokens after the end-of-turn token (ChatML: "<|im_end|>" then "\n"). A sampled
         # completion stops at that token (EOS, the RL trainers' default stop), and PPO and RewardModelReward read
-        # the score at a completion's last token; so each answer is cut after its last EOS, and the score is
-        # trained at the token where it will be read.
+        # the score at a completion's last token; so an answer that ends with EOS + the template's own suffix loses
+        # the suffix, and the score is trained at the token where it will be read. Only that exact suffix is cut:
+        # an answer truncated by max_length, or given pre-tokenized, is left as it is.
+        suffix = _template_suffix(tokenizer, args.chat_template_kwargs) if fmt.conversational else []
         eos = tokenizer.eos_token_id
         for i, e in enumerate(examples):
             for side in ("chosen_ids", "rejected_ids"):
                 ids = list(e[side])
-                if eos is not None and eos in ids[:-1]:
-                    e[side] = ids[:len(ids) - ids[::-1].index(eos)]
+                n = len(suffix)
+                if n and len(ids) > n and ids[-n:] == suffix and ids[-n - 1] == eos:
+                    e[side] = ids[:-n]
             if margins is not None:
                 e["margin"] = margins[i]
         return examples

@@ -125,14 +125,15 @@ def clipped_surrogate_term(inputs: PolicyLossInputs, settings: ClipSettings) -> 
 def gspo_term(inputs: PolicyLossInputs, settings: ClipSettings) -> tuple[torch.Tensor, dict]:
     """GSPO: the clipped surrogate on the length-normalised sequence ratio (numerics.gspo_surrogate)."""
     high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
-    return gspo_surrogate(inputs.logps, inputs.old_logps, inputs.advantages, inputs.completion_mask,
+    # the mean log-ratio over the tokens the loss uses (a row left out of the loss gets ratio 1, harmlessly)
+    return gspo_surrogate(inputs.logps, inputs.old_logps, inputs.advantages, inputs.loss_mask,
                           epsilon_low=settings.epsilon, epsilon_high=high)
 
 
 def gspo_token_term(inputs: PolicyLossInputs, settings: ClipSettings) -> tuple[torch.Tensor, dict]:
     """GSPO-token: the sequence ratio's value with each token's own gradient (numerics.gspo_surrogate)."""
     high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
-    return gspo_surrogate(inputs.logps, inputs.old_logps, inputs.advantages, inputs.completion_mask,
+    return gspo_surrogate(inputs.logps, inputs.old_logps, inputs.advantages, inputs.loss_mask,
                           epsilon_low=settings.epsilon, epsilon_high=high, token_level=True)
 
 
@@ -140,8 +141,9 @@ def _clip_loss(aggregation: str, description: str) -> PolicyLoss:
     return PolicyLoss(clipped_surrogate_term, settings=ClipSettings, aggregation=aggregation, description=description)
 
 
-#: The built-in policy losses (registered through the plugin hooks by builtin_plugin). The GRPO-family names
-#: share one per-token term and differ in how it is averaged: that is what TRL's `loss_type` selects.
+#: The built-in policy losses (registered through the plugin hooks by builtin_plugin). The first five GRPO-family
+#: names share one per-token term and differ in how it is averaged (what TRL's `loss_type` selects); the GSPO
+#: names clip the sequence ratio instead of each token's.
 BUILTIN_POLICY_LOSSES: dict[str, PolicyLoss] = {
     "grpo": _clip_loss("sequence", "clipped surrogate, mean over each completion, then over completions "
                                    "(DeepSeekMath)"),
