@@ -1,8 +1,8 @@
 """Benchmark: 2 processes x 1 thread (torchrun, gloo, DDP) against 1 process x 2 threads, on the embedded
 SmolLM2-135M-Instruct, for SFT and GRPO, in one run.
 
-    python bench/multiprocess.py                          # about 8 minutes on 2 CPU cores
-    python bench/multiprocess.py --steps 3 --json bench/results/multiprocess.json
+    python bench/multi_process.py                          # about 8 minutes on 2 CPU cores
+    python bench/multi_process.py --steps 3 --json bench/results/multiprocess.json
 
 Same model, data, global batch and settings in both layouts: SFT takes 8 rows per optimizer step
 (1 x 8, or 2 ranks x 4), GRPO 4 prompts x 4 completions per step (1 x 16 or 2 x 8 completions) with
@@ -24,19 +24,8 @@ import subprocess
 import sys
 import time
 
-# This file's name is also a package's (multiprocess, which datasets imports): keep bench/ off the import path
-# so that `import datasets` finds the package, and load the shared helper by its file.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-
-def step_timer():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_common", os.path.join(_HERE, "_common.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.step_timer()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import step_timer  # noqa: E402
 
 SFT = dict(global_batch=8, max_length=256)
 GRPO = dict(prompts=4, generations=4, max_completion_length=32)
