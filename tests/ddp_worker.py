@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from toolkit import (AsyncGRPOConfig, AsyncGRPOTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig,
+                     PPOTrainer, SFTConfig, SFTTrainer)
 from toolkit.core.generation import TransformersBackend
 from toolkit.core.hookspecs import hookimpl
 from toolkit.core.plugins import registry
@@ -66,6 +67,24 @@ def uneven_reward(completions, completion_ids, **kw):
     return [float(sum(ids) % 7) / 7 + 0.1 * len(ids) for ids in completion_ids]
 
 
+class _RecordsRounds:
+    """Records the rows of every round this rank trains on (GRPO and async GRPO both build rollouts here)."""
+
+    rounds_seen: list
+
+    def build_rollout(self, row_indices, *args, **kwargs):
+        self.__dict__.setdefault("rounds_seen", []).append([int(i) for i in row_indices])
+        return super().build_rollout(row_indices, *args, **kwargs)
+
+
+class RecordingGRPO(_RecordsRounds, GRPOTrainer):
+    pass
+
+
+class RecordingAsyncGRPO(_RecordsRounds, AsyncGRPOTrainer):
+    pass
+
+
 def enable_fsdp2_on_cpu() -> dict:
     """accelerate (1.15) turns its FSDP plugin on only for GPU-like launches; on CPU it silently runs DDP. This
     lifts that gate in the test process only, so accelerate's own FSDP2 preparation (fully_shard of each decoder
@@ -107,6 +126,34 @@ def run(case: str, out: Path, world: int) -> dict:
         trainer = DPOTrainer(tiny_model(), args=DPOConfig(output_dir=str(out), max_steps=1, beta=0.5,
                                                           per_device_train_batch_size=per_device, **SGD, **sharded),
                              train_dataset=pairs(), processing_class=tok)
+    elif case.startswith("ppo"):  # ppo[-accum]
+        # 8 completions per update in all; -accum: 2 processes x (micro-batch 2 x gradient accumulation 2), with
+        # whitened rewards and gradient clipping (the norm must be taken after the ranks' gradients are summed)
+        accum = case.endswith("accum")
+        ga = 2 if accum and world > 1 else 1
+        cfg = PPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=per_device // ga,
+                        gradient_accumulation_steps=ga, num_mini_batches=1, num_ppo_epochs=2, max_completion_length=6,
+                        stop_token_ids=list(range(0, 384, 4)), generation_backend="per_prompt_seeded",
+                        whiten_rewards=accum, **{**SGD, "learning_rate": 0.1, "max_grad_norm": 1.0 if accum else 0.0})
+        trainer = PPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)
+    elif case == "grpo-tfm" or case.startswith("async"):
+        # async-<k>: AsyncGRPOTrainer, one rollout worker per rank, max_staleness k. grpo-tfm: synchronous GRPO with
+        # the same settings and the plain transformers backend; at staleness 0 async must equal it on every rank
+        # (each worker draws its rank's rows with its rank's seeds). The reward is imported by module name, as
+        # the worker process needs it.
+        import ddp_worker
+
+        common = dict(output_dir=str(out), max_steps=3, per_device_train_batch_size=2 * per_device, num_generations=2,
+                      max_completion_length=6, stop_token_ids=list(range(0, 384, 4)), loss_type="dapo", beta=0.0,
+                      scale_rewards="batch", **{**SGD, "learning_rate": 0.5})
+        if case == "grpo-tfm":
+            trainer = RecordingGRPO(tiny_model(), [ddp_worker.uneven_reward], GRPOConfig(**common),
+                                    train_dataset=prompts(), processing_class=tok)
+        else:
+            cfg = AsyncGRPOConfig(**common, max_staleness=int(case.split("-")[1]), worker_threads=1,
+                                  heartbeat_timeout=120, worker_start_timeout=300)
+            trainer = RecordingAsyncGRPO(tiny_model(), [ddp_worker.uneven_reward], cfg, train_dataset=prompts(),
+                                         processing_class=tok)
     else:  # grpo-<loss_type>-<scale_rewards>[-accum]
         _, loss_type, scale, *accum = case.split("-")
         # -accum: 2 processes x (2 prompts x gradient accumulation 2) with num_iterations 2, against 1 process x
@@ -122,11 +169,16 @@ def run(case: str, out: Path, world: int) -> dict:
         trainer = GRPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if case.startswith("ppo"):  # the rollout statistics are global too: scores, KL, advantages' inputs
+        losses += [h[k] for h in trainer.state.log_history if "objective/scores" in h
+                   for k in ("objective/scores", "objective/kl", "val/explained_variance", "policy/clipfrac_avg")]
     # under FSDP2 each rank holds shards (DTensors): gather them whole (a collective, so on every rank)
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
               for k, v in trainer.model.named_parameters()}
     if trainer.is_world_process_zero():
         torch.save(params, out / "params.pt")
+    if hasattr(trainer, "rounds_seen"):
+        (out / f"rounds_rank{trainer.accelerator.process_index}.json").write_text(json.dumps(trainer.rounds_seen))
     return {"losses": losses, "world_size": trainer.args.world_size,
             "sharded": type(trainer.model).__name__.startswith("FSDP")}
 

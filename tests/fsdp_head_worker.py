@@ -41,8 +41,12 @@ def main(out: str) -> None:
                 p -= 0.5 * p.grad
                 p.grad = None
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    # what a vLLM backend is sent: whole tensors on every rank (a collective), never this rank's shards
+    from toolkit.core.vllm_backend import engine_weights
+
+    sent = {k: v.clone() for k, v in engine_weights(model)}
     if rank == 0:
-        torch.save({"params": params, "head_type_after_forward": head_type}, out)
+        torch.save({"params": params, "head_type_after_forward": head_type, "engine_weights": sent}, out)
 
 
 if __name__ == "__main__":

@@ -268,3 +268,19 @@ def test_progress_bounds_nest():
             assert p.bounded_until == outer  # the shorter inner bound does not cut the outer one
         assert p.bounded_until == outer  # and leaving it does not end the outer one
     assert p.bounded_until == 0.0 and p.count == 2
+
+
+def test_the_workers_round_view_equals_the_samplers_per_rank_order():
+    """A rollout worker asks RoundSampler.round(r, rank) for its share of round r; iterating the sampler (what
+    synchronous GRPO's dataloader does) must give every rank the same rows, across epoch boundaries."""
+    from toolkit.core.rollout import RoundSampler
+
+    for processes in (1, 2, 3):
+        it = RoundSampler(23, 3, 1, seed=5, num_processes=processes)
+        flat = []
+        for epoch in range(3):
+            it.set_epoch(epoch)
+            flat += list(it)
+        rounds = [flat[k:k + processes] for k in range(0, len(flat), processes)]
+        view = RoundSampler(23, 3, 1, seed=5, num_processes=processes)
+        assert [[view.round(r, rank) for rank in range(processes)] for r in range(len(rounds))] == rounds

@@ -1,6 +1,7 @@
 """Real two-process (gloo) runs: 2 ranks x batch 4 equal 1 process x batch 8, losses per step and final weights.
 
-SFT (a list and a stream), DPO and GRPO (loss types dapo, grpo, dr_grpo and prompt; group and batch reward scaling; one case with
+SFT (a list and a stream), DPO, PPO (advantage whitening, loss token counts, gradients, clipping and rollout
+statistics over all ranks; one case with gradient accumulation) and GRPO (loss types dapo, grpo, dr_grpo and prompt; group and batch reward scaling; one case with
 gradient accumulation 2 per rank and num_iterations 2): GRPO's loss counts (tokens,
 completions, prompts of the step) and batch-level advantage statistics are global across ranks, so the
 2-process run is the same optimisation as the 1-process run with twice the batch. The same equality
@@ -19,7 +20,7 @@ import torch
 
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 FSDP2_CASES = ["sft", "sft-stream", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-prompt-batch-accum"]
-CASES = ["sft", "sft-stream", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch", "grpo-prompt-batch-accum"]
+CASES = ["sft", "sft-stream", "dpo", "ppo", "ppo-accum", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch", "grpo-prompt-batch-accum"]
 
 
 def _run(cmd, env):
@@ -52,6 +53,33 @@ def _two_ranks_against_one(tmp_path, cases, port, **extra_env):
 def test_two_ranks_match_one_process(tmp_path):
     r2 = _two_ranks_against_one(tmp_path, CASES, 29533)
     assert not any(r["sharded"] for r in r2.values())  # plain DDP
+
+
+@pytest.mark.slow
+def test_async_grpo_with_two_trainer_ranks(tmp_path):
+    """Two trainer processes, each with its own rollout worker process (4 processes in all). At max_staleness 0
+    the run equals synchronous GRPO on the same 2 ranks (losses, final weights, and every rank's rows of every
+    round); with max_staleness 1 the ranks still train the same rounds, each its share, in the synchronous
+    order. (Synchronous GRPO on 2 ranks equals 1 process with twice the batch: the test above.)"""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true",
+           "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cases = ["grpo-tfm", "async-0", "async-1"]
+    _run([torchrun, "--nproc_per_node", "2", "--master_port", "29537", WORKER, str(tmp_path), "2", ",".join(cases)],
+         env)
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["async-0"]["world_size"] == 2 and len(r["async-0"]["losses"]) == 3
+    assert r["async-0"]["losses"] == pytest.approx(r["grpo-tfm"]["losses"], rel=1e-5, abs=1e-6)
+    sync, stale0 = torch.load(tmp_path / "grpo-tfm" / "params.pt"), torch.load(tmp_path / "async-0" / "params.pt")
+    for k in sync:
+        torch.testing.assert_close(stale0[k], sync[k], rtol=1e-5, atol=1e-5, msg=k)
+    for rank in (0, 1):
+        expected = json.loads((tmp_path / "grpo-tfm" / f"rounds_rank{rank}.json").read_text())
+        assert len(expected) == 3
+        for case in ("async-0", "async-1"):
+            assert json.loads((tmp_path / case / f"rounds_rank{rank}.json").read_text()) == expected, (case, rank)
+    rank0, rank1 = (json.loads((tmp_path / "grpo-tfm" / f"rounds_rank{k}.json").read_text()) for k in (0, 1))
+    assert all(not set(a) & set(b) for a, b in zip(rank0, rank1))  # each rank its own share of the round
 
 
 @pytest.mark.slow
@@ -98,3 +126,5 @@ def test_the_lm_head_read_outside_forward_is_whole_when_fsdp2_resharded_it(tmp_p
     assert two["head_type_after_forward"] == "DTensor"  # a direct read would get a shard (and a matmul error)
     for k in one["params"]:
         torch.testing.assert_close(one["params"][k], two["params"][k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(two["engine_weights"][k], two["params"][k], rtol=0, atol=0, msg=k)
+    assert set(two["engine_weights"]) == set(one["params"])

@@ -152,6 +152,22 @@ def test_exact_resume_equals_uninterrupted(tmp_path):
     assert logged(resumed, "loss") == pytest.approx(logged(full, "loss"), abs=0)
 
 
+def test_gradient_accumulation_takes_the_step_of_one_micro_batch(tmp_path):
+    """The loss divides token sums by the mini-batch's token count, so micro-batches of 4 x accumulation 2 are
+    the same optimisation as one micro-batch of 8 (completions of unequal length: a mean of the micro-batches'
+    means would differ). Several processes rely on the same count (tests/test_multiprocess.py)."""
+    sgd = dict(optim="sgd", learning_rate=0.1, max_grad_norm=0.0, num_mini_batches=1, max_steps=2,
+               stop_token_ids=list(range(0, 384, 4)))
+    one = make(tmp_path / "one", per_device_train_batch_size=8, **sgd)
+    one.train()
+    two = make(tmp_path / "two", per_device_train_batch_size=4, gradient_accumulation_steps=2, **sgd)
+    two.train()
+    assert logged(two, "loss") == pytest.approx(logged(one, "loss"), rel=1e-5, abs=1e-7)
+    for a, b in ((one.model, two.model), (one.critic, two.critic)):
+        for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items()):
+            torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_own_checkpoints_honour_save_total_limit_and_hold_no_pickle(tmp_path):
     import json
     import pickle
@@ -235,6 +251,9 @@ def test_config_errors_name_the_field_before_any_model_loads(tmp_path):
                    processing_class=tiny_tokenizer(), value_model="x")
     with pytest.raises(DataError, match="PPO needs a 'prompt' column"):
         PPOTrainer("no-such/model", [low_ids], cfg(tmp_path), train_dataset=[{"text": "hi"}] * 8,
+                   processing_class=tiny_tokenizer())
+    with pytest.raises(ConfigError, match="fsdp: PPOTrainer does not shard its models"):
+        PPOTrainer("no-such/model", [low_ids], cfg(tmp_path, fsdp=True), train_dataset=prompts(),
                    processing_class=tiny_tokenizer())
     with pytest.raises(ConfigError, match="train_dataset: 4 prompts, fewer than one update needs"):
         PPOTrainer("no-such/model", [low_ids], cfg(tmp_path), train_dataset=prompts(4),

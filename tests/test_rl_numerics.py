@@ -150,6 +150,58 @@ def test_masked_whiten_matches_naive(shift_mean):
         masked_whiten(x, one)
 
 
+class _ThreadSum:
+    """An all-reduce (sum) between threads: each thread is one "process" holding a shard of the batch."""
+
+    def __init__(self, parties: int):
+        import threading
+
+        self.parties, self.lock, self.barrier = parties, threading.Lock(), threading.Barrier(parties)
+        self.parts: list[torch.Tensor] = []
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.parts.append(t.clone())
+        self.barrier.wait()
+        total = sum(self.parts[-self.parties:][1:], self.parts[-self.parties:][0].clone())
+        self.barrier.wait()  # everyone has read this round before the next one appends
+        return total
+
+
+def _over_two_shards(fn, *tensors):
+    """fn(*shard, reduce=...) run on the two row halves of `tensors` at once (threads), results by shard."""
+    import threading
+
+    reduce, out = _ThreadSum(2), [None, None]
+    halves = [[t[:2] for t in tensors], [t[2:] for t in tensors]]
+
+    def run(k):
+        out[k] = fn(*halves[k], reduce=reduce)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    return out
+
+
+def test_whitening_and_explained_variance_over_shards_equal_the_whole_batch():
+    """PPO with several processes whitens advantages over every rank's tokens: the shards, reduced, must give
+    what one process holding the whole (ragged) batch gives."""
+    x, returns, mask, _ = _ragged(4)
+    assert mask[:2].sum() != mask[2:].sum()  # unequal token counts: an average of shard statistics would differ
+    for shift in (True, False):
+        whole = masked_whiten(x, mask, shift_mean=shift)
+        parts = _over_two_shards(lambda a, m, reduce: masked_whiten(a, m, shift_mean=shift, reduce=reduce), x, mask)
+        torch.testing.assert_close(torch.cat(parts), whole)
+        # and not what whitening each shard alone gives
+        assert not torch.allclose(torch.cat([masked_whiten(x[:2], mask[:2]), masked_whiten(x[2:], mask[2:])]), whole)
+    values = returns * 0.5 + x
+    parts = _over_two_shards(lambda v, r, m, reduce: explained_variance(v, r, m, reduce=reduce), values, returns, mask)
+    assert parts[0] == parts[1] == pytest.approx(explained_variance(values, returns, mask), rel=1e-9)
+
+
 def test_clipped_value_loss_matches_naive():
     g = torch.Generator().manual_seed(4)
     v, old, ret = (torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(3))

@@ -199,6 +199,33 @@ def test_a_server_that_never_started_or_died_is_reported_within_the_timeout(serv
     assert time.monotonic() - t < 5
 
 
+def test_two_trainer_processes_share_one_server(server, tmp_path):
+    """torchrun with 2 GRPO ranks (gloo, DDP) against the one `toolkit vllm-serve`: rank 0 uploads the weights
+    once per step (not once per rank) and every rank waits for that upload before it generates."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    proc, url = server
+    client = VLLMServerBackend(url, startup_timeout=180)
+    before = client.info["weights_version"]
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    worker = str(Path(__file__).with_name("vllm_ddp_worker.py"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true",
+           "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), worker,
+                          str(tmp_path), url], capture_output=True, text=True, env=env, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    after = client.wait_until_ready(10)["weights_version"]
+    assert after - before == 2  # 2 steps x one upload, from rank 0 only
+    for r in ranks:
+        assert r["world_size"] == 2 and r["steps"] == 2
+        assert r["weights_version"] == after  # rank 1 learned the version rank 0 uploaded
+        assert all(d < 1e-2 for d in r["logp_diff"])  # every rank sampled with the weights it trains
+    assert ranks[0]["loss"] == ranks[1]["loss"]  # the logged loss is the global one
+
+
 def test_grpo_trains_with_the_vllm_backend(tmp_path, path):
     from toolkit import GRPOConfig, GRPOTrainer
     from toolkit.core.rewards import numeric_match

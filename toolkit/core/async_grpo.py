@@ -48,7 +48,7 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoint import write_atomic
-from .distributed import refuse_multiprocess
+from .distributed import env_world_size, refuse_sharding
 from .errors import ConfigError, TrainingHealthError
 from .generation import Completion
 from .grpo import GRPOConfig, GRPOTrainer, Rollout
@@ -129,8 +129,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
         args = args if args is not None else AsyncGRPOConfig()
         if not isinstance(args, AsyncGRPOConfig):
             raise ConfigError(f"args: AsyncGRPOTrainer needs an AsyncGRPOConfig, got {type(args).__name__}.")
-        refuse_multiprocess("AsyncGRPOTrainer", "one trainer process feeds one rollout worker; several trainer ranks "
-                                                "would each start a worker and train on different rounds")
+        # Several processes: each trainer rank feeds its own rollout worker the (identical) DDP weights and trains
+        # on that rank's share of every round. Sharded weights (FSDP, ZeRO-3) would reach the worker as shards.
+        refuse_sharding("AsyncGRPOTrainer", args, "each rank's rollout worker loads the whole weights from its "
+                                                  "trainer")
+        if env_world_size() > 1 and args.generation_backend == "vllm-server":
+            raise ConfigError("generation_backend: 'vllm-server' with several trainer processes would have every "
+                              "rank's worker push its weights into the one server while the others generate; use "
+                              "'transformers' or 'vllm' (one engine per rank), or one process.")
         # The worker process runs GRPO's own prompt order and scoring; a subclass's override of these seams
         # would silently not run there, so it is refused.
         for seam in ("build_prompt_sampler", "compute_rewards"):
@@ -203,6 +209,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "conversational": self.dataset_format.conversational,
             "extra_columns": list(self.dataset_format.extra_columns), "varlen": self.padding_free,
             "backend": args.generation_backend, "backend_kwargs": self._worker_backend_kwargs(),
+            "rank": self.accelerator.process_index, "num_processes": self.accelerator.num_processes,
         }
         self._proc = self._ctx.Process(
             target=worker_main, name="toolkit-rollout-worker", daemon=True,
@@ -277,7 +284,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 continue
             self._first_round_pending = False
             staleness = self.state.global_step - item.version
-            if staleness > self.args.max_staleness:
+            if self._any_rank(staleness > self.args.max_staleness):
+                # every rank drops its share of the round together, so the ranks keep training the same rounds
                 self._dropped += 1
                 self._next_round = item.round + 1
                 logger.info("async GRPO: dropped round %d (staleness %d > max_staleness %d).", item.round,
@@ -288,6 +296,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
             item.trainer_wait_s = time.perf_counter() - started
             return item
 
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (itself in one process); every rank must call it at the same point."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(t, reduction="sum").item() > 0)
+
     def _handle_failure(self, problem: str) -> None:
         self.stop_worker()
         if self._restarts < self.args.worker_restarts:
@@ -297,6 +312,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
                          self._next_round)
             self._start_worker()
             return
+        if self.accelerator.num_processes > 1:
+            # The other ranks are inside this step's collectives and cannot join a save; the launcher stops them
+            # when this process exits. The last periodic checkpoint is the one to resume from.
+            raise TrainingHealthError(
+                f"async GRPO step {self.state.global_step}, rank {self.accelerator.process_index}: the rollout "
+                f"worker failed and worker_restarts={self.args.worker_restarts} are used up. No checkpoint was "
+                "written now (with several processes the other ranks cannot join a save mid-step); resume from the "
+                f"last saved checkpoint with resume_from_checkpoint=True.\nWorker: {problem}")
         path = self._emergency_checkpoint()
         raise TrainingHealthError(
             f"async GRPO step {self.state.global_step}: the rollout worker failed and worker_restarts="

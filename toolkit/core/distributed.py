@@ -15,6 +15,7 @@ __all__ = [
     "is_main_process",
     "quiet_other_ranks",
     "refuse_multiprocess",
+    "refuse_sharding",
     "warn_if_sharding_ignored",
     "requested_processes",
     "warn_if_fewer_processes_than_asked",
@@ -61,7 +62,20 @@ def refuse_multiprocess(trainer: str, reason: str) -> None:
     if env_world_size() > 1:
         raise ConfigError(f"{trainer} runs in one process only ({reason}); it was launched with WORLD_SIZE="
                           f"{env_world_size()}. Run it without torchrun/accelerate launch, or use a trainer that "
-                          "is tested with several processes (SFT, DPO, GRPO; docs/distributed.md).")
+                          "is tested with several processes (SFT, DPO, GRPO, PPO, async GRPO; docs/distributed.md).")
+
+
+def refuse_sharding(trainer: str, args: object, reason: str) -> None:
+    """Stop a trainer that runs DDP-style only when FSDP or DeepSpeed was asked for, before any model loads: the
+    sharding would otherwise be skipped without a word and every rank would hold the whole model."""
+    asked = [name for name, on in (
+        ("fsdp", bool(getattr(args, "fsdp", None))), ("deepspeed", bool(getattr(args, "deepspeed", None))),
+        ("ACCELERATE_USE_FSDP", os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"),
+        ("ACCELERATE_USE_DEEPSPEED", os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true")) if on]
+    if asked:
+        raise ConfigError(f"{asked[0]}: {trainer} does not shard its models ({reason}). Launch it with plain DDP "
+                          "(torchrun, or an accelerate config without FSDP/DeepSpeed: examples/accelerate/ddp.yaml); "
+                          "docs/distributed.md lists what each trainer supports.")
 
 
 def requested_processes(argv: Sequence[str]) -> int | None:

@@ -10,6 +10,7 @@ H for hidden size and V for vocabulary size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -474,17 +475,21 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
     return advantages, (advantages + values) * m
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8,
+                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """(x - mean) / std over the masked entries (unbiased variance, as TRL); shift_mean=False adds the mean back.
 
-    Entries outside the mask are returned as 0.
+    Entries outside the mask are returned as 0. `reduce` sums a tensor over every process holding part of the
+    batch (e.g. an all-reduce); with it the mean and variance are those of all processes' entries together,
+    so N processes whiten exactly as one process holding the whole batch would.
     """
+    reduce = reduce or (lambda t: t)
     m = mask.to(x.dtype)
-    n = m.sum()
+    total, n = reduce(torch.stack([(x * m).sum(), m.sum()])).unbind()
     if n < 2:
         raise ValueError("masked_whiten needs at least two valid entries; use a larger batch")
-    mean = (x * m).sum() / n
-    var = ((x - mean) ** 2 * m).sum() / (n - 1)
+    mean = total / n
+    var = reduce(((x - mean) ** 2 * m).sum()) / (n - 1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -500,8 +505,19 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     return 0.5 * torch.maximum(unclipped_sq, clipped_sq), (clipped_sq > unclipped_sq).detach()
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over the masked tokens: 1 = the critic predicts returns perfectly, <= 0 = useless."""
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 = the critic predicts returns perfectly, <= 0 = useless.
+
+    `reduce` sums over processes (see `masked_whiten`), for the variance of every process's tokens together.
+    """
+    reduce = reduce or (lambda t: t)
     v, r = values[mask].double(), returns[mask].double()
-    var_r = r.var(unbiased=False)
-    return float(1 - (r - v).var(unbiased=False) / var_r) if var_r > 0 else float("nan")
+    d = r - v
+    sums = reduce(torch.stack([r.sum(), d.sum(), torch.tensor(float(r.numel()), dtype=torch.float64)]))
+    n = sums[2]
+    if n < 1:
+        return float("nan")
+    sq = reduce(torch.stack([((r - sums[0] / n) ** 2).sum(), ((d - sums[1] / n) ** 2).sum()]))
+    var_r, var_d = sq[0] / n, sq[1] / n
+    return float(1 - var_d / var_r) if var_r > 0 else float("nan")

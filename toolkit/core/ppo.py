@@ -55,7 +55,7 @@ from .attention import supports_varlen, use_varlen_attention
 from .checkpoint import begin_checkpoint, commit_checkpoint, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
 from .console import install_console
-from .distributed import refuse_multiprocess
+from .distributed import env_world_size, refuse_sharding
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import SamplingParams
 from .model_card import write_model_card
@@ -78,7 +78,6 @@ from .numerics import (
     explained_variance,
     gae,
     kl_estimate,
-    masked_mean,
     masked_whiten,
 )
 from .objectives import ClipSettings, PolicyLossInputs, clipped_surrogate_term, resolve_settings
@@ -330,8 +329,8 @@ class PPOTrainer(Trainer):
         args = args if args is not None else PPOConfig()
         if not isinstance(args, PPOConfig):
             raise ConfigError(f"args: PPOTrainer needs a PPOConfig, got {type(args).__name__}.")
-        refuse_multiprocess("PPOTrainer", "its rollout, advantage whitening and critic are not synchronised across "
-                                          "ranks yet")
+        refuse_sharding("PPOTrainer", args, "it owns its loop and all-reduces the policy's and critic's gradients "
+                                            "itself (DDP-style, every rank holds both models whole)")
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         reward_funcs = list(reward_funcs)
@@ -362,9 +361,10 @@ class PPOTrainer(Trainer):
             tokenizer.pad_token = tokenizer.eos_token
         self._prepare_prompts(train_dataset, tokenizer, args)
         rows = self.rows
-        if len(rows) < args.rollout_batch_size:
+        if len(rows) < args.rollout_batch_size * env_world_size():
+            on = f" x {env_world_size()} processes" if env_world_size() > 1 else ""
             raise ConfigError(f"train_dataset: {len(rows)} prompts, fewer than one update needs (rollout_batch_size="
-                              f"{args.rollout_batch_size}).")
+                              f"{args.rollout_batch_size}{on}).")
 
         # 2. Models: policy, reference, critic, reward model.
         init_kwargs = dict(model_init_kwargs or {})
@@ -444,15 +444,77 @@ class PPOTrainer(Trainer):
         return torch.randperm(len(self.rows), generator=g).tolist()
 
     def _prompts_for_update(self, update: int) -> list[int]:
+        """This rank's prompts of `update`: ranks take consecutive slices of the update's global prompts, so N
+        processes train on the prompts one process with N x rollout_batch_size would."""
         per = self.args.rollout_batch_size
-        usable = (len(self.rows) // per) * per  # the tail that does not fill an update is skipped each pass
-        start = update * per
-        return self.build_prompt_order(start // usable)[start % usable:start % usable + per]
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        glob = per * world
+        usable = (len(self.rows) // glob) * glob  # the tail that does not fill an update is skipped each pass
+        start = update * glob
+        update_rows = self.build_prompt_order(start // usable)[start % usable:start % usable + glob]
+        return update_rows[rank * per:(rank + 1) * per]
 
     def num_updates(self) -> int:
         if self.args.max_steps > 0:
             return self.args.max_steps
-        return max(1, int(self.args.num_train_epochs * (len(self.rows) // self.args.rollout_batch_size)))
+        glob = self.args.rollout_batch_size * self.accelerator.num_processes
+        return max(1, int(self.args.num_train_epochs * (len(self.rows) // glob)))
+
+    # ------------------------------------------------------------------------------ several processes
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of `t` over every process (itself in one process): the reduction behind every global statistic."""
+        if self.accelerator.num_processes == 1:
+            return t
+        return self.accelerator.reduce(t.to(self.accelerator.device), reduction="sum").to(t.device)
+
+    def _mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Per-rank means -> means over all ranks (ranks hold equal completion counts, so a mean of means is the
+        mean over every completion). Keys are sorted so every rank reduces the same vector."""
+        if self.accelerator.num_processes == 1 or not values:
+            return values
+        keys = sorted(values)
+        total = self._sum_over_ranks(torch.tensor([values[k] for k in keys], dtype=torch.float64))
+        return {k: float(v) / self.accelerator.num_processes for k, v in zip(keys, total)}
+
+    def _all_reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """Sum the gradients of every rank (the loss is already divided by the global token count). PPO trains
+        outside accelerate's DDP wrapper (one update is many optimizer steps over its own rollout), so this is
+        its DDP: bucketed flat all-reduces, and a parameter without a gradient on this rank counts as zero so
+        every rank sends the same buckets."""
+        if self.accelerator.num_processes == 1:
+            return
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for k, g in enumerate(grads):
+            bucket.append(g)
+            size += g.numel()
+            if size >= 2**24 or k == len(grads) - 1:  # 16M elements (64 MB fp32) per all-reduce
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat)
+                for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    dst.copy_(src)
+                bucket, size = [], 0
+
+    def _broadcast_parameters(self) -> None:
+        """Rank 0's policy and critic weights on every rank before the first update (what DDP does when it
+        wraps a model): a head initialised at random on load (e.g. a value model's new score layer) would
+        otherwise differ between ranks."""
+        if self.accelerator.num_processes == 1:
+            return
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for p in self._trainable_parameters():
+                dist.broadcast(p.data, src=0)
 
     def _pack(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> dict[str, Any]:
         return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
@@ -466,7 +528,7 @@ class PPOTrainer(Trainer):
         args = self.args
         t0 = time.perf_counter()
         prompts = [self.prompt_ids[i] for i in row_indices]
-        seed = generation_seed(args.seed, update)
+        seed = generation_seed(args.seed, update, self.accelerator.process_index)  # ranks draw different samples
         self.generation_backend.sync_weights(self.model)
         groups = self.generation_backend.generate(prompts, self.sampling, n=1, seed=seed)
         completions = [g[0].token_ids for g in groups]
@@ -502,7 +564,7 @@ class PPOTrainer(Trainer):
         last = lengths - 1
         rewards[torch.arange(len(prompts)), last] += scores
         if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
+            rewards = masked_whiten(rewards, mask, shift_mean=False, reduce=self._sum_over_ranks)
         advantages, returns = self.compute_advantages(rewards, values, mask)
         rollout = PPORollout(
             row_indices=list(row_indices), prompt_ids=prompts, completion_ids=completions, mask=mask, logps=logps,
@@ -540,10 +602,11 @@ class PPOTrainer(Trainer):
 
     def compute_advantages(self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(advantages, returns) per token: GAE, then whitening over the rollout. Override for another estimator."""
+        """(advantages, returns) per token: GAE, then whitening over the update's tokens on every rank. Override for
+        another estimator."""
         advantages, returns = gae(rewards, values, mask, gamma=self.args.gamma, lam=self.args.lam)
         if self.args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
+            advantages = masked_whiten(advantages, mask, reduce=self._sum_over_ranks)  # over every rank's tokens
         return advantages, returns
 
     # ------------------------------------------------------------------------------ forward passes
@@ -573,31 +636,38 @@ class PPOTrainer(Trainer):
         return clipped_value_loss(values, old_values, returns, clip_range=self.args.cliprange_value)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Policy loss + vf_coef x value loss on one micro-batch (masked means over its tokens, as TRL)."""
+        """Policy loss + vf_coef x value loss on one micro-batch: token sums divided by `inputs["loss_tokens"]`,
+        the token count of the whole mini-batch over its micro-batches and every rank (this micro-batch's own
+        count when absent). Gradient accumulation and several processes then add up to the token mean over the
+        mini-batch, the masked mean TRL takes when a mini-batch is one micro-batch in one process.
+
+        With return_outputs, the statistics come back as token sums (tensors), with their count in "tokens".
+        """
         mask = inputs["mask"]
+        denom = inputs.get("loss_tokens", mask.sum())
         hidden = completion_hidden(model, inputs)
         logps = self._to_rows(self.compute_token_logps(model, inputs, hidden=hidden), mask)
         values = self._to_rows(self.compute_values(inputs, hidden=hidden), mask)
         pg, info = self.compute_policy_loss(logps, inputs["old_logps"], inputs["advantages"], mask)
         vf, vf_clipped = self.compute_value_loss(values, inputs["old_values"], inputs["returns"], mask)
-        pg_loss, vf_loss = masked_mean(pg, mask), masked_mean(vf, mask)
-        loss = pg_loss + self.args.vf_coef * vf_loss
+        pg_sum, vf_sum = (pg * mask).sum(), (vf * mask).sum()
+        loss = (pg_sum + self.args.vf_coef * vf_sum) / denom
+        for name, t in (("loss", loss), ("logps", logps), ("values", values)):
+            if not torch.isfinite(t).all():
+                raise TrainingHealthError(f"PPO update {self.state.global_step}: '{name}' holds NaN or inf. Lower the "
+                                          "learning rate, check the reward scale, or raise vf_coef/cliprange_value.")
+        if not return_outputs:
+            return loss
         with torch.no_grad():
             diff = (logps - inputs["old_logps"]) * mask
             clipped = (info["clipped_low"] | info["clipped_high"]) & mask
             entropy = chunked_entropy(hidden.detach(), output_head(model)[0].detach(), temperature=self.args.temperature,
                                       chunk_size=self.args.logps_chunk_size)
-            stats = {"loss/policy": pg_loss.item(), "loss/value": vf_loss.item(),
-                     "policy/approxkl": float(0.5 * (diff ** 2).sum() / mask.sum()),
-                     "policy/clipfrac": float(clipped.sum() / mask.sum()),
-                     "val/clipfrac": float((vf_clipped & mask).sum() / mask.sum()),
-                     "policy/entropy": float(entropy.mean()),
-                     "policy/ratio": float((torch.exp(diff) * mask).sum() / mask.sum())}
-        for name, t in (("loss", loss), ("logps", logps), ("values", values)):
-            if not torch.isfinite(t).all():
-                raise TrainingHealthError(f"PPO update {self.state.global_step}: '{name}' holds NaN or inf. Lower the "
-                                          "learning rate, check the reward scale, or raise vf_coef/cliprange_value.")
-        return (loss, stats) if return_outputs else loss
+            sums = {"loss/policy": pg_sum.detach(), "loss/value": vf_sum.detach(),
+                    "policy/approxkl": 0.5 * (diff ** 2).sum(), "policy/clipfrac": clipped.sum(),
+                    "val/clipfrac": (vf_clipped & mask).sum(), "policy/entropy": entropy.sum(),
+                    "policy/ratio": (torch.exp(diff) * mask).sum(), "tokens": mask.sum()}
+        return loss, {k: v.double() for k, v in sums.items()}
 
     # ------------------------------------------------------------------------------- the update
 
@@ -612,7 +682,14 @@ class PPOTrainer(Trainer):
         return batch
 
     def ppo_update(self, rollout: PPORollout, update: int) -> dict[str, float]:
-        """num_ppo_epochs x num_mini_batches optimizer steps on one rollout; returns averaged statistics."""
+        """num_ppo_epochs x num_mini_batches optimizer steps on one rollout; returns averaged statistics.
+
+        With several processes each rank holds its share of the update's completions; a mini-batch is every
+        rank's share of it, its loss is divided by the mini-batch's token count over all ranks, and the ranks'
+        gradients are summed before the step, so N processes take the step one process with the whole
+        mini-batch would (tests/test_multiprocess.py). Early stopping reads the global approximate KL, so every
+        rank stops at the same mini-batch.
+        """
         args = self.args
         B = len(rollout.completion_ids)
         mb = B // args.num_mini_batches
@@ -627,25 +704,33 @@ class PPOTrainer(Trainer):
             perm = torch.randperm(B, generator=g).tolist()
             for m in range(args.num_mini_batches):
                 idx = perm[m * mb:(m + 1) * mb]
-                mb_kl = []
+                loss_tokens = self._sum_over_ranks(rollout.mask[idx].sum().double()).float()
+                sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
                 for k in range(0, mb, micro):
                     batch = self._micro_batch(rollout, idx[k:k + micro])
+                    batch["loss_tokens"] = loss_tokens
                     loss, s = self.compute_loss(self.model, batch, return_outputs=True)
-                    (loss / args.gradient_accumulation_steps).backward()
+                    loss.backward()
                     for name, v in s.items():
-                        stats[name].append(v)
-                    mb_kl.append(s["policy/approxkl"])
+                        sums[name] = sums[name] + v
+                self._all_reduce_gradients(params)
+                keys = sorted(sums)
+                total = dict(zip(keys, self._sum_over_ranks(torch.stack([sums[k] for k in keys])).tolist()))
+                n_tok = max(total.pop("tokens"), 1.0)
+                for name, v in total.items():
+                    stats[name].append(v / n_tok)
                 if args.max_grad_norm is not None and args.max_grad_norm > 0:
                     stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                if args.early_stop_approx_kl is not None and sum(mb_kl) / len(mb_kl) > args.early_stop_approx_kl:
+                mb_kl = total["policy/approxkl"] / n_tok
+                if args.early_stop_approx_kl is not None and mb_kl > args.early_stop_approx_kl:
                     stopped = True
                     break
             epochs_done += 1
             if stopped:
                 logger.info("update %d: approximate KL %.4f > early_stop_approx_kl=%s after epoch %d; next rollout.",
-                            update + 1, sum(mb_kl) / len(mb_kl), args.early_stop_approx_kl, epoch + 1)
+                            update + 1, mb_kl, args.early_stop_approx_kl, epoch + 1)
                 break
         out = {f"{k}_avg" if k.startswith(("loss/", "policy/", "val/clipfrac")) else k: sum(v) / len(v)
                for k, v in stats.items()}
@@ -694,6 +779,7 @@ class PPOTrainer(Trainer):
         if path is not None:
             start = self._load_checkpoint(path)
             logger.info("Resuming PPO from %s (update %d of %d).", path, start, total)
+        self._broadcast_parameters()
         self.state.global_step, self.state.max_steps = start, total
         self.state.logging_steps, self.state.save_steps = args.logging_steps, args.save_steps
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
@@ -704,15 +790,15 @@ class PPOTrainer(Trainer):
             t = time.perf_counter()
             stats = self.ppo_update(rollout, update)
             stats["time/train_s"] = time.perf_counter() - t
-            self.kl_controller.update(rollout.metrics["objective/kl"], args.rollout_batch_size)
+            global_batch = args.rollout_batch_size * self.accelerator.num_processes
+            self.kl_controller.update(rollout.metrics["objective/kl"], global_batch)  # the same KL on every rank
             self.lr_scheduler.step()
             self.state.global_step = update + 1
-            self.state.epoch = (update + 1) * args.rollout_batch_size / len(self.rows)
+            self.state.epoch = (update + 1) * global_batch / len(self.rows)
             losses.append(stats.get("loss/policy_avg", 0.0) + args.vf_coef * stats.get("loss/value_avg", 0.0))
             logs = {"loss": round(losses[-1], 6), **rollout.metrics, **stats, "kl_coef": self.kl_controller.value,
                     "learning_rate": self.lr_scheduler.get_last_lr()[0]}
-            for name, values in self._step_metrics.items():
-                logs[name] = sum(values) / len(values)
+            logs.update(self._mean_over_ranks({name: sum(v) / len(v) for name, v in self._step_metrics.items()}))
             self._step_metrics = defaultdict(list)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if args.logging_steps and (update + 1) % int(args.logging_steps) == 0:
@@ -815,26 +901,38 @@ class PPOTrainer(Trainer):
         return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
 
     def _rollout_metrics(self, r: PPORollout, t_gen: float, t_score: float, t_fwd: float) -> dict[str, float]:
+        """The update's rollout statistics over every rank's completions (sums reduced, then divided), so the
+        logged numbers and the adaptive KL controller (which reads objective/kl) are the same on every rank.
+        Timings and generation speed are this rank's."""
         m = r.mask
-        n_tok = float(m.sum())
         lengths = m.sum(1).float()
         non_score = (-self.kl_controller.value * r.kl).sum(1)
         mismatch = (r.sampler_logps - r.logps).abs()[m]
-        return {
-            "objective/scores": float(r.scores.mean()), "objective/scores_std": float(r.scores.std()),
-            "objective/kl": float(r.kl.sum(1).mean()), "objective/kl_per_token": float(r.kl.sum() / n_tok),
-            "objective/non_score_reward": float(non_score.mean()),
-            "objective/rlhf_reward": float((non_score + r.scores).mean()),
-            "objective/entropy": float((-r.logps * m).sum(1).mean()),
-            "objective/reward_per_token": float(r.rewards.sum() / n_tok),
-            "val/mean": float(r.values[m].mean()), "val/returns_mean": float(r.returns[m].mean()),
-            "val/explained_variance": explained_variance(r.values, r.returns, m),
-            "completions/mean_length": float(lengths.mean()),
-            "completions/clipped_ratio": float(r.truncated.float().mean()),
-            "sampler/logp_abs_diff_mean": float(mismatch.mean()), "sampler/logp_abs_diff_max": float(mismatch.max()),
-            "time/generation_s": t_gen, "time/scoring_s": t_score, "time/rollout_forward_s": t_fwd,
-            "generation_tokens_per_s": n_tok / max(t_gen, 1e-9),
-        }
+        seq = {"objective/scores": r.scores, "objective/kl": r.kl.sum(1), "objective/non_score_reward": non_score,
+               "objective/rlhf_reward": non_score + r.scores, "objective/entropy": (-r.logps * m).sum(1),
+               "completions/mean_length": lengths, "completions/clipped_ratio": r.truncated.float()}
+        tok = {"objective/kl_per_token": r.kl[m], "objective/reward_per_token": r.rewards[m], "val/mean": r.values[m],
+               "val/returns_mean": r.returns[m], "sampler/logp_abs_diff_mean": mismatch}
+        keys = list(seq) + list(tok)
+        local = torch.stack([v.double().sum() for v in seq.values()] + [v.double().sum() for v in tok.values()]
+                            + [torch.tensor(float(len(r.scores)), dtype=torch.float64), m.sum().double(),
+                               (r.scores.double() ** 2).sum()])
+        total = self._sum_over_ranks(local).tolist()
+        n_seq, n_tok, sq = total[-3], max(total[-2], 1.0), total[-1]
+        out = {k: v / (n_seq if k in seq else n_tok) for k, v in zip(keys, total)}
+        mean = out["objective/scores"]
+        out["objective/scores_std"] = math.sqrt(max(sq - n_seq * mean ** 2, 0.0) / max(n_seq - 1, 1.0))  # unbiased
+        worst = mismatch.max() if mismatch.numel() else torch.zeros(())
+        if self.accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            worst = worst.double().clone()
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out["sampler/logp_abs_diff_max"] = float(worst)
+        out["val/explained_variance"] = explained_variance(r.values, r.returns, m, reduce=self._sum_over_ranks)
+        out.update({"time/generation_s": t_gen, "time/scoring_s": t_score, "time/rollout_forward_s": t_fwd,
+                    "generation_tokens_per_s": float(m.sum()) / max(t_gen, 1e-9)})
+        return out
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

@@ -65,12 +65,14 @@ class RoundSampler:
         g = torch.Generator().manual_seed(order_seed(self.seed, self.epoch))
         return [i for i in torch.randperm(self.n_rows, generator=g).tolist() if i not in self.solved]
 
-    def round(self, r: int) -> list[int]:
-        """Row indices of round r counted over epochs (one process, no solved prompts): the async worker's view."""
-        per_epoch = self.n_rows // (self.per_round * self.num_processes)
+    def round(self, r: int, rank: int = 0) -> list[int]:
+        """Row indices of process `rank`'s share of round r counted over epochs (no solved prompts): the async
+        worker's view, the same rows iterating the sampler gives that rank at round r."""
+        per_step = self.per_round * self.num_processes
+        per_epoch = self.n_rows // per_step
         self.set_epoch(r // per_epoch)
-        k = r % per_epoch
-        return self.order()[k * self.per_round:(k + 1) * self.per_round]
+        start = (r % per_epoch) * per_step + rank * self.per_round
+        return self.order()[start:start + self.per_round]
 
     def __iter__(self):
         order = self.order()

@@ -153,7 +153,11 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
             return torch.tensor(outcome.rewards, dtype=torch.float32)
 
         rows = spec["rows"]
-        sampler = RoundSampler(len(rows), spec["per_round"], 1, seed=spec["seed"])
+        # With several trainer processes each rank has its own worker, which generates that rank's share of
+        # every round with that rank's seed: the rows and samples synchronous GRPO's rank would draw.
+        rank = spec.get("rank", 0)
+        sampler = RoundSampler(len(rows), spec["per_round"], 1, seed=spec["seed"],
+                               num_processes=spec.get("num_processes", 1))
         local_version, r = -1, start_round
         while not stop.is_set():
             progress.tick()
@@ -169,7 +173,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                     local_version = version.value
                 progress.tick()
             wait_s = time.perf_counter() - t_wait
-            idx = sampler.round(r)
+            idx = sampler.round(r, rank)
             # The transformers backend ticks every decode step; a vLLM generate call is one opaque call, which
             # counts as bounded by worker_start_timeout (a long reasoning round can exceed heartbeat_timeout).
             generating = (progress.bounded(spec["start_timeout"]) if spec["backend"] != "transformers"
@@ -177,7 +181,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
             with generating:
                 scored = generate_and_score(backend, [spec["prompt_ids"][i] for i in idx], [rows[i] for i in idx],
                                             sampling=spec["sampling"], n=spec["num_generations"],
-                                            seed=generation_seed(spec["seed"], r), score=score)
+                                            seed=generation_seed(spec["seed"], r, rank), score=score)
             item = ScoredRound(round=r, version=local_version, row_indices=idx,
                                completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g]
                                             for g in scored.groups],

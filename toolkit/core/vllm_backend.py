@@ -85,7 +85,10 @@ def engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             finally:
                 model.unmerge_adapter()
         return out
-    return [(name, t.detach()) for name, t in model.state_dict().items()]
+    # FSDP2 holds DTensor shards: gather each whole (a collective, so every rank must call this; the engine
+    # needs the full weights, and the server backend lets only rank 0 send them)
+    return [(name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach())
+            for name, t in model.state_dict().items()]
 
 
 def _vllm_sampling(params: SamplingParams, n: int):
@@ -261,6 +264,26 @@ class VLLMServerBackend(_SyncEvery):
     def submit(self, prompts, params: SamplingParams, *, n: int = 1, seed: int | None = None
                ) -> concurrent.futures.Future:
         return self._pool.submit(self.generate, prompts, params, n=n, seed=seed)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push the policy's weights every `sync_every` calls. Several trainer processes share one server: rank 0
+        uploads (once, not once per rank) and the others wait for its new version number (a broadcast, which
+        returns only after the upload), so no rank generates with the weights of the step before."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            super().sync_weights(model)
+            return
+        self._sync_calls += 1
+        if (self._sync_calls - 1) % self.sync_every:
+            return
+        weights = engine_weights(model)  # on every rank: under FSDP2 gathering the shards is a collective
+        if dist.get_rank() == 0:
+            self.load_weights(weights)
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        version = torch.tensor([self.weights_version], dtype=torch.int64, device=device)
+        dist.broadcast(version, src=0)
+        self.weights_version = int(version.item())
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         from safetensors.torch import save
