@@ -120,7 +120,7 @@ class PPOConfig(TrainingArguments):
     optim: str = field(default="adamw_torch_fused", metadata={"help": "Optimizer (TrainingArguments names)."})
 
     rollout_batch_size: int | None = field(default=None, metadata={
-        "help": "Completions per update; default per_device_train_batch_size x gradient_accumulation_steps x "
+        "help": "Completions per update in each process (N processes: N x this per update); default per_device_train_batch_size x gradient_accumulation_steps x "
                 "num_mini_batches, and if given it must equal that."})
     num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per epoch over one rollout."})
     num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout."})
@@ -410,9 +410,10 @@ class PPOTrainer(Trainer):
         self.kl_controller = AdaptiveKLController(args.beta, args.target_kl, args.kl_horizon)
         self.clip_settings = ClipSettings(epsilon=args.epsilon)
         logger.info(
-            "PPO: %d prompts, %d completions per update, %d epochs x %d mini-batches; critic=%s; beta=%s (%s%s); "
+            "PPO: %d prompts, %d completions per update%s, %d epochs x %d mini-batches; critic=%s; beta=%s (%s%s); "
             "gamma=%s lam=%s epsilon=%s cliprange_value=%s vf_coef=%s; rewards: %s%s.",
-            len(rows), args.rollout_batch_size, args.num_ppo_epochs, args.num_mini_batches, args.critic,
+            len(rows), args.rollout_batch_size,
+            f" per process x {env_world_size()} processes" if env_world_size() > 1 else "", args.num_ppo_epochs, args.num_mini_batches, args.critic,
             args.beta, args.kl_estimator, f", adaptive to {args.target_kl}" if args.target_kl else ", fixed",
             args.gamma, args.lam, args.epsilon, args.cliprange_value, args.vf_coef,
             self.reward_runner.names if self.reward_runner else "[]", " + reward model" if reward_model else "")
