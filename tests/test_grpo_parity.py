@@ -123,3 +123,38 @@ def test_gspo_equals_trls_sequence_level_importance_sampling(tmp_path, beta, kl_
     for (k, p), (_, q) in zip(theirs.model.named_parameters(), ours.model.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=k)
     assert sum(float(q.grad.abs().sum()) for q in ours.model.parameters()) > 0  # not a batch clipped to nothing
+
+
+@pytest.mark.parametrize("scale_rewards", ["batch", "group", "none"])
+def test_advantages_equal_trls_for_the_same_rewards(tmp_path, scale_rewards):
+    """TRL's own _generate_and_score_completions (it samples with the tiny model) against our advantage
+    estimator on the rewards TRL's call received: scale_rewards="batch" divides by the std of the raw batch
+    rewards in both (toolkit <= 0.2.0 divided by the std of the group-centred rewards, now "batch_centred")."""
+    from datasets import Dataset
+
+    from toolkit.core.numerics import group_advantages
+
+    seen: list[list[float]] = []
+
+    def varied(prompts, completions, **kw):
+        # groups of unequal means and spreads, so raw and centred batch stds differ
+        out = [float((i * 7) % 5) + 3.0 * (i // G) for i in range(len(completions))]
+        seen.append(out)
+        return out
+
+    tok = tiny_tokenizer()
+    tiny_model().save_pretrained(tmp_path / "tiny")
+    theirs = trl.GRPOTrainer(
+        model=str(tmp_path / "tiny"), reward_funcs=varied, processing_class=tok,
+        args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), num_generations=G, per_device_train_batch_size=3 * G,
+                            max_completion_length=4, scale_rewards=scale_rewards, use_cpu=True, bf16=False,
+                            report_to="none", model_init_kwargs={"dtype": torch.float32}),
+        train_dataset=Dataset.from_list([{"prompt": "hi"}] * 12))
+    inputs = [{"prompt": p} for p in ("What is 1 + 2?", "The quick brown", "Count to three:") for _ in range(G)]
+    trl_adv = theirs._generate_and_score_completions(inputs)["advantages"]
+    rewards = torch.tensor(seen[-1])
+    ours, _ = group_advantages(rewards, G, scale=scale_rewards)
+    torch.testing.assert_close(ours, trl_adv.float(), rtol=1e-5, atol=1e-5)
+    if scale_rewards == "batch":
+        centred, _ = group_advantages(rewards, G, scale="batch_centred")
+        assert not torch.allclose(centred, trl_adv.float(), atol=1e-3)  # the old meaning differs from TRL's

@@ -28,7 +28,10 @@ def _naive_adv(rewards, G, scale, eps=1e-4):
         centred_all += [r - mean for r in vals]
         for r in g:
             zero.append(len(vals) < 2 or std < 1e-8)
-    bstd = torch.tensor(centred_all).std().item()
+    bstd_centred = torch.tensor(centred_all).std().item()
+    raw = [r for r in rewards if not math.isnan(r)]
+    raw_mean = sum(raw) / len(raw)
+    bstd_raw = (sum((r - raw_mean) ** 2 for r in raw) / (len(raw) - 1)) ** 0.5
     for gi, g in enumerate(groups):
         vals = [r for r in g if not math.isnan(r)]
         mean = sum(vals) / len(vals) if vals else 0.0
@@ -38,14 +41,16 @@ def _naive_adv(rewards, G, scale, eps=1e-4):
                 out.append(0.0)
             elif scale == "group":
                 out.append((r - mean) / (std + eps))
-            elif scale == "batch":
-                out.append((r - mean) / (bstd + eps))
+            elif scale == "batch":  # TRL: the std of the raw rewards
+                out.append((r - mean) / (bstd_raw + eps))
+            elif scale == "batch_centred":  # ScaleRL: the std of the group-centred rewards
+                out.append((r - mean) / (bstd_centred + eps))
             else:
                 out.append(r - mean)
     return out, zero
 
 
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("scale", ["group", "batch", "batch_centred", "none"])
 def test_group_advantages_match_naive(scale):
     nan = float("nan")
     rewards = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 2.0, nan, 0.0, 1.0, nan, nan, nan, 3.0]

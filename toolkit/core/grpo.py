@@ -148,7 +148,9 @@ class GRPOConfig(TrainingArguments):
                 "so this makes the k3 estimate (and its gradient) that of KL(pi || ref). TRL's default too."})
     num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu in the GRPO paper); "
                                                              ">1 stores old log-probs."})
-    scale_rewards: str = field(default="group", metadata={"help": "Advantage scaling: group | batch | none."})
+    scale_rewards: str = field(default="group", metadata={
+        "help": "Advantage scaling: group (the group's std) | batch (the std of the step's raw rewards, TRL's "
+                "meaning) | batch_centred (the step's std of group-centred rewards, ScaleRL) | none (Dr. GRPO)."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function."})
     reward_timeout: float = field(default=60.0, metadata={"help": "Seconds a reward function may take per batch."})
     reward_max_consecutive_failures: int = field(default=3, metadata={

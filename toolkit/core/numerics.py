@@ -256,7 +256,7 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, kind: Literal["k1"
 # RL numerics: advantages, policy losses, importance weights
 # --------------------------------------------------------------------------------------------------
 
-SCALE_REWARDS = ("group", "batch", "none")
+SCALE_REWARDS = ("group", "batch", "batch_centred", "none")
 
 
 def group_advantages(
@@ -267,8 +267,10 @@ def group_advantages(
     Args:
         rewards: [B] rewards, B = groups x `group_size`, rows of one group contiguous. NaN marks a
             row without a reward: it is left out of its group's statistics and gets advantage 0.
-        scale: "group": (r - mean_g) / (std_g + eps); "batch": (r - mean_g) / (std over the batch
-            of the centred rewards + eps) (ScaleRL's batch-level normalisation); "none": r - mean_g
+        scale: "group": (r - mean_g) / (std_g + eps); "batch": (r - mean_g) / (std of the raw rewards
+            over the batch + eps), TRL's option of that name; "batch_centred": (r - mean_g) / (std over
+            the batch of the group-centred rewards + eps), ScaleRL's batch-level advantage normalisation
+            (the spread between prompts' mean rewards does not inflate the divisor); "none": r - mean_g
             (Dr. GRPO: no std division, which biases towards easy/hard prompts otherwise).
 
     Returns:
@@ -291,8 +293,8 @@ def group_advantages(
     zero_std = (count < 2) | (std < 1e-8)
     if scale == "group":
         adv = centred / (std + eps)
-    elif scale == "batch":
-        flat = centred[valid]
+    elif scale in ("batch", "batch_centred"):
+        flat = r[valid] if scale == "batch" else centred[valid]  # unbiased std, as torch.std (and TRL)
         batch_std = flat.std() if flat.numel() > 1 else torch.zeros((), dtype=flat.dtype)
         adv = centred / (batch_std + eps)
     else:

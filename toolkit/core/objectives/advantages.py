@@ -54,7 +54,8 @@ class AdvantageEstimator:
 
 @dataclass(frozen=True)
 class GroupScaleSettings:
-    """scale_rewards: group (divide by the group's std) | batch (by the batch std; ScaleRL) | none (Dr. GRPO)."""
+    """scale_rewards: group (divide by the group's std) | batch (by the std of the batch's raw rewards, as TRL) |
+    batch_centred (by the batch std of the group-centred rewards; ScaleRL) | none (Dr. GRPO)."""
 
     scale_rewards: str = "group"
 
