@@ -188,6 +188,14 @@ case("grpo-num-iterations-zero", ConfigError, "num_iterations")(lambda t: grpo(t
 case("grpo-reward-weights-length", ConfigError, "reward_weights", "1")(lambda t: grpo(t, reward_weights=[1.0, 2.0]))
 case("grpo-importance-level", ConfigError, "importance_sampling_level", "tokens")(
     lambda t: grpo(t, importance_sampling_level="tokens"))
+case("grpo-importance-mode", ConfigError, "importance_sampling_mode", "truncate | mask")(
+    lambda t: grpo(t, importance_sampling_mode="clip"))
+case("grpo-importance-min-above-cap", ConfigError, "importance_sampling_min", "below importance_sampling_cap")(
+    lambda t: grpo(t, importance_sampling_min=3.0))
+case("grpo-off-policy-threshold", ConfigError, "off_policy_mask_threshold", ">= 0")(
+    lambda t: grpo(t, off_policy_mask_threshold=-0.5))
+case("grpo-scale-rewards", ConfigError, "scale_rewards", "batch_centred")(
+    lambda t: grpo(t, scale_rewards="centred"))
 case("grpo-no-reward-functions", ConfigError, "reward")(lambda t: grpo(t, rewards=[]))
 case("grpo-unknown-reward-name", ConfigError, "accuracyy")(lambda t: grpo(t, rewards=["accuracyy"]))
 case("grpo-reward-not-callable", ConfigError, "reward", "int")(lambda t: grpo(t, rewards=[42]))

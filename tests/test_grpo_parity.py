@@ -158,3 +158,63 @@ def test_advantages_equal_trls_for_the_same_rewards(tmp_path, scale_rewards):
     if scale_rewards == "batch":
         centred, _ = group_advantages(rewards, G, scale="batch_centred")
         assert not torch.allclose(centred, trl_adv.float(), atol=1e-3)  # the old meaning differs from TRL's
+
+
+@pytest.mark.parametrize("is_mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_off_policy_mask_and_importance_sampling_modes_equal_trl(tmp_path, is_mode):
+    """DeepSeek-V3.2's off-policy sequence mask and the four sampler-correction modes (TIS/MIS x token/sequence,
+    with a lower bound) through the whole loss, against TRL's _compute_loss on the same batch. TRL computes its
+    sampler ratio while generating with vLLM, which it cannot do here; the test gives TRL that ratio computed
+    by TRL's documented rule, written out below, and lets TRL's loss do the rest."""
+    from datasets import Dataset
+
+    tok = tiny_tokenizer()
+    prompts, completions, advantages, old, ref = _batch(tok)
+    level, mode = is_mode.split("_")
+    g = torch.Generator().manual_seed(3)
+    noise = 0.5 if level == "token" else 0.3
+    sampler = [o + noise * torch.randn(len(o), generator=g) for o in old]
+    cap, floor, threshold = 1.3, 0.7, 0.05
+    common = dict(per_device_train_batch_size=B, max_completion_length=C, temperature=0.7, beta=0.04,
+                  loss_type="dapo", epsilon=0.2, report_to="none", learning_rate=1e-3)
+    tiny_model().save_pretrained(tmp_path / "tiny")
+    theirs = trl.GRPOTrainer(
+        model=str(tmp_path / "tiny"), reward_funcs=_reward, processing_class=tok,
+        args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), num_generations=G, use_cpu=True, bf16=False,
+                            off_policy_mask_threshold=threshold, vllm_importance_sampling_mode=is_mode,
+                            vllm_importance_sampling_clip_max=cap, vllm_importance_sampling_clip_min=floor,
+                            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"}, **common),
+        train_dataset=Dataset.from_list([{"prompt": "hi"}] * 8))
+    theirs.model.train()
+    theirs.current_gradient_accumulation_steps = getattr(theirs, "current_gradient_accumulation_steps", 1)
+    inputs = trl_grpo_inputs(prompts, completions, advantages, old, tok.pad_token_id, C, ref_logps=ref)
+    samp = torch.zeros(B, C)
+    for i, s in enumerate(sampler):
+        samp[i, :len(s)] = s
+    diff = (inputs["old_per_token_logps"] - samp) * inputs["completion_mask"]
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if level == "sequence" else diff)
+    ratio = ratio.clamp(floor, cap) if mode == "truncate" else ratio.masked_fill((ratio < floor) | (ratio > cap), 0.0)
+    inputs.update(sampling_per_token_logps=samp, importance_sampling_ratio=ratio)
+    theirs.use_vllm, theirs.vllm_importance_sampling_correction = True, True  # read the ratio given above
+    trl_loss = theirs._compute_loss(theirs.model, inputs)
+
+    ours = GRPOTrainer(tiny_model(), [_reward],
+                       GRPOConfig(output_dir=str(tmp_path / "ours"), num_generations=2, importance_sampling_cap=cap,
+                                  importance_sampling_min=floor, importance_sampling_level=level,
+                                  importance_sampling_mode=mode, off_policy_mask_threshold=threshold,
+                                  zero_variance_filter=False, **common),
+                       train_dataset=[{"prompt": "hi"}] * 8, processing_class=tok)
+    ours.model.train()
+    ours.current_gradient_accumulation_steps = 1
+    rollout = fixed_rollout(prompts, completions, advantages, old, 2, ref_logps=ref)
+    rollout.sampler_logps = [s.tolist() for s in sampler]
+    our_loss = ours.compute_loss(ours.model, ours._split(rollout)[0])
+    masked = ours._step_metrics["off_policy_mask/masked_frac"][-1]
+    assert 0 < masked < 1  # the mask dropped some completions and kept others
+    if mode == "mask":
+        assert 0 < ours._step_metrics["importance_ratio/masked_frac"][-1] < 1
+    assert our_loss.item() == pytest.approx(trl_loss.item(), abs=1e-5, rel=1e-5)
+    trl_loss.backward()
+    our_loss.backward()
+    for (k, p), (_, q) in zip(theirs.model.named_parameters(), ours.model.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=k)

@@ -233,3 +233,47 @@ def test_clipped_surrogate_takes_per_token_advantages():
     per_seq, _ = clipped_surrogate(logps, old, adv, epsilon_low=0.2, epsilon_high=0.3)
     per_tok, _ = clipped_surrogate(logps, old, adv[:, None].expand(3, 5), epsilon_low=0.2, epsilon_high=0.3)
     torch.testing.assert_close(per_seq, per_tok)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("cap, floor", [(1.1, None), (1.1, 0.8), (None, 0.8)])
+def test_importance_weights_match_naive(level, mode, cap, floor):
+    """TIS and MIS at token and sequence level against a loop over tokens (TRL's four
+    vllm_importance_sampling_mode values, with C_max and C_min)."""
+    from toolkit.core.numerics import importance_weights
+
+    trainer, sampler, mask, lengths = _ragged(9)
+    noise = 0.4 if level == "token" else 0.08  # a sequence's ratio multiplies its tokens': keep some inside
+    sampler = trainer + noise * torch.randn(trainer.shape, generator=torch.Generator().manual_seed(1),
+                                            dtype=torch.float64)
+    out = importance_weights(trainer, sampler, cap=cap, floor=floor, level=level, mode=mode, mask=mask)
+    hi, lo = cap if cap is not None else math.inf, floor if floor is not None else -math.inf
+    seen = set()
+    for b, n in enumerate(lengths.tolist()):
+        seq = math.exp(sum(trainer[b, t].item() - sampler[b, t].item() for t in range(n)))
+        for t in range(n):
+            w = seq if level == "sequence" else math.exp(trainer[b, t].item() - sampler[b, t].item())
+            if mode == "truncate":
+                expected = min(max(w, lo), hi)
+            else:
+                expected = 0.0 if (w > hi or w < lo) else w
+            seen.add("cut" if expected != w else "kept")
+            assert out[b, t].item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert seen == {"cut", "kept"}  # the data exercises both sides
+
+
+def test_off_policy_sequence_mask_matches_naive():
+    """DeepSeek-V3.2 eq. 9: drop a completion iff its advantage is negative and its mean KL from the behaviour
+    policy exceeds the threshold."""
+    from toolkit.core.numerics import off_policy_sequence_mask
+
+    logps, _, mask, lengths = _ragged(11)
+    drift = torch.tensor([0.9, 0.9, 0.1, 0.9, 0.0], dtype=torch.float64)[:, None]
+    behaviour = (logps + drift) * mask
+    advantages = torch.tensor([-1.0, 0.5, -0.3, -2.0, -1.0], dtype=torch.float64)
+    keep = off_policy_sequence_mask(logps, behaviour, advantages, mask, threshold=0.5)
+    for b, n in enumerate(lengths.tolist()):
+        kl = sum(behaviour[b, t].item() - logps[b, t].item() for t in range(n)) / n
+        assert keep[b, 0].item() == (0.0 if advantages[b] < 0 and kl > 0.5 else 1.0)
+    assert keep[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0, 1.0]

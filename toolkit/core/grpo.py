@@ -162,6 +162,15 @@ class GRPOConfig(TrainingArguments):
     importance_sampling_level: str = field(default="token", metadata={
         "help": "Level of the sampler correction (importance_sampling_cap): token | sequence (one weight per "
                 "completion, the product of its token ratios). Not GSPO: that is loss_type='gspo'."})
+    importance_sampling_mode: str = field(default="truncate", metadata={
+        "help": "truncate (TIS: ratios clamped to [importance_sampling_min, importance_sampling_cap]) | mask (MIS: "
+                "tokens, or with importance_sampling_level='sequence' whole completions, whose ratio is outside "
+                "that range drop out of the loss). TRL's vllm_importance_sampling_mode = <level>_<mode>."})
+    importance_sampling_min: float | None = field(default=None, metadata={
+        "help": "Lower bound of the sampler ratio for importance_sampling_mode (None: no lower bound)."})
+    off_policy_mask_threshold: float | None = field(default=None, metadata={
+        "help": "DeepSeek-V3.2's off-policy sequence mask: completions with a negative advantage whose mean "
+                "per-token KL from the sampling policy exceeds this (e.g. 0.5) leave the loss. None: off."})
     zero_variance_filter: bool = field(default=True, metadata={
         "help": "Drop groups whose rewards are all equal from the loss (they carry no signal)."})
     mask_truncated_completions: bool = field(default=False, metadata={
@@ -710,8 +719,12 @@ class GRPOTrainer(Trainer):
             s["clip_ratio/low_mean"].append(float((info["clipped_low"] & lm).sum()) / denom)
             s["clip_ratio/high_mean"].append(float((info["clipped_high"] & lm).sum()) / denom)
             s["clip_ratio/region_mean"].append(float(((info["clipped_low"] | info["clipped_high"]) & lm).sum()) / denom)
+        if out.off_policy_mask is not None:  # share of completions the off-policy sequence mask left out
+            s["off_policy_mask/masked_frac"].append(float(1.0 - out.off_policy_mask.mean()))
         if tis is not None:
             sel = tis[mask]
+            if self.args.importance_sampling_mode == "mask":
+                s["importance_ratio/masked_frac"].append(float((sel == 0).float().mean()) if sel.numel() else 0.0)
             s["importance_ratio/mean"].append(float(sel.mean()) if sel.numel() else 1.0)
             s["importance_ratio/min"].append(float(sel.min()) if sel.numel() else 1.0)
             s["importance_ratio/max_max"].append(float(sel.max()) if sel.numel() else 1.0)

@@ -17,22 +17,24 @@ import torch
 
 __all__ = [
     "AGGREGATIONS",
+    "Aggregation",
     "DEFAULT_CHUNK_SIZE",
     "SCALE_REWARDS",
-    "Aggregation",
     "aggregate",
     "chunked_entropy",
     "chunked_token_logps",
     "clipped_surrogate",
-    "gspo_surrogate",
     "clipped_value_loss",
     "explained_variance",
     "gae",
     "group_advantages",
+    "gspo_surrogate",
+    "importance_weights",
     "kl_estimate",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "off_policy_sequence_mask",
     "preference_loss",
     "rloo_advantages",
     "truncated_importance_weights",
@@ -396,13 +398,52 @@ def truncated_importance_weights(trainer_logps: torch.Tensor, sampler_logps: tor
     log-probs of the same tokens (different kernels, stale weights). level="sequence" uses the
     product of token ratios over each sequence (exp of the masked sum of log-ratios).
     """
+    return importance_weights(trainer_logps, sampler_logps, cap=cap, level=level, mode="truncate", mask=mask)
+
+
+def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, *, cap: float | None,
+                       floor: float | None = None, level: str = "token", mode: str = "truncate",
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Sampler-correction weights from the ratio pi_trainer / pi_sampler, no gradient; [B, T].
+
+    level: "token" (one ratio per token) | "sequence" (the product of a sequence's token ratios, the same
+    weight on all its tokens). mode: "truncate" (TIS: the ratio clamped to [floor, cap]) | "mask" (MIS,
+    masked importance sampling: the ratio itself, or 0 where it is above cap or below floor, so tokens or
+    whole sequences the sampler drew too far from the trainer's policy drop out instead of counting at the
+    bound). None leaves a side unbounded. The four combinations are TRL's vllm_importance_sampling_mode
+    token_truncate, token_mask, sequence_truncate, sequence_mask.
+    """
     log_ratio = (trainer_logps - sampler_logps).detach()
     if level == "sequence":
         m = mask.to(log_ratio.dtype) if mask is not None else torch.ones_like(log_ratio)
         log_ratio = (log_ratio * m).sum(-1, keepdim=True).expand_as(log_ratio)
     elif level != "token":
         raise ValueError(f"importance level must be 'token' or 'sequence', got {level!r}")
-    return torch.exp(log_ratio).clamp(max=cap)
+    ratio = torch.exp(log_ratio)
+    if mode == "truncate":
+        return ratio.clamp(min=floor, max=cap)
+    if mode == "mask":
+        outside = torch.zeros_like(ratio, dtype=torch.bool)
+        if cap is not None:
+            outside |= ratio > cap
+        if floor is not None:
+            outside |= ratio < floor
+        return ratio.masked_fill(outside, 0.0)
+    raise ValueError(f"importance sampling mode must be 'truncate' or 'mask', got {mode!r}")
+
+
+def off_policy_sequence_mask(logps: torch.Tensor, behaviour_logps: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (eq. 9): [B, 1], 0 for a completion with a negative advantage
+    whose mean per-token KL from the behaviour policy, mean(log pi_behaviour - log pi), exceeds `threshold`;
+    1 otherwise. Negative-advantage samples the policy has already drifted far from push it around most
+    and teach least; positive ones are kept whatever their drift. No gradient."""
+    if advantages.dim() != 1:
+        raise ValueError("off_policy_sequence_mask: needs one advantage per completion ([B]), got "
+                         f"{tuple(advantages.shape)}")
+    m = mask.to(logps.dtype)
+    kl = torch.nan_to_num((behaviour_logps - logps.detach()) * m, nan=0.0).sum(-1) / m.sum(-1).clamp(min=1.0)
+    return ((advantages >= 0) | (kl <= threshold)).to(logps.dtype).unsqueeze(-1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,8 +4,10 @@
 `PolicyLossInputs`; `policy_objective` does the rest, in this order (each step says why):
 
 1. the per-token term of the chosen `PolicyLoss` (e.g. PPO's clipped surrogate with DAPO's clip-higher);
-2. truncated importance sampling: multiply by min(pi_old / pi_sampler, cap), because the engine that
-   sampled is not exactly the policy the ratio is taken against (kernels, stale weights; field note 8);
+2. the off-policy sequence mask (DeepSeek-V3.2, `off_policy_mask_threshold`), then truncated or masked
+   importance sampling: multiply by min(pi_old / pi_sampler, cap) (or drop what is beyond the cap),
+   because the engine that sampled is not exactly the policy the ratio is taken against (kernels, stale
+   weights; field note 8);
 3. the KL term beta x k3(pi || ref), times pi / pi_old when `kl_bias_correction` (the tokens were sampled
    from pi_old, so this makes it an estimate of KL(pi || ref) and of its gradient);
 4. aggregation to a scalar, by the loss's `aggregation` (numerics.aggregate; "micro_batch_token" is TRL's
@@ -30,8 +32,9 @@ from ..numerics import (
     aggregate,
     clipped_surrogate,
     gspo_surrogate,
+    importance_weights,
     kl_estimate,
-    truncated_importance_weights,
+    off_policy_sequence_mask,
 )
 from .settings import NoSettings, _LegacyConfigSettings, SettingsError, resolve_settings
 
@@ -168,6 +171,9 @@ class PolicyObjectiveSettings:
     kl_bias_correction: bool = True
     importance_sampling_cap: float | None = 2.0    # None: no sampler correction
     importance_sampling_level: str = "token"       # token | sequence
+    importance_sampling_mode: str = "truncate"     # truncate (TIS) | mask (MIS)
+    importance_sampling_min: float | None = None   # lower bound of the ratio (None: none)
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask (None: off)
     aggregation_constant: float | None = None      # the "constant" aggregation's normaliser (max_completion_length)
 
     def __post_init__(self):
@@ -178,6 +184,16 @@ class PolicyObjectiveSettings:
         if self.importance_sampling_level not in ("token", "sequence"):
             raise SettingsError("importance_sampling_level",
                                 f"'{self.importance_sampling_level}' is not token | sequence.")
+        if self.importance_sampling_mode not in ("truncate", "mask"):
+            raise SettingsError("importance_sampling_mode", f"'{self.importance_sampling_mode}' is not truncate | mask.")
+        if self.importance_sampling_min is not None:
+            cap = self.importance_sampling_cap
+            if not 0 <= self.importance_sampling_min < (cap if cap is not None else float("inf")):
+                raise SettingsError("importance_sampling_min", f"must be >= 0 and below importance_sampling_cap "
+                                    f"({cap}), got {self.importance_sampling_min}.")
+        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:
+            raise SettingsError("off_policy_mask_threshold",
+                                f"must be >= 0 (a KL in nats, e.g. 0.5) or None, got {self.off_policy_mask_threshold}.")
 
 
 @dataclass
@@ -187,8 +203,9 @@ class PolicyLossOutput:
     loss: torch.Tensor                                    # scalar
     per_token: torch.Tensor                               # [B, T] after correction and KL, before aggregation
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # the loss's own per-token masks
-    importance_weights: torch.Tensor | None = None        # [B, T] TIS weights (None: no correction)
+    importance_weights: torch.Tensor | None = None        # [B, T] TIS/MIS weights (None: no correction)
     kl: torch.Tensor | None = None                        # [B, T] k3 estimate (None: beta = 0)
+    off_policy_mask: torch.Tensor | None = None           # [B, 1] 1 kept, 0 masked (None: off)
 
 
 def policy_objective(
@@ -203,10 +220,18 @@ def policy_objective(
     `term` is usually `lambda i: loss(i, loss_settings)`; trainers pass their `compute_policy_loss` seam.
     """
     per_token, info = term(inputs)
+    keep = None
+    if settings.off_policy_mask_threshold is not None:
+        # drift measured from the policy that sampled (the engine's log-probs when there are any), as TRL does
+        behaviour = inputs.sampler_logps if inputs.sampler_logps is not None else inputs.old_logps
+        keep = off_policy_sequence_mask(inputs.logps, behaviour, inputs.advantages, inputs.completion_mask,
+                                        settings.off_policy_mask_threshold)
+        per_token = per_token * keep
     weights = None
     if settings.importance_sampling_cap is not None and inputs.sampler_logps is not None:
-        weights = truncated_importance_weights(inputs.old_logps, inputs.sampler_logps, settings.importance_sampling_cap,
-                                               level=settings.importance_sampling_level, mask=inputs.completion_mask)
+        weights = importance_weights(inputs.old_logps, inputs.sampler_logps, cap=settings.importance_sampling_cap,
+                                     floor=settings.importance_sampling_min, level=settings.importance_sampling_level,
+                                     mode=settings.importance_sampling_mode, mask=inputs.completion_mask)
         per_token = per_token * weights
     kl = None
     if settings.beta > 0:
@@ -222,7 +247,8 @@ def policy_objective(
         loss = aggregate(per_token, mask, aggregation, constant=settings.aggregation_constant,
                          group_ids=inputs.group_ids, num_items=inputs.step_tokens,
                          num_sequences=inputs.step_prompts if aggregation == "prompt" else inputs.step_sequences)
-    return PolicyLossOutput(loss=loss, per_token=per_token, info=info, importance_weights=weights, kl=kl)
+    return PolicyLossOutput(loss=loss, per_token=per_token, info=info, importance_weights=weights, kl=kl,
+                            off_policy_mask=keep)
 
 
 # ------------------------------------------------------------------------------------------------

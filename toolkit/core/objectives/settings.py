@@ -31,7 +31,8 @@ __all__ = ["CONFIG_FIELDS", "NoSettings", "SettingsError", "resolve_settings", "
 #: The config fields a settings dataclass may share (read from the config, not from `*_kwargs`).
 CONFIG_FIELDS = frozenset({
     "beta", "epsilon", "epsilon_high", "label_smoothing", "scale_rewards", "kl_bias_correction",
-    "importance_sampling_cap", "importance_sampling_level",
+    "importance_sampling_cap", "importance_sampling_level", "importance_sampling_mode", "importance_sampling_min",
+    "off_policy_mask_threshold",
 })
 
 
