@@ -3,9 +3,11 @@
     python bench/experimental_vs_trl.py                # about 10 minutes on 2 CPU cores
     python bench/experimental_vs_trl.py --steps 3      # quicker, noisier
 
-Rows: reward modelling (toolkit.experimental.reward.RewardTrainer against trl.RewardTrainer) and SimPO
+Rows: reward modelling (toolkit.experimental.reward.RewardTrainer against trl.RewardTrainer), SimPO
 (toolkit.experimental.cpo.CPOTrainer, loss_type="simpo", cpo_alpha=0, against trl.experimental.cpo
-CPOTrainer with the same settings). Same model, same plain-text preference rows (prompt + chosen +
+CPOTrainer with the same settings) and KTO (toolkit.experimental.kto.KTOTrainer against trl.KTOTrainer,
+loss_type="kto", beta 0.1, both unpairing the same pairs into desirable/undesirable rows, each with a
+frozen reference copy; TRL samples KTO rows in order, its default, ours shuffled). Same model, same plain-text preference rows (prompt + chosen +
 rejected, sequences of mixed length up to 512 tokens), same batch size, max_length, optimizer and
 learning rate; TRL at its defaults otherwise. Each trainer runs in its own process (peak RSS is per
 process). Printed: seconds per step over the steps after the first, peak RSS, and the ratios ours/TRL.
@@ -25,7 +27,7 @@ from _common import bench_args, run_each, step_timer  # noqa: E402
 SETTINGS = dict(batch_size=4, max_length=512, rows=64, lr=1e-6, beta=2.0, simpo_gamma=0.5)
 _WORDS = ("the model learns to prefer the better answer and a reward model learns to score it while long "
           "answers make every forward more expensive").split()
-KINDS = ("reward-toolkit", "reward-trl", "simpo-toolkit", "simpo-trl")
+KINDS = ("reward-toolkit", "reward-trl", "simpo-toolkit", "simpo-trl", "kto-toolkit", "kto-trl")
 
 
 def make_rows(n: int, seed: int = 0) -> list[dict]:
@@ -62,6 +64,11 @@ def worker(kind: str, steps: int) -> dict:
         from toolkit.experimental.cpo import CPOConfig, CPOTrainer
 
         trainer = CPOTrainer(path, CPOConfig(**common, **simpo), train_dataset=rows, callbacks=[timer])
+    elif kind == "kto-toolkit":
+        from toolkit.experimental.kto import KTOConfig, KTOTrainer
+
+        trainer = KTOTrainer(path, args=KTOConfig(**common, loss_type="kto", beta=0.1), train_dataset=rows,
+                             callbacks=[timer])
     else:
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -74,6 +81,14 @@ def worker(kind: str, steps: int) -> dict:
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
             model.config.pad_token_id = tok.pad_token_id
             trainer = TRLTrainer(model=model, args=TRLConfig(**common, use_cpu=True, bf16=False),
+                                 train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[timer])
+        elif kind == "kto-trl":
+            from trl import KTOConfig as TRLConfig
+            from trl import KTOTrainer as TRLTrainer
+
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            trainer = TRLTrainer(model=model, args=TRLConfig(**common, loss_type="kto", beta=0.1, use_cpu=True,
+                                                             bf16=False),
                                  train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[timer])
         else:
             from trl.experimental.cpo import CPOConfig as TRLConfig
@@ -102,7 +117,7 @@ def main() -> None:
     print("| trainer | ours s/step | TRL s/step | speed ratio (ours/TRL) | ours peak RSS MB | TRL peak RSS MB | "
           "memory ratio (ours/TRL) |")
     print("|---|---|---|---|---|---|---|")
-    for name in ("reward", "simpo"):
+    for name in ("reward", "simpo", "kto"):
         o, t = results[f"{name}-toolkit"], results[f"{name}-trl"]
         print(f"| {name} | {o['sec_per_step']:.1f} | {t['sec_per_step']:.1f} | "
               f"{o['sec_per_step'] / t['sec_per_step']:.2f} | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | "

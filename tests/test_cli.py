@@ -39,6 +39,10 @@ def test_every_shipped_run_file_loads_and_says_how_to_run_it(path):
         from toolkit.experimental.reward import RewardConfig as config_cls
     elif command == "cpo":
         from toolkit.experimental.cpo import CPOConfig as config_cls
+    elif command == "kto":
+        from toolkit.experimental.kto import KTOConfig as config_cls
+    elif command == "orpo":
+        from toolkit.experimental.orpo import ORPOConfig as config_cls
     else:
         config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig, "ppo": PPOConfig}[command]
     run, config = build_configs(load_run_file(path), config_cls)

@@ -28,7 +28,19 @@ def _cpo(argv: list[str]) -> int:
 
 
 #: command name -> fn(argv) -> exit code, for the experimental tier (docs/experimental.md)
-EXPERIMENTAL_COMMANDS: dict[str, Any] = {"reward": _reward, "cpo": _cpo}
+def _kto(argv: list[str]) -> int:
+    from toolkit.experimental.kto import run_kto_command
+
+    return run_kto_command(argv)
+
+
+def _orpo(argv: list[str]) -> int:
+    from toolkit.experimental.orpo import run_orpo_command
+
+    return run_orpo_command(argv)
+
+
+EXPERIMENTAL_COMMANDS: dict[str, Any] = {"reward": _reward, "cpo": _cpo, "kto": _kto, "orpo": _orpo}
 
 
 def main(argv: list[str] | None = None) -> int:

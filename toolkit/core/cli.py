@@ -16,6 +16,8 @@ Experimental commands (toolkit.experimental, no stability promise; the `toolkit`
 
     toolkit reward --config examples/reward_arithmetic.toml   # a Bradley-Terry reward model from preference pairs
     toolkit cpo --config examples/simpo_arithmetic.toml       # CPO / SimPO: preference optimisation, no reference
+    toolkit kto --config examples/kto_arithmetic.toml         # KTO: unpaired desirable/undesirable feedback
+    toolkit orpo --config examples/orpo_arithmetic.toml       # ORPO: SFT and odds-ratio preference, no reference
 """
 
 from __future__ import annotations

@@ -171,8 +171,7 @@ class DPOTrainer(Trainer):
                 use_varlen_attention(m)
         # chosen and rejected share one prompt copy only where the kernel can express it (attention.packed_layout)
         self.packed_layout = packed_layout(unwrap_model(model), self.ref_model) if self.padding_free else "padded"
-        logger.info("DPO loss settings: loss_type=%s weights=%s beta=%s label_smoothing=%s reference=%s; "
-                    "max_length=%s.", args.loss_types, args.loss_weight_values, args.beta, args.label_smoothing,
+        logger.info("%s reference=%s; max_length=%s.", self.describe_loss(args),
                     "none" if args.reference_free else "precomputed" if args.precompute_ref_log_probs else
                     "PEFT base (adapters off)" if self.ref_model is None else "frozen copy", args.max_length)
 
@@ -193,6 +192,11 @@ class DPOTrainer(Trainer):
         self._flat: list[tuple[float, float]] = []
         if args.precompute_ref_log_probs:
             self._precompute_reference()
+
+    def describe_loss(self, args: DPOConfig) -> str:
+        """The start-up log's account of the loss (a subclass with another loss says what it computes)."""
+        return (f"DPO loss settings: loss_type={args.loss_types} weights={args.loss_weight_values} beta={args.beta} "
+                f"label_smoothing={args.label_smoothing}")
 
     # ----------------------------------------------------------------------------------- data
 

@@ -1,0 +1,249 @@
+"""KTO: Kahneman-Tversky Optimisation from unpaired feedback (experimental).
+
+Each example is a prompt, one completion and a label: desirable (True) or undesirable (False); there is
+no second answer to compare with. KTO (Ethayarajh et al. 2024, eq. 7) scores a completion by its implied
+reward r = log pi(y|x) - log pi_ref(y|x) against a reference point z, an estimate of KL(pi || pi_ref):
+
+    desirable:    1 - sigmoid(beta * (r - z))      x desirable_weight
+    undesirable:  1 - sigmoid(beta * (z - r))      x undesirable_weight
+
+and the loss is the mean over the micro-batch. z is estimated as TRL does: every prompt of the micro-batch
+is paired with the completion of the example before it (rotation by one), z = mean(log pi - log pi_ref) of
+those mismatched pairs, detached, averaged over ranks and clamped at 0. ``loss_type="apo_zero_unpaired"``
+(APO-zero, D'Oosterlinck et al. 2024) drops z: 1 - sigmoid(beta r) for desirable, sigmoid(beta r) for
+undesirable completions.
+
+`KTOTrainer` is `DPOTrainer` with another loss: each example travels as a (completion, mismatched
+completion) pair around one prompt copy, so the matched and the KL sequences share DPO's packing, chunked
+log-probs, reference handling (a frozen copy, or the PEFT base with adapters off), checkpoints and exact
+resume. Paired preference data (chosen/rejected) is unpaired first (chosen -> desirable, rejected ->
+undesirable), as TRL does. Loss, gradients and metrics equal TRL's KTOTrainer on the same batch
+(tests/test_kto.py).
+"""
+
+from __future__ import annotations
+
+__all__ = ["KTOConfig", "KTOTrainer", "kto_losses", "run_kto_command"]
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from toolkit.core.data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
+from toolkit.core.dpo import DPOConfig, DPOTrainer
+from toolkit.core.errors import ConfigError, DataError, TrainingHealthError
+from toolkit.core.plugins import notify_step_metrics
+
+logger = logging.getLogger(__name__)
+
+_CITATION = """@article{ethayarajh2024kto,
+  title   = {{KTO: Model Alignment as Prospect Theoretic Optimization}},
+  author  = {Kawin Ethayarajh and Winnie Xu and Niklas Muennighoff and Dan Jurafsky and Douwe Kiela},
+  journal = {arXiv preprint arXiv:2402.01306},
+  year    = {2024}
+}"""
+
+_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+
+def kto_losses(logratios: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor, *, beta: float,
+               desirable_weight: float = 1.0, undesirable_weight: float = 1.0, loss_type: str = "kto"
+               ) -> torch.Tensor:
+    """Per-example KTO losses, desirable examples first, then undesirable (TRL's order; the mean is the loss).
+
+    logratios: [B] log pi(y|x) - log pi_ref(y|x); labels: [B] bool (True = desirable); kl: the reference
+    point z (a scalar, no gradient; unused by apo_zero_unpaired).
+    """
+    chosen, rejected = logratios[labels], logratios[~labels]
+    if loss_type == "kto":
+        chosen_losses = 1 - torch.sigmoid(beta * (chosen - kl))
+        rejected_losses = 1 - torch.sigmoid(beta * (kl - rejected))
+    elif loss_type == "apo_zero_unpaired":
+        chosen_losses = 1 - torch.sigmoid(beta * chosen)
+        rejected_losses = torch.sigmoid(beta * rejected)
+    else:
+        raise ValueError(f"loss_type must be one of {_LOSS_TYPES}, got {loss_type!r}")
+    return torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses))
+
+
+@dataclass
+class KTOConfig(DPOConfig):
+    """Settings of `KTOTrainer`: DPOConfig's fields plus KTO's (TRL's names and defaults: beta 0.1, weights 1).
+
+    The batch size must be at least 2 with loss_type='kto': the KL reference point pairs each prompt with
+    another example's completion of the same micro-batch.
+    """
+
+    output_dir: str | None = field(default="outputs/kto", metadata={"help": "Where checkpoints and the model go."})
+    loss_type: Any = field(default="kto", metadata={"help": "kto | apo_zero_unpaired."})
+    desirable_weight: float = field(default=1.0, metadata={"help": "Weight of the desirable examples' losses."})
+    undesirable_weight: float = field(default=1.0, metadata={"help": "Weight of the undesirable examples' losses."})
+
+    def __post_init__(self):
+        if not isinstance(self.loss_type, str) or self.loss_type not in _LOSS_TYPES:
+            raise ConfigError(f"loss_type: KTO takes one of {list(_LOSS_TYPES)}, got {self.loss_type!r}.")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}.")
+        if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
+            raise ConfigError("per_device_train_batch_size: KTO's KL reference point pairs each prompt with another "
+                              "example's completion in the micro-batch, so it needs at least 2 (with 1 the 'KL' "
+                              "would be the example's own reward); use 2 or more.")
+        if self.precompute_ref_log_probs:
+            raise ConfigError("precompute_ref_log_probs: KTO's KL pairs are formed per micro-batch, after shuffling, "
+                              "so their reference log-probs cannot be computed ahead; leave it False (or use PEFT, "
+                              "whose reference is the base model with adapters off, no second copy).")
+        if self.beta <= 0:
+            raise ConfigError(f"beta: must be > 0, got {self.beta}.")
+        self.kto_loss_type = self.loss_type
+        self.loss_type = "sigmoid"  # DPOConfig validates a registered preference loss; KTO's own loss is below
+        super().__post_init__()
+
+
+class KTOTrainer(DPOTrainer):
+    """KTO on unpaired (prompt, completion, label) data; see the module docstring."""
+
+    _tag_names = ["toolkit", "kto"]  # noqa: RUF012 (transformers reads a list)
+    _method_card = ("Kahneman-Tversky Optimization (KTO)", _CITATION)
+
+    def __init__(self, model: Any = None, ref_model: Any = None, args: KTOConfig | None = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 peft_config: Any = None, callbacks: list | None = None, optimizers: tuple = (None, None),
+                 model_init_kwargs: dict | None = None):
+        args = args if args is not None else KTOConfig()
+        if not isinstance(args, KTOConfig):
+            raise ConfigError(f"args: KTOTrainer needs a KTOConfig, got {type(args).__name__}.")
+        kwargs = {} if model is None else {"model": model}
+        super().__init__(**kwargs, ref_model=ref_model, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
+                         callbacks=callbacks, optimizers=optimizers, model_init_kwargs=model_init_kwargs)
+        self.data_collator = _KTOCollator()
+
+    def describe_loss(self, args: Any) -> str:
+        a = args
+        return (f"KTO loss settings: loss_type={a.kto_loss_type} beta={a.beta} desirable_weight={a.desirable_weight} "
+                f"undesirable_weight={a.undesirable_weight}")
+
+    # ------------------------------------------------------------------------------------ data
+
+    def _prepare(self, data: Any, tokenizer: Any, args: Any, split: str) -> list[dict[str, Any]]:
+        rows = normalize_rows(as_rows(data))
+        fmt = detect_format(rows)
+        if fmt.kind == "preference":
+            if "prompt" not in fmt.columns:
+                raise DataError(f"KTO {split} data: preference pairs without a 'prompt' column; KTO pairs prompts "
+                                "with other examples' completions, so it needs the prompt apart. Add a 'prompt' "
+                                "column.")
+            validate(rows, fmt, tokenizer=tokenizer)
+            # unpaired as TRL does: the chosen answer is desirable, the rejected one undesirable
+            rows = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+                    for r in rows for side in ("chosen", "rejected")]
+            fmt = detect_format(rows)
+        if fmt.kind != "unpaired_preference":
+            raise DataError(f"KTO {split} data: KTO needs unpaired feedback ('prompt', 'completion', 'label' with "
+                            f"label True = desirable) or preference pairs ('prompt', 'chosen', 'rejected'); this "
+                            f"dataset is {fmt.describe()}.")
+        validate(rows, fmt, tokenizer=tokenizer)
+        # Tokenized as DPO tokenizes a pair (template, EOS, truncation keeping the prompt); both sides are the row's
+        # completion, the second one is replaced per micro-batch by another example's completion (the KL pair).
+        as_pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": r["completion"]} for r in rows]
+        examples, report, _ = tokenize_for_preference(as_pairs, detect_format(as_pairs), tokenizer,
+                                                      max_length=args.max_length,
+                                                      template_kwargs=args.chat_template_kwargs)
+        desirable = sum(r["label"] for r in rows)
+        logger.info("KTO %s data: %s, %d desirable and %d undesirable: %s", split, fmt.describe(), desirable,
+                    len(rows) - desirable, report.summary(args.max_length))
+        if report.truncated_rows:
+            logger.warning("KTO: %d of %d %s rows were truncated to max_length=%s (longest %d tokens).",
+                           report.truncated_rows, report.rows, split, args.max_length, report.longest)
+        if split == "train" and 0 < desirable < len(rows):
+            # the KTO paper's advice: weight so that desirable_weight x n_D / (undesirable_weight x n_U) is in [1, 4/3]
+            ratio = args.desirable_weight * desirable / (args.undesirable_weight * (len(rows) - desirable))
+            if not 1.0 <= ratio <= 4 / 3:
+                logger.warning("KTO: desirable_weight x desirable / (undesirable_weight x undesirable) = %.2f, outside "
+                               "the [1, 4/3] the KTO paper recommends; e.g. undesirable_weight=%.3g puts it at 1.",
+                               ratio, args.desirable_weight * desirable / (len(rows) - desirable))
+        self.identical_rows = []
+        out = []
+        for e, r in zip(examples, rows):
+            out.append({"prompt_ids": e["prompt_ids"], "completion_ids": e["chosen_ids"], "label": bool(r["label"]),
+                        "ref_chosen_logps": float("nan"), "ref_rejected_logps": float("nan")})
+        return out
+
+    # ------------------------------------------------------------------------------------ loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """KTO's loss from one packed forward of the matched and the mismatched (KL) completions."""
+        target, mismatched, lengths = self.compute_sequence_logps(model, inputs)
+        ref_target, ref_mismatched = (x.to(target.device) for x in self.compute_reference_logps(inputs))
+        labels = inputs["label"].to(target.device)
+        logratios = target - ref_target
+        if self.args.kto_loss_type == "kto":
+            kl = (mismatched.detach() - ref_mismatched).mean()
+            if self.accelerator.num_processes > 1:  # the reference point of the whole step, as TRL gathers it
+                kl = self.accelerator.gather(kl.reshape(1)).mean()
+            kl = kl.clamp(min=0)
+        else:
+            kl = torch.zeros((), device=target.device)
+        losses = kto_losses(logratios, labels, kl, beta=self.args.beta, desirable_weight=self.args.desirable_weight,
+                            undesirable_weight=self.args.undesirable_weight, loss_type=self.args.kto_loss_type)
+        loss = losses.mean()
+        if not torch.isfinite(loss):
+            raise TrainingHealthError(f"KTO loss is {loss.item()} at step {self.state.global_step}; lower the learning "
+                                      "rate or check the data for extreme lengths.")
+        mode = "train" if model.training else "eval"
+        with torch.no_grad():
+            m = self._metrics
+            m[f"{mode}/kl"].append(float(kl))
+            rewards = self.args.beta * logratios.detach()
+            if labels.any():
+                m[f"{mode}/rewards/chosen"].append(rewards[labels].mean().item())
+                m[f"{mode}/logps/chosen"].append(target.detach()[labels].mean().item())
+            if (~labels).any():
+                m[f"{mode}/rewards/rejected"].append(rewards[~labels].mean().item())
+                m[f"{mode}/logps/rejected"].append(target.detach()[~labels].mean().item())
+            if labels.any() and (~labels).any():
+                m[f"{mode}/rewards/margins"].append((rewards[labels].mean() - rewards[~labels].mean()).item())
+        return (loss, {"logps": target.detach()}) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # DPO's log watches accuracies (a paired quantity KTO does not have); KTO logs its own metrics
+        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
+        prefix = "eval_" if mode == "eval" else ""
+        for key, values in list(self._metrics.items()):
+            if key.startswith(mode + "/") and values:
+                logs[prefix + key[len(mode) + 1:]] = round(sum(values) / len(values), 6)
+                self._metrics[key] = []
+        Trainer.log(self, logs, start_time)
+        notify_step_metrics("kto", self.state.global_step, logs)
+
+
+class _KTOCollator:
+    """Token-id lists per example, and each prompt's mismatched completion for the KL reference point: the
+    completion of the example before it in the micro-batch (rotation by one, TRL's pairing)."""
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        completions = [list(e["completion_ids"]) for e in examples]
+        return {
+            "prompt_ids": [list(e["prompt_ids"]) for e in examples],
+            "chosen_ids": completions,                          # the matched completions (DPO's "chosen" slot)
+            "rejected_ids": completions[-1:] + completions[:-1],  # the mismatched ones (DPO's "rejected" slot)
+            "label": torch.tensor([bool(e["label"]) for e in examples], dtype=torch.bool),
+            "ref_chosen_logps": torch.full((len(examples),), float("nan")),
+            "ref_rejected_logps": torch.full((len(examples),), float("nan")),
+        }
+
+
+def run_kto_command(argv: list[str]) -> int:
+    """`toolkit kto --config <file>`: the DPO command's path; builtin preference pairs are unpaired."""
+    from toolkit.core.cli import _model_init_kwargs, _peft_config, _run_offline
+
+    def make(run, cfg, train, held_out):
+        return KTOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
+                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+
+    return _run_offline(argv, KTOConfig, make, kind="preference", title="KTO",
+                        eval_keys=("eval_rewards/margins", "eval_kl"))
