@@ -126,13 +126,16 @@ def run(case: str, out: Path, world: int) -> dict:
         trainer = DPOTrainer(tiny_model(), args=DPOConfig(output_dir=str(out), max_steps=1, beta=0.5,
                                                           per_device_train_batch_size=per_device, **SGD, **sharded),
                              train_dataset=pairs(), processing_class=tok)
-    elif case.startswith("ppo"):  # ppo[-accum]
+    elif case.startswith("ppo"):  # ppo[-accum|-minibatches]
         # 8 completions per update in all; -accum: 2 processes x (micro-batch 2 x gradient accumulation 2), with
-        # whitened rewards and gradient clipping (the norm must be taken after the ranks' gradients are summed)
+        # whitened rewards and gradient clipping (the norm must be taken after the ranks' gradients are summed);
+        # -minibatches: 2 mini-batches per epoch, drawn from one permutation of every rank's completions
         accum = case.endswith("accum")
         ga = 2 if accum and world > 1 else 1
-        cfg = PPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=per_device // ga,
-                        gradient_accumulation_steps=ga, num_mini_batches=1, num_ppo_epochs=2, max_completion_length=6,
+        minibatches = 2 if case.endswith("minibatches") else 1
+        cfg = PPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=per_device // ga // minibatches,
+                        gradient_accumulation_steps=ga, num_mini_batches=minibatches, num_ppo_epochs=2,
+                        max_completion_length=6,
                         stop_token_ids=list(range(0, 384, 4)), generation_backend="per_prompt_seeded",
                         whiten_rewards=accum, **{**SGD, "learning_rate": 0.1, "max_grad_norm": 1.0 if accum else 0.0})
         trainer = PPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)
@@ -175,6 +178,8 @@ def run(case: str, out: Path, world: int) -> dict:
     # under FSDP2 each rank holds shards (DTensors): gather them whole (a collective, so on every rank)
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
               for k, v in trainer.model.named_parameters()}
+    if case.startswith("ppo"):  # PPO's separate critic trains too
+        params.update({f"critic.{k}": v.detach().clone() for k, v in trainer.critic.named_parameters()})
     if trainer.is_world_process_zero():
         torch.save(params, out / "params.pt")
     if hasattr(trainer, "rounds_seen"):

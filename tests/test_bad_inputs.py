@@ -192,6 +192,8 @@ case("grpo-importance-mode", ConfigError, "importance_sampling_mode", "truncate 
     lambda t: grpo(t, importance_sampling_mode="clip"))
 case("grpo-importance-min-above-cap", ConfigError, "importance_sampling_min", "below importance_sampling_cap")(
     lambda t: grpo(t, importance_sampling_min=3.0))
+case("grpo-importance-mask-unbounded", ConfigError, "importance_sampling_mode", "both are None")(
+    lambda t: grpo(t, importance_sampling_mode="mask", importance_sampling_cap=None))
 case("grpo-off-policy-threshold", ConfigError, "off_policy_mask_threshold", ">= 0")(
     lambda t: grpo(t, off_policy_mask_threshold=-0.5))
 case("grpo-scale-rewards", ConfigError, "scale_rewards", "batch_centred")(

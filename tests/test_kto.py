@@ -131,7 +131,11 @@ def test_paired_preference_data_is_unpaired(tmp_path):
     pairs = [{"prompt": [U(f"What is {i} + 1?")], "chosen": [A(str(i + 1))], "rejected": [A("no idea")]}
              for i in range(4)]
     t = KTOTrainer(tiny_model(), args=cfg(tmp_path), train_dataset=pairs, processing_class=tiny_tokenizer())
-    assert len(t.train_dataset) == 8 and [t.train_dataset[i]["label"] for i in range(8)] == [True, False] * 4
+    # TRL's order: every chosen answer, then every rejected one, so in-order neighbours (an eval batch's KL
+    # pairs) never share a prompt
+    assert len(t.train_dataset) == 8 and [t.train_dataset[i]["label"] for i in range(8)] == [True] * 4 + [False] * 4
+    batch = _KTOCollator()([t.train_dataset[i] for i in range(8)])
+    assert all(p != q for p, q in zip(batch["prompt_ids"], batch["prompt_ids"][-1:] + batch["prompt_ids"][:-1]))
 
 
 def test_exact_resume_equals_uninterrupted(tmp_path):
@@ -158,6 +162,13 @@ def test_errors_name_the_field_before_any_model_loads(tmp_path):
         cfg(tmp_path, undesirable_weight=0)
     with pytest.raises(ConfigError, match="precompute_ref_log_probs"):
         cfg(tmp_path, precompute_ref_log_probs=True)
+    with pytest.raises(ConfigError, match="reference_free: KTO's rewards"):
+        cfg(tmp_path, reference_free=True)
+    with pytest.raises(ConfigError, match="label_smoothing: KTO has its own loss"):
+        cfg(tmp_path, label_smoothing=0.1)
+    with pytest.raises(ConfigError, match="per_device_eval_batch_size: KTO's KL"):
+        cfg(tmp_path, per_device_eval_batch_size=1)
+    assert cfg(tmp_path, loss_type="apo_zero_unpaired").loss_type == "apo_zero_unpaired"  # the card shows it
     # a model name that cannot load proves these fail before loading it
     bad_label = unpaired(4)
     bad_label[2]["label"] = "yes"

@@ -20,7 +20,7 @@ import torch
 
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 FSDP2_CASES = ["sft", "sft-stream", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-prompt-batch-accum"]
-CASES = ["sft", "sft-stream", "dpo", "ppo", "ppo-accum", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch", "grpo-prompt-batch-accum"]
+CASES = ["sft", "sft-stream", "dpo", "ppo", "ppo-accum", "ppo-minibatches", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch", "grpo-prompt-batch-accum"]
 
 
 def _run(cmd, env):

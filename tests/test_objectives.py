@@ -229,3 +229,22 @@ def test_gspo_token_has_gspos_value_and_each_tokens_own_gradient():
     ((seq, g_seq), (tok, g_tok)), mask = both(per_token)
     torch.testing.assert_close(seq, tok)  # values: still the sequence ratio
     assert not torch.allclose(g_seq * mask, g_tok * mask)
+
+
+def test_a_lower_bound_alone_still_corrects_the_sampler():
+    """importance_sampling_cap=None with importance_sampling_min set is a correction with a floor only (TRL allows
+    clip_max=None), not a silently dropped setting."""
+    from toolkit.core.objectives import PolicyLossInputs, PolicyObjectiveSettings, policy_objective
+
+    g = torch.Generator().manual_seed(0)
+    logps = torch.randn(2, 4, generator=g)
+    sampler = logps + torch.tensor([[0.9, 0.0, 0.0, 0.0], [0.0, 0.0, -0.9, 0.0]])
+    inputs = PolicyLossInputs(logps=logps.clone().requires_grad_(), old_logps=logps, advantages=torch.tensor([1.0, -1.0]),
+                              loss_mask=torch.ones(2, 4, dtype=torch.bool), sampler_logps=sampler)
+    term = lambda i: (-(i.logps - i.old_logps.detach()).exp() * i.advantages[:, None], {})  # noqa: E731
+    for mode, expect in (("truncate", 0.8), ("mask", 0.0)):
+        out = policy_objective(inputs, term, aggregation="token", settings=PolicyObjectiveSettings(
+            importance_sampling_cap=None, importance_sampling_min=0.8, importance_sampling_mode=mode))
+        assert out.importance_weights is not None
+        assert out.importance_weights[0, 0].item() == pytest.approx(expect, abs=1e-6)  # exp(-0.9) = 0.41 < 0.8
+        assert out.importance_weights[1, 2].item() == pytest.approx(2.4596, rel=1e-3)   # exp(0.9): no upper bound

@@ -108,3 +108,6 @@ def test_config_errors_name_the_field(tmp_path):
         cfg(tmp_path, beta=0.0)
     with pytest.raises(ConfigError, match="precompute_ref_log_probs: ORPO has no reference model"):
         cfg(tmp_path, precompute_ref_log_probs=True)
+    with pytest.raises(ConfigError, match="loss_weights: ORPO has its own loss"):
+        cfg(tmp_path, loss_weights=[1.0])
+    assert cfg(tmp_path).loss_type == "orpo"

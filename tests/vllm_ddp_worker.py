@@ -8,18 +8,23 @@ from pathlib import Path
 import torch
 
 from toolkit import GRPOConfig, GRPOTrainer, embedded_model_path
-from toolkit.core.rewards import numeric_match
 from toolkit.core.tasks import arithmetic
+
+
+def varied(completions, completion_ids, **kw):
+    """Rewards that differ within every group (numeric match is mostly 0 for 8 tokens), so each step has a
+    gradient and the weights change between steps."""
+    return [float(sum(ids) % 5) for ids in completion_ids]
 
 
 def main(out_dir: str, url: str) -> None:
     torch.set_num_threads(1)
     rows = arithmetic(16, seed=0, max_value=20, max_terms=2, kind="prompt_only")
     cfg = GRPOConfig(output_dir=out_dir, max_steps=2, per_device_train_batch_size=8, num_generations=4,
-                     max_completion_length=8, temperature=0.7, learning_rate=1e-5, save_strategy="no",
+                     max_completion_length=8, temperature=0.7, learning_rate=1e-3, save_strategy="no",
                      report_to="none", disable_tqdm=True, generation_backend="vllm-server",
                      generation_backend_kwargs={"url": url, "startup_timeout": 120})
-    trainer = GRPOTrainer(str(embedded_model_path()), [numeric_match], cfg, train_dataset=rows)
+    trainer = GRPOTrainer(str(embedded_model_path()), [varied], cfg, train_dataset=rows)
     trainer.train()
     rank = trainer.accelerator.process_index
     logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -288,8 +288,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 # every rank drops its share of the round together, so the ranks keep training the same rounds
                 self._dropped += 1
                 self._next_round = item.round + 1
-                logger.info("async GRPO: dropped round %d (staleness %d > max_staleness %d).", item.round,
-                            staleness, self.args.max_staleness)
+                logger.info("async GRPO: dropped round %d (this rank's share: staleness %d, max_staleness %d; a round "
+                            "is dropped on every rank when any rank's share is too stale).", item.round, staleness,
+                            self.args.max_staleness)
                 continue
             self._next_round = item.round + 1
             self._staleness[staleness] += 1

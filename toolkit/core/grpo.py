@@ -158,7 +158,7 @@ class GRPOConfig(TrainingArguments):
                 "on this many batches in a row; a failure is an exception, a timeout, a wrong length, or NaN."})
     importance_sampling_cap: float | None = field(default=2.0, metadata={
         "help": "Truncated importance sampling between sampler and trainer log-probs: weights min(ratio, cap). "
-                "None turns the correction off."})
+                "None (with importance_sampling_min None too) turns the correction off."})
     importance_sampling_level: str = field(default="token", metadata={
         "help": "Level of the sampler correction (importance_sampling_cap): token | sequence (one weight per "
                 "completion, the product of its token ratios). Not GSPO: that is loss_type='gspo'."})
@@ -719,8 +719,10 @@ class GRPOTrainer(Trainer):
             s["clip_ratio/low_mean"].append(float((info["clipped_low"] & lm).sum()) / denom)
             s["clip_ratio/high_mean"].append(float((info["clipped_high"] & lm).sum()) / denom)
             s["clip_ratio/region_mean"].append(float(((info["clipped_low"] | info["clipped_high"]) & lm).sum()) / denom)
-        if out.off_policy_mask is not None:  # share of completions the off-policy sequence mask left out
-            s["off_policy_mask/masked_frac"].append(float(1.0 - out.off_policy_mask.mean()))
+        if out.off_policy_mask is not None:  # share of the completions in the loss that the mask left out
+            in_loss = lm.any(-1)
+            kept = out.off_policy_mask.squeeze(-1)[in_loss]
+            s["off_policy_mask/masked_frac"].append(float(1.0 - kept.mean()) if kept.numel() else 0.0)
         if tis is not None:
             sel = tis[mask]
             if self.args.importance_sampling_mode == "mask":

@@ -101,6 +101,9 @@ CRITICS = ("separate", "head", "base")
 STATE_FILE = "ppo_state.pt"          # optimizer and scheduler tensors, loaded with weights_only=True
 STATE_JSON = "ppo_state.json"        # the rest of the loop's state: plain JSON
 CRITIC_FILE = "critic.safetensors"
+# the per-micro-batch token sums compute_loss returns (with return_outputs), reduced over ranks per mini-batch
+_STAT_KEYS = ("loss/policy", "loss/value", "policy/approxkl", "policy/clipfrac", "val/clipfrac", "policy/entropy",
+              "policy/ratio", "tokens")
 
 
 @dataclass
@@ -488,6 +491,10 @@ class PPOTrainer(Trainer):
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+        # which parameters got a gradient on any rank: one that none did stays without one (as in one process,
+        # where the optimizer skips it, weight decay and momentum included)
+        had = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.accelerator.device)
+        had = self.accelerator.reduce(had, reduction="sum").cpu()
         grads = []
         for p in params:
             if p.grad is None:
@@ -504,6 +511,9 @@ class PPOTrainer(Trainer):
                 for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                     dst.copy_(src)
                 bucket, size = [], 0
+        for p, any_rank in zip(params, had.tolist()):
+            if not any_rank:
+                p.grad = None
 
     def _broadcast_parameters(self) -> None:
         """Rank 0's policy and critic weights on every rank before the first update (what DDP does when it
@@ -685,15 +695,17 @@ class PPOTrainer(Trainer):
     def ppo_update(self, rollout: PPORollout, update: int) -> dict[str, float]:
         """num_ppo_epochs x num_mini_batches optimizer steps on one rollout; returns averaged statistics.
 
-        With several processes each rank holds its share of the update's completions; a mini-batch is every
-        rank's share of it, its loss is divided by the mini-batch's token count over all ranks, and the ranks'
-        gradients are summed before the step, so N processes take the step one process with the whole
-        mini-batch would (tests/test_multiprocess.py). Early stopping reads the global approximate KL, so every
-        rank stops at the same mini-batch.
+        With several processes each rank holds its share of the update's completions; the mini-batches are
+        drawn from one permutation of all ranks' completions, each rank trains its rows of each, the loss is
+        divided by the mini-batch's token count over all ranks, and the ranks' gradients are summed before the
+        step, so N processes take the steps one process with the whole rollout would (tests/test_multiprocess.py,
+        with one and with two mini-batches). Early stopping reads the global approximate KL, so every rank stops
+        at the same mini-batch.
         """
         args = self.args
         B = len(rollout.completion_ids)
-        mb = B // args.num_mini_batches
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        mb_global = B * world // args.num_mini_batches
         micro = args.per_device_train_batch_size
         stats: dict[str, list[float]] = defaultdict(list)
         params = [p for p in self._trainable_parameters()]
@@ -701,19 +713,23 @@ class PPOTrainer(Trainer):
         self.model.train()
         self.critic.train()
         for epoch in range(args.num_ppo_epochs):
+            # One permutation of the update's completions over all ranks (rank k holds global rows k*B..k*B+B-1),
+            # so every mini-batch holds the rows one process would put in it; each rank trains its own share of
+            # it (the shares differ in size; the collectives below are once per mini-batch on every rank).
             g = torch.Generator().manual_seed(generation_seed(args.seed, update, epoch))
-            perm = torch.randperm(B, generator=g).tolist()
+            perm = torch.randperm(B * world, generator=g).tolist()
             for m in range(args.num_mini_batches):
-                idx = perm[m * mb:(m + 1) * mb]
+                idx = [i - rank * B for i in perm[m * mb_global:(m + 1) * mb_global] if rank * B <= i < (rank + 1) * B]
                 loss_tokens = self._sum_over_ranks(rollout.mask[idx].sum().double()).float()
-                sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-                for k in range(0, mb, micro):
+                # the same keys on every rank, also one with no rows in this mini-batch (they are reduced together)
+                sums = {k: torch.zeros((), dtype=torch.float64) for k in _STAT_KEYS}
+                for k in range(0, len(idx), micro):
                     batch = self._micro_batch(rollout, idx[k:k + micro])
                     batch["loss_tokens"] = loss_tokens
                     loss, s = self.compute_loss(self.model, batch, return_outputs=True)
                     loss.backward()
-                    for name, v in s.items():
-                        sums[name] = sums[name] + v
+                    for name in _STAT_KEYS:
+                        sums[name] = sums[name] + s[name].to(sums[name].device)
                 self._all_reduce_gradients(params)
                 keys = sorted(sums)
                 total = dict(zip(keys, self._sum_over_ranks(torch.stack([sums[k] for k in keys])).tolist()))
@@ -927,8 +943,9 @@ class PPOTrainer(Trainer):
         if self.accelerator.num_processes > 1:
             import torch.distributed as dist
 
-            worst = worst.double().clone()
+            worst = worst.double().to(self.accelerator.device)  # nccl reduces device tensors only
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            worst = worst.cpu()
         out["sampler/logp_abs_diff_max"] = float(worst)
         out["val/explained_variance"] = explained_variance(r.values, r.returns, m, reduce=self._sum_over_ranks)
         out.update({"time/generation_s": t_gen, "time/scoring_s": t_score, "time/rollout_forward_s": t_fwd,

@@ -88,10 +88,16 @@ class KTOConfig(DPOConfig):
         for name in ("desirable_weight", "undesirable_weight"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}.")
-        if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
-            raise ConfigError("per_device_train_batch_size: KTO's KL reference point pairs each prompt with another "
-                              "example's completion in the micro-batch, so it needs at least 2 (with 1 the 'KL' "
-                              "would be the example's own reward); use 2 or more.")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            if self.loss_type == "kto" and getattr(self, name) < 2:
+                raise ConfigError(f"{name}: KTO's KL reference point pairs each prompt with another example's "
+                                  "completion in the micro-batch, so it needs at least 2 (with 1 the 'KL' would be "
+                                  "the example's own reward); use 2 or more.")
+        _refuse_dpo_only_fields(self, "KTO")
+        if self.reference_free:
+            raise ConfigError("reference_free: KTO's rewards and KL reference point are log-ratios to a reference "
+                              "model; with none they are the policy's own log-probs and the loss is not KTO. Leave "
+                              "it False (with PEFT the reference is the base model with adapters off, no copy).")
         if self.precompute_ref_log_probs:
             raise ConfigError("precompute_ref_log_probs: KTO's KL pairs are formed per micro-batch, after shuffling, "
                               "so their reference log-probs cannot be computed ahead; leave it False (or use PEFT, "
@@ -101,6 +107,7 @@ class KTOConfig(DPOConfig):
         self.kto_loss_type = self.loss_type
         self.loss_type = "sigmoid"  # DPOConfig validates a registered preference loss; KTO's own loss is below
         super().__post_init__()
+        self.loss_type = self.kto_loss_type  # what the model card and saved arguments show
 
 
 class KTOTrainer(DPOTrainer):
@@ -120,7 +127,7 @@ class KTOTrainer(DPOTrainer):
         super().__init__(**kwargs, ref_model=ref_model, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                          callbacks=callbacks, optimizers=optimizers, model_init_kwargs=model_init_kwargs)
-        self.data_collator = _KTOCollator()
+        self.data_collator = _KTOCollator(max_length=args.max_length)
 
     def describe_loss(self, args: Any) -> str:
         a = args
@@ -138,9 +145,11 @@ class KTOTrainer(DPOTrainer):
                                 "with other examples' completions, so it needs the prompt apart. Add a 'prompt' "
                                 "column.")
             validate(rows, fmt, tokenizer=tokenizer)
-            # unpaired as TRL does: the chosen answer is desirable, the rejected one undesirable
+            # unpaired as TRL does: every chosen answer (desirable), then every rejected one (undesirable). Kept
+            # in blocks, so that rows next to each other (the KL pairs of an in-order eval batch) have different
+            # prompts, not a prompt's own other answer
             rows = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
-                    for r in rows for side in ("chosen", "rejected")]
+                    for side in ("chosen", "rejected") for r in rows]
             fmt = detect_format(rows)
         if fmt.kind != "unpaired_preference":
             raise DataError(f"KTO {split} data: KTO needs unpaired feedback ('prompt', 'completion', 'label' with "
@@ -223,18 +232,34 @@ class KTOTrainer(DPOTrainer):
 
 class _KTOCollator:
     """Token-id lists per example, and each prompt's mismatched completion for the KL reference point: the
-    completion of the example before it in the micro-batch (rotation by one, TRL's pairing)."""
+    completion of the example before it in the micro-batch (rotation by one, TRL's pairing), cut so that prompt
+    and mismatched completion fit in max_length (at least one completion token is kept)."""
+
+    def __init__(self, max_length: int | None = None):
+        self.max_length = max_length
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        prompts = [list(e["prompt_ids"]) for e in examples]
         completions = [list(e["completion_ids"]) for e in examples]
+        mismatched = completions[-1:] + completions[:-1]
+        if self.max_length is not None:
+            mismatched = [c[:max(self.max_length - len(p), 1)] for p, c in zip(prompts, mismatched)]
         return {
-            "prompt_ids": [list(e["prompt_ids"]) for e in examples],
-            "chosen_ids": completions,                          # the matched completions (DPO's "chosen" slot)
-            "rejected_ids": completions[-1:] + completions[:-1],  # the mismatched ones (DPO's "rejected" slot)
+            "prompt_ids": prompts,
+            "chosen_ids": completions,   # the matched completions (DPO's "chosen" slot)
+            "rejected_ids": mismatched,  # the mismatched ones (DPO's "rejected" slot)
             "label": torch.tensor([bool(e["label"]) for e in examples], dtype=torch.bool),
             "ref_chosen_logps": torch.full((len(examples),), float("nan")),
             "ref_rejected_logps": torch.full((len(examples),), float("nan")),
         }
+
+
+def _refuse_dpo_only_fields(config: Any, method: str) -> None:
+    """DPOConfig fields a trainer with its own loss does not read: refused by name rather than ignored."""
+    for name, default in (("label_smoothing", 0.0), ("loss_kwargs", None), ("loss_weights", None)):
+        if getattr(config, name) not in (default, {}, []):
+            raise ConfigError(f"{name}: {method} has its own loss and does not read DPO's {name} (got "
+                              f"{getattr(config, name)!r}); leave it unset.")
 
 
 def run_kto_command(argv: list[str]) -> int:

@@ -59,18 +59,23 @@ class ORPOConfig(DPOConfig):
 
     output_dir: str | None = field(default="outputs/orpo", metadata={"help": "Where checkpoints and the model go."})
     beta: float = field(default=0.1, metadata={"help": "Weight of the odds-ratio term (lambda in the paper)."})
+    loss_type: Any = field(default="orpo", metadata={"help": "orpo (the one loss: NLL + odds ratio)."})
 
     def __post_init__(self):
+        from toolkit.experimental.kto import _refuse_dpo_only_fields
+
         if self.beta <= 0:
             raise ConfigError(f"beta: must be > 0, got {self.beta}.")
-        if self.loss_type not in ("sigmoid", ["sigmoid"], "orpo"):
+        if self.loss_type != "orpo":
             raise ConfigError(f"loss_type: ORPO has one loss (NLL + odds ratio); leave loss_type unset, got "
                               f"{self.loss_type!r}.")
         if self.precompute_ref_log_probs:
             raise ConfigError("precompute_ref_log_probs: ORPO has no reference model; leave it False.")
+        _refuse_dpo_only_fields(self, "ORPO")
         self.loss_type = "sigmoid"  # DPOConfig checks a registered preference loss; ORPO's own loss is below
         self.reference_free = True
         super().__post_init__()
+        self.loss_type = "orpo"  # what the model card and saved arguments show
 
 
 class ORPOTrainer(DPOTrainer):

@@ -186,6 +186,10 @@ class PolicyObjectiveSettings:
                                 f"'{self.importance_sampling_level}' is not token | sequence.")
         if self.importance_sampling_mode not in ("truncate", "mask"):
             raise SettingsError("importance_sampling_mode", f"'{self.importance_sampling_mode}' is not truncate | mask.")
+        if self.importance_sampling_mode == "mask" and self.importance_sampling_cap is None \
+                and self.importance_sampling_min is None:
+            raise SettingsError("importance_sampling_mode", "'mask' drops ratios outside [importance_sampling_min, "
+                                "importance_sampling_cap], and both are None, so nothing would be masked; set one.")
         if self.importance_sampling_min is not None:
             cap = self.importance_sampling_cap
             if not 0 <= self.importance_sampling_min < (cap if cap is not None else float("inf")):
@@ -228,7 +232,8 @@ def policy_objective(
                                         settings.off_policy_mask_threshold)
         per_token = per_token * keep
     weights = None
-    if settings.importance_sampling_cap is not None and inputs.sampler_logps is not None:
+    bounded = settings.importance_sampling_cap is not None or settings.importance_sampling_min is not None
+    if bounded and inputs.sampler_logps is not None:
         weights = importance_weights(inputs.old_logps, inputs.sampler_logps, cap=settings.importance_sampling_cap,
                                      floor=settings.importance_sampling_min, level=settings.importance_sampling_level,
                                      mode=settings.importance_sampling_mode, mask=inputs.completion_mask)
