@@ -34,25 +34,42 @@ def test_a_launch_that_started_fewer_processes_than_asked_is_said_out_loud(monke
     assert not warn_if_fewer_processes_than_asked(["python", "train.py"])
 
 
-def test_single_process_trainers_refuse_a_multi_process_launch_before_loading_anything(tmp_path, monkeypatch):
+def test_multi_process_launches_are_checked_before_loading_anything(tmp_path, monkeypatch):
+    """PPO and async GRPO run with several processes now (tests/test_multiprocess.py); what they cannot do under a
+    multi-process launch is refused by name before any model loads: sharding (PPO, async), a vLLM server shared
+    by async ranks, too few prompts for N x rollout_batch_size, and GRPO's per-rank solved set."""
     from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.core.distributed import refuse_multiprocess
     from toolkit.core.ppo import PPOConfig, PPOTrainer
 
     common = dict(output_dir=str(tmp_path / "out"), report_to="none", per_device_train_batch_size=4,
                   max_completion_length=4)
-    ppo_cfg, async_cfg = PPOConfig(**common), AsyncGRPOConfig(num_generations=2, **common)
+    ppo_cfg = PPOConfig(**common)
+    server_cfg = AsyncGRPOConfig(num_generations=2, generation_backend="vllm-server", **common)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    rows = [{"prompt": "a"}] * 4
-    with pytest.raises(ConfigError, match="PPOTrainer runs in one process only .* WORLD_SIZE=2"):
+    rows = [{"prompt": f"a{i}"} for i in range(6)]
+    with pytest.raises(ConfigError, match=r"train_dataset: 6 prompts, fewer than one update needs "
+                                          r"\(rollout_batch_size=4 x 2 processes\)"):
+        PPOTrainer("does-not-matter/never-loaded", ["numeric_match"], ppo_cfg, train_dataset=rows,
+                   processing_class=tiny_tokenizer())
+    with pytest.raises(ConfigError, match="generation_backend: 'vllm-server' with several trainer processes"):
+        AsyncGRPOTrainer("does-not-matter/never-loaded", ["numeric_match"], server_cfg, train_dataset=rows,
+                         processing_class=tiny_tokenizer())
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp2.yaml` sets
+    with pytest.raises(ConfigError, match="ACCELERATE_USE_FSDP: PPOTrainer does not shard its models"):
         PPOTrainer("does-not-matter/never-loaded", ["numeric_match"], ppo_cfg, train_dataset=rows)
+    with pytest.raises(ConfigError, match="ACCELERATE_USE_FSDP: AsyncGRPOTrainer does not shard its models"):
+        AsyncGRPOTrainer("does-not-matter/never-loaded", ["numeric_match"], AsyncGRPOConfig(num_generations=2, **common),
+                         train_dataset=rows, processing_class=tiny_tokenizer())
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
     from toolkit.core.grpo import GRPOConfig
 
     with pytest.raises(ConfigError, match="skip_solved_threshold: not supported with several processes"):
         GRPOConfig(num_generations=2, skip_solved_threshold=0.9, **common)
-    with pytest.raises(ConfigError, match="AsyncGRPOTrainer runs in one process only"):
-        AsyncGRPOTrainer(tiny_model(), ["numeric_match"], async_cfg, train_dataset=rows,
-                         processing_class=tiny_tokenizer())
+    # the public helper for a trainer of one's own that runs in one process only
+    with pytest.raises(ConfigError, match="MyTrainer runs in one process only .* WORLD_SIZE=2"):
+        refuse_multiprocess("MyTrainer", "its state is per process")
     assert not (tmp_path / "out").exists()
 
 
