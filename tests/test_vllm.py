@@ -132,8 +132,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(path):
+def _serve(path):
+    """A real `toolkit vllm-serve` subprocess on a free loopback port: (process, url); killed afterwards."""
     port = free_port()
     # The server refuses requests without its token; server and clients read it from the environment.
     os.environ["TOOLKIT_VLLM_TOKEN"] = "stage-4-test-token"
@@ -146,6 +146,17 @@ def server(path):
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(path):
+    yield from _serve(path)
+
+
+@pytest.fixture
+def own_server(path):
+    """A server of the test's own (the module's `server` is killed by the liveness test)."""
+    yield from _serve(path)
 
 
 def test_server_generates_like_the_colocated_engine_and_survives_reconnects(server, engine, tok):
@@ -199,14 +210,14 @@ def test_a_server_that_never_started_or_died_is_reported_within_the_timeout(serv
     assert time.monotonic() - t < 5
 
 
-def test_two_trainer_processes_share_one_server(server, tmp_path):
+def test_two_trainer_processes_share_one_server(own_server, tmp_path):
     """torchrun with 2 GRPO ranks (gloo, DDP) against the one `toolkit vllm-serve`: rank 0 uploads the weights
     once per step (not once per rank) and every rank waits for that upload before it generates."""
     import json
     import shutil
     from pathlib import Path
 
-    proc, url = server
+    proc, url = own_server
     client = VLLMServerBackend(url, startup_timeout=180)
     before = client.info["weights_version"]
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
