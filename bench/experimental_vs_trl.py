@@ -1,13 +1,15 @@
 """Benchmark: the experimental trainers against TRL's, on the embedded SmolLM2-135M-Instruct, one run.
 
-    python bench/experimental_vs_trl.py                # about 10 minutes on 2 CPU cores
+    python bench/experimental_vs_trl.py                # about 15 minutes on 2 CPU cores
     python bench/experimental_vs_trl.py --steps 3      # quicker, noisier
 
 Rows: reward modelling (toolkit.experimental.reward.RewardTrainer against trl.RewardTrainer), SimPO
 (toolkit.experimental.cpo.CPOTrainer, loss_type="simpo", cpo_alpha=0, against trl.experimental.cpo
 CPOTrainer with the same settings) and KTO (toolkit.experimental.kto.KTOTrainer against trl.KTOTrainer,
 loss_type="kto", beta 0.1, both unpairing the same pairs into desirable/undesirable rows, each with a
-frozen reference copy; TRL samples KTO rows in order, its default, ours shuffled). Same model, same plain-text preference rows (prompt + chosen +
+frozen reference copy; TRL samples KTO rows in order, its default, ours shuffled) and ORPO
+(toolkit.experimental.orpo.ORPOTrainer against trl.experimental.orpo.ORPOTrainer, beta 0.1, no reference
+on either side). Same model, same plain-text preference rows (prompt + chosen +
 rejected, sequences of mixed length up to 512 tokens), same batch size, max_length, optimizer and
 learning rate; TRL at its defaults otherwise. Each trainer runs in its own process (peak RSS is per
 process). Printed: seconds per step over the steps after the first, peak RSS, and the ratios ours/TRL.
@@ -27,7 +29,8 @@ from _common import bench_args, run_each, step_timer  # noqa: E402
 SETTINGS = dict(batch_size=4, max_length=512, rows=64, lr=1e-6, beta=2.0, simpo_gamma=0.5)
 _WORDS = ("the model learns to prefer the better answer and a reward model learns to score it while long "
           "answers make every forward more expensive").split()
-KINDS = ("reward-toolkit", "reward-trl", "simpo-toolkit", "simpo-trl", "kto-toolkit", "kto-trl")
+KINDS = ("reward-toolkit", "reward-trl", "simpo-toolkit", "simpo-trl", "kto-toolkit", "kto-trl", "orpo-toolkit",
+         "orpo-trl")
 
 
 def make_rows(n: int, seed: int = 0) -> list[dict]:
@@ -69,6 +72,10 @@ def worker(kind: str, steps: int) -> dict:
 
         trainer = KTOTrainer(path, args=KTOConfig(**common, loss_type="kto", beta=0.1), train_dataset=rows,
                              callbacks=[timer])
+    elif kind == "orpo-toolkit":
+        from toolkit.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        trainer = ORPOTrainer(path, args=ORPOConfig(**common, beta=0.1), train_dataset=rows, callbacks=[timer])
     else:
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -89,6 +96,13 @@ def worker(kind: str, steps: int) -> dict:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             trainer = TRLTrainer(model=model, args=TRLConfig(**common, loss_type="kto", beta=0.1, use_cpu=True,
                                                              bf16=False),
+                                 train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[timer])
+        elif kind == "orpo-trl":
+            from trl.experimental.orpo import ORPOConfig as TRLConfig
+            from trl.experimental.orpo import ORPOTrainer as TRLTrainer
+
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            trainer = TRLTrainer(model=model, args=TRLConfig(**common, beta=0.1, use_cpu=True, bf16=False),
                                  train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[timer])
         else:
             from trl.experimental.cpo import CPOConfig as TRLConfig
@@ -117,7 +131,7 @@ def main() -> None:
     print("| trainer | ours s/step | TRL s/step | speed ratio (ours/TRL) | ours peak RSS MB | TRL peak RSS MB | "
           "memory ratio (ours/TRL) |")
     print("|---|---|---|---|---|---|---|")
-    for name in ("reward", "simpo", "kto"):
+    for name in ("reward", "simpo", "kto", "orpo"):
         o, t = results[f"{name}-toolkit"], results[f"{name}-trl"]
         print(f"| {name} | {o['sec_per_step']:.1f} | {t['sec_per_step']:.1f} | "
               f"{o['sec_per_step'] / t['sec_per_step']:.2f} | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | "

@@ -43,6 +43,10 @@ def test_every_shipped_run_file_loads_and_says_how_to_run_it(path):
         from toolkit.experimental.kto import KTOConfig as config_cls
     elif command == "orpo":
         from toolkit.experimental.orpo import ORPOConfig as config_cls
+    elif command == "online-dpo":
+        from toolkit.experimental.online_dpo import OnlineDPOConfig as config_cls
+    elif command == "gkd":
+        from toolkit.experimental.gkd import GKDConfig as config_cls
     else:
         config_cls = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig, "ppo": PPOConfig}[command]
     run, config = build_configs(load_run_file(path), config_cls)

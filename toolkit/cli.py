@@ -40,7 +40,20 @@ def _orpo(argv: list[str]) -> int:
     return run_orpo_command(argv)
 
 
-EXPERIMENTAL_COMMANDS: dict[str, Any] = {"reward": _reward, "cpo": _cpo, "kto": _kto, "orpo": _orpo}
+def _online_dpo(argv: list[str]) -> int:
+    from toolkit.experimental.online_dpo import run_online_dpo_command
+
+    return run_online_dpo_command(argv)
+
+
+def _gkd(argv: list[str]) -> int:
+    from toolkit.experimental.gkd import run_gkd_command
+
+    return run_gkd_command(argv)
+
+
+EXPERIMENTAL_COMMANDS: dict[str, Any] = {"reward": _reward, "cpo": _cpo, "kto": _kto, "orpo": _orpo,
+                                         "online-dpo": _online_dpo, "gkd": _gkd}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,8 @@ Experimental commands (toolkit.experimental, no stability promise; the `toolkit`
     toolkit cpo --config examples/simpo_arithmetic.toml       # CPO / SimPO: preference optimisation, no reference
     toolkit kto --config examples/kto_arithmetic.toml         # KTO: unpaired desirable/undesirable feedback
     toolkit orpo --config examples/orpo_arithmetic.toml       # ORPO: SFT and odds-ratio preference, no reference
+    toolkit online-dpo --config examples/online_dpo_arithmetic.toml  # DPO on pairs the policy samples, judged by rewards
+    toolkit gkd --config examples/gkd_arithmetic.toml         # GKD / on-policy distillation from a teacher model
 """
 
 from __future__ import annotations
@@ -270,6 +272,7 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     if accuracy is not None:
         summary["heldout_accuracy_after"] = accuracy.measure(trainer, step=trainer.state.global_step)
+        summary["accuracy_train_minutes"] = accuracy.train_minutes
         if accuracy.mean_rewards:
             summary["heldout_mean_reward_before"] = accuracy.mean_rewards[0][1]
             summary["heldout_mean_reward_after"] = accuracy.mean_rewards[-1][1]

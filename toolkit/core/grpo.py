@@ -207,9 +207,8 @@ class GRPOConfig(TrainingArguments):
         if self.reward_max_consecutive_failures < 1:
             raise ConfigError(f"reward_max_consecutive_failures: must be >= 1, got "
                               f"{self.reward_max_consecutive_failures}.")
-        if self.num_generations < 2:
-            raise ConfigError(f"num_generations: must be >= 2 (advantages are relative to the group), got "
-                              f"{self.num_generations}.")
+        if self.num_generations < 1:
+            raise ConfigError(f"num_generations: must be >= 1, got {self.num_generations}.")
         if self.per_device_train_batch_size % self.num_generations:
             raise ConfigError(
                 f"per_device_train_batch_size: counts completions and must be a multiple of num_generations="
@@ -220,13 +219,8 @@ class GRPOConfig(TrainingArguments):
             logger.warning("loss_type=%s with epsilon=%s: GSPO's sequence ratio stays close to 1, so this clip range "
                            "barely binds; the GSPO paper uses epsilon=3e-4, epsilon_high=4e-4.", self.loss_type,
                            self.epsilon)
-        # Every loss/estimator setting is checked here, by the objects' own settings dataclasses, before any model.
+        self._check_objective()
         reg = registry()
-        resolve_policy_loss_settings(reg.get("policy_loss", self.loss_type, field="loss_type"), self,
-                                     name=self.loss_type)
-        resolve_estimator_settings(reg.get("advantage_estimator", self.advantage_estimator,
-                                           field="advantage_estimator"), self, name=self.advantage_estimator)
-        resolve_settings(PolicyObjectiveSettings, self, kwargs=None, kwargs_field="", owner="GRPO")
         reg.get("generation_backend", self.generation_backend, field="generation_backend")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(f"scale_rewards: '{self.scale_rewards}' is not one of {list(SCALE_REWARDS)}.")
@@ -244,6 +238,21 @@ class GRPOConfig(TrainingArguments):
                               "per rank); leave it None or run one process.")
         SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
+
+    def _check_objective(self) -> None:
+        """Every loss/estimator setting, checked by the objects' own settings dataclasses before any model loads.
+
+        A trainer built on GRPO's rollouts with another loss (toolkit.experimental's online DPO and GKD) checks
+        its own objective here instead."""
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations: must be >= 2 (advantages are relative to the group), got "
+                              f"{self.num_generations}.")
+        reg = registry()
+        resolve_policy_loss_settings(reg.get("policy_loss", self.loss_type, field="loss_type"), self,
+                                     name=self.loss_type)
+        resolve_estimator_settings(reg.get("advantage_estimator", self.advantage_estimator,
+                                           field="advantage_estimator"), self, name=self.advantage_estimator)
+        resolve_settings(PolicyObjectiveSettings, self, kwargs=None, kwargs_field="", owner="GRPO")
 
 
 @dataclass
@@ -271,6 +280,7 @@ class GRPOTrainer(Trainer):
     """
 
     _tag_names = ["toolkit", "grpo"]
+    _needs_rewards = True  # a subclass whose loss reads no reward (GKD) may run without reward functions
 
     def __init__(
         self,
@@ -294,7 +304,8 @@ class GRPOTrainer(Trainer):
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         self.reward_runner = RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout,
-                                          max_consecutive_failures=args.reward_max_consecutive_failures)
+                                          max_consecutive_failures=args.reward_max_consecutive_failures,
+                                          allow_empty=not self._needs_rewards)
         weights = args.reward_weights or [1.0] * len(self.reward_runner.funcs)
         if len(weights) != len(self.reward_runner.funcs):
             raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.reward_runner.funcs)} reward "
@@ -321,7 +332,7 @@ class GRPOTrainer(Trainer):
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
         if is_peft_model(model) and ref_model is None:
             pass  # the reference (beta > 0) is the base with the adapters disabled: no second copy
-        elif args.beta > 0:
+        elif self._uses_reference(args):
             # With PEFT the reference is the base model with adapters disabled: no second copy.
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
             self.ref_model.eval().requires_grad_(False)
@@ -339,29 +350,11 @@ class GRPOTrainer(Trainer):
             min_p=args.min_p,
             stop_token_ids=tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id]),
         )
-        # The objective: named objects from the objectives room (or a plugin), with their own settings.
+        self._setup_objective(args)
         reg = registry()
-        self.policy_loss = reg.get("policy_loss", args.loss_type, field="loss_type")
-        self.loss_settings = resolve_policy_loss_settings(self.policy_loss, args, name=args.loss_type)
-        self.loss_aggregation = self.policy_loss.aggregation
-        self.objective_settings = dataclasses.replace(
-            resolve_settings(PolicyObjectiveSettings, args, kwargs=None, kwargs_field="", owner="GRPO"),
-            aggregation_constant=args.max_completion_length)
-        self.advantage_estimator = reg.get("advantage_estimator", args.advantage_estimator, field="advantage_estimator")
-        self.advantage_settings = resolve_estimator_settings(self.advantage_estimator, args,
-                                                             name=args.advantage_estimator)
-        self._policy_term = _policy_term_of(self)
         self.generation_backend = generation_backend if generation_backend is not None else reg.get(
             "generation_backend", args.generation_backend, field="generation_backend")(model, tokenizer, args)
-        logger.info(
-            "GRPO loss settings: loss_type=%s (aggregation %s, %s) beta=%s num_iterations=%d "
-            "scale_rewards=%s importance_sampling_cap=%s zero_variance_filter=%s mask_truncated_completions=%s; "
-            "G=%d, %d prompts x %d completions per step; rewards %s with weights %s.",
-            args.loss_type, self.loss_aggregation, self.loss_settings, args.beta,
-            args.num_iterations, args.scale_rewards, args.importance_sampling_cap, args.zero_variance_filter,
-            args.mask_truncated_completions, args.num_generations, self.prompts_per_round, args.num_generations,
-            self.reward_runner.names, weights,
-        )
+        self._log_objective(args, weights)
 
         callbacks = list(callbacks or []) + [CompleteCheckpointCallback(
             on_complete=lambda step, path: notify_checkpoint_saved("grpo", step, path))]
@@ -376,7 +369,39 @@ class GRPOTrainer(Trainer):
         self._rollout: Rollout | None = None
         self._micro_batches: list[dict[str, Any]] = []
         self._step_metrics: dict[str, list[float]] = defaultdict(list)
+        self._reward_failures: dict[str, int] = {}  # set by compute_rewards; build_rollout may be called without it
         self._health = _Health(args)
+
+    # ------------------------------------------------------------------------------ the objective
+
+    def _uses_reference(self, args: GRPOConfig) -> bool:
+        """Whether the loss reads reference log-probs (a frozen copy, or the PEFT base with adapters off)."""
+        return args.beta > 0
+
+    def _setup_objective(self, args: GRPOConfig) -> None:
+        """The objective: named objects from the objectives room (or a plugin), with their own settings."""
+        reg = registry()
+        self.policy_loss = reg.get("policy_loss", args.loss_type, field="loss_type")
+        self.loss_settings = resolve_policy_loss_settings(self.policy_loss, args, name=args.loss_type)
+        self.loss_aggregation = self.policy_loss.aggregation
+        self.objective_settings = dataclasses.replace(
+            resolve_settings(PolicyObjectiveSettings, args, kwargs=None, kwargs_field="", owner="GRPO"),
+            aggregation_constant=args.max_completion_length)
+        self.advantage_estimator = reg.get("advantage_estimator", args.advantage_estimator, field="advantage_estimator")
+        self.advantage_settings = resolve_estimator_settings(self.advantage_estimator, args,
+                                                             name=args.advantage_estimator)
+        self._policy_term = _policy_term_of(self)
+
+    def _log_objective(self, args: GRPOConfig, weights: list[float]) -> None:
+        logger.info(
+            "GRPO loss settings: loss_type=%s (aggregation %s, %s) beta=%s num_iterations=%d "
+            "scale_rewards=%s importance_sampling_cap=%s zero_variance_filter=%s mask_truncated_completions=%s; "
+            "G=%d, %d prompts x %d completions per step; rewards %s with weights %s.",
+            args.loss_type, self.loss_aggregation, self.loss_settings, args.beta,
+            args.num_iterations, args.scale_rewards, args.importance_sampling_cap, args.zero_variance_filter,
+            args.mask_truncated_completions, args.num_generations, self.prompts_per_round, args.num_generations,
+            self.reward_runner.names, weights,
+        )
 
     # ------------------------------------------------------------------------------ data plumbing
 
@@ -463,7 +488,7 @@ class GRPOTrainer(Trainer):
         t2 = time.perf_counter()
         if args.num_iterations > 1:
             rollout.old_logps = self._score_rows(self.model, rollout)
-        if args.beta > 0:
+        if self._uses_reference(args):
             rollout.ref_logps = self._score_rows(None, rollout)
         t_extra = time.perf_counter() - t2
         if args.skip_solved_threshold is not None:

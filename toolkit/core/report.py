@@ -9,6 +9,7 @@ __all__ = [
 ]
 
 import json
+import time
 import logging
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,30 @@ class AccuracyCallback(TrainerCallback):
         self.rows, self.every, self.max_new_tokens, self.by_rewards = rows, every, max_new_tokens, by_rewards
         self.history: list[tuple[int, float]] = []
         self.mean_rewards: list[tuple[int, float]] = []
+        # (step, wall-clock minutes of training before this measurement, evaluations excluded): how long the run
+        # took to reach each accuracy, comparable between methods (docs/gkd.md's distillation demonstration)
+        self.train_minutes: list[tuple[int, float]] = []
         self.trainer: Any = None
+        self._started: float | None = None
+        self._eval_s = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._started is None:
+            self._started = time.perf_counter()
+
+    def _timed(self, step: int, started: float) -> None:
+        if self._started is None:  # measured before training began
+            self.train_minutes.append((step, 0.0))
+            return
+        self.train_minutes.append((step, round((started - self._started - self._eval_s) / 60, 3)))
+        self._eval_s += time.perf_counter() - started
 
     def measure(self, trainer, step: int) -> float:
         if trainer is None:
             raise ValueError("AccuracyCallback(by_rewards=True): set callback.trainer = trainer before training.")
         if self.history and self.history[-1][0] == step:
             return self.history[-1][1]
+        started = time.perf_counter()
         if self.by_rewards:
             acc, mean = heldout_by_rewards(trainer, self.rows, max_new_tokens=self.max_new_tokens)
             self.mean_rewards.append((step, mean))
@@ -48,6 +66,7 @@ class AccuracyCallback(TrainerCallback):
             acc = greedy_accuracy(trainer.model, trainer.processing_class, self.rows,
                                   max_new_tokens=self.max_new_tokens)
         self.history.append((step, acc))
+        self._timed(step, started)
         return acc
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -57,9 +76,11 @@ class AccuracyCallback(TrainerCallback):
             else:
                 from .tasks import greedy_accuracy
 
+                started = time.perf_counter()
                 acc = greedy_accuracy(kwargs["model"], kwargs["processing_class"], self.rows,
                                       max_new_tokens=self.max_new_tokens)
                 self.history.append((state.global_step, acc))
+                self._timed(state.global_step, started)
             logger.info("step %d: held-out greedy accuracy %.3f", state.global_step, acc)
 
 

@@ -204,13 +204,14 @@ class RewardRunner:
       name or a narrow signature fails on every batch; training on without it would learn nothing).
     """
 
-    def __init__(self, funcs: Sequence[RewardFunction], *, timeout: float = 60.0, max_consecutive_failures: int = 3):
+    def __init__(self, funcs: Sequence[RewardFunction], *, timeout: float = 60.0, max_consecutive_failures: int = 3,
+                 allow_empty: bool = False):
         named = [f for f in funcs if not callable(f)]
         if named:
             raise ConfigError(f"reward_funcs: RewardRunner takes callables; resolve names such as {named[0]!r} with "
                               "toolkit.core.plugins.resolve_reward first (the trainers do).")
         self.funcs = list(funcs)
-        if not self.funcs:
+        if not self.funcs and not allow_empty:  # allow_empty: a trainer that only logs rewards (GKD)
             raise ConfigError("reward_funcs: give at least one reward function.")
         if not timeout > 0:
             raise ConfigError(f"reward_timeout: must be > 0 seconds, got {timeout}.")
