@@ -51,8 +51,8 @@ def _first_reaching(run: dict, target: float) -> tuple[int, float] | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--teacher-run", default="outputs/grpo-arithmetic")
-    ap.add_argument("--student-run", default="outputs/gkd-arithmetic")
+    ap.add_argument("--teacher-run", default="outputs/grpo-arithmetic/report", help="The GRPO run's report folder.")
+    ap.add_argument("--student-run", default="outputs/gkd-arithmetic/report", help="The GKD run's report folder.")
     ap.add_argument("--json", default=None, help="Write the results here (and the plot next to it).")
     a = ap.parse_args()
     teacher, student = _run(Path(a.teacher_run)), _run(Path(a.student_run))

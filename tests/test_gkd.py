@@ -140,6 +140,24 @@ def test_chunked_head_equals_one_chunk(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_accumulated_micro_batches_take_the_step_of_one(tmp_path):
+    """Two micro-batches of two completions give the gradient of one micro-batch of four: the loss divides by the
+    step's completion tokens, not each micro-batch's (the completions have different lengths)."""
+    tok = tiny_tokenizer()
+    grads = []
+    for B, GA in ((4, 1), (2, 2)):
+        t = GKDTrainer(tiny_model(), teacher_model=teacher(), args=cfg(tmp_path / str(B), per_device_train_batch_size=B,
+                                                                      gradient_accumulation_steps=GA),
+                       train_dataset=rows(4), processing_class=tok)
+        rollout = t.build_rollout([0, 1, 2, 3], _groups(tok), torch.zeros(0, 4), 0.0, 0.0)
+        t.model.train()
+        for micro in t._split(rollout):
+            t.compute_loss(t.model, micro).backward()
+        grads.append([p.grad.clone() for p in t.model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_the_student_moves_towards_the_teacher(tmp_path):
     """Off-policy steps (lmbda=0) on fixed completions: the divergence falls; on-policy steps run and log too."""
     t = GKDTrainer(tiny_model(), teacher_model=teacher(), args=cfg(tmp_path, lmbda=0.0, max_steps=8, beta=0.5,
@@ -161,8 +179,13 @@ def test_off_policy_steps_train_on_the_dataset_completions(tmp_path):
     t = GKDTrainer(tiny_model(), teacher_model=teacher(), args=cfg(tmp_path, lmbda=0.0), train_dataset=rows(4),
                    processing_class=tok)
     r = t.generate_rollout([2, 0])
-    for ids, answer in zip(r.completion_ids, ("3", "1")):  # rows 2 and 0: "What is 2 + 1?", "What is 0 + 1?"
-        assert answer in tok.decode(ids), tok.decode(ids)
+    data = rows(4)
+    for i, prompt_ids, ids in zip((2, 0), r.prompt_ids, r.completion_ids):
+        # the prompt as rendered for sampling, then the completion: exactly the template's whole conversation
+        full = tok.apply_chat_template(data[i]["prompt"] + data[i]["completion"], tokenize=False)
+        assert prompt_ids + ids == tok(full, add_special_tokens=False)["input_ids"][:len(prompt_ids) + len(ids)]
+        assert tok.decode(ids).startswith(data[i]["completion"][0]["content"]), tok.decode(ids)
+        assert ids[-1] in (tok.eos_token_id, *tok(full, add_special_tokens=False)["input_ids"][-2:])
     assert not any(t.on_policy_step(s) for s in range(50))
     half = GKDTrainer(tiny_model(), teacher_model=teacher(), args=cfg(tmp_path / "h", lmbda=0.5),
                       train_dataset=rows(4), processing_class=tok)

@@ -154,6 +154,19 @@ def test_tied_pairs_leave_the_loss_unless_asked(tmp_path):
             assert r.advantages.tolist() == [1.0, -1.0, 1.0, -1.0]
 
 
+def test_unscored_rows_are_never_paired(tmp_path):
+    tok = tiny_tokenizer()
+    groups, _ = _pairs(tok)
+    t = OnlineDPOTrainer(tiny_model(), [by_ids], cfg(tmp_path), train_dataset=prompts(2), processing_class=tok)
+    r = t.build_rollout([0, 1], groups, torch.tensor([[float("nan"), 1.0, 0.0, 1.0]]), 0.0, 0.0)
+    # prompt 0 has one scored completion: no pair; prompt 1's pair is (row 3, row 2)
+    assert r.included.tolist() == [False, False, True, True] and r.advantages.tolist() == [0.0, 0.0, -1.0, 1.0]
+    micro = t._split(r)[0]
+    t.model.train()
+    loss = t.compute_loss(t.model, micro)
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(0.6931, abs=0.05)  # one pair, near log 2 at start
+
+
 def test_accumulated_micro_batches_take_the_step_of_one(tmp_path):
     """Two micro-batches of one pair each give the gradient of one micro-batch holding both pairs (the loss
     divides by the step's pair count, not each micro-batch's)."""

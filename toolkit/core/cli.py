@@ -241,7 +241,7 @@ def run_ppo(argv: list[str]) -> int:
 
 
 def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: str, reward_key: str,
-                step_name: str) -> int:
+                step_name: str, kind: str = "prompt_only") -> int:
     """GRPO and PPO from the command line: held-out accuracy before/after, save, report, summary."""
     from .report import AccuracyCallback, write_report
 
@@ -249,13 +249,16 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     if parsed is None:
         return 0
     run, cfg = parsed
-    train, held_out = _datasets(run, "prompt_only")
+    train, held_out = _datasets(run, kind)
     started = time.perf_counter()
     callbacks = []
     accuracy = None
     # builtin:arithmetic is checked by its number; any other eval_dataset by the run's own reward functions
     # (GRPO and async GRPO; PPO's rewards include a reward model and are not replayed here)
     by_rewards = run.eval_dataset != "builtin:arithmetic"
+    if held_out is not None and run.report_accuracy and by_rewards and not run.reward_funcs:
+        logger.info("%s: no held-out evaluation of a custom eval_dataset without reward functions to score it.", title)
+        held_out = None
     if held_out is not None and run.report_accuracy and by_rewards and title == "PPO":
         logger.info("PPO: no held-out evaluation of a custom eval_dataset (its rewards include a reward model and "
                     "are not replayed); builtin:arithmetic is evaluated.")

@@ -363,6 +363,9 @@ class GRPOTrainer(Trainer):
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
         install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
         warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
+        if self.ref_model is not None:
+            # Trainer places only the policy; the frozen copy was made before that, on the CPU
+            self.ref_model.to(self.args.device)
         self.loss_is_scaled_for_ga = True
         self.solved: set[int] = set()
         self._micro = 0
@@ -537,6 +540,8 @@ class GRPOTrainer(Trainer):
         B = self.args.per_device_train_batch_size
         for start in range(0, len(rollout.completion_ids), B):
             batch = self._pack(rollout, range(start, min(start + B, len(rollout.completion_ids))))
+            # the scorer is on the training device; Trainer moves only the micro-batches it is given
+            batch = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             if model is None and self.ref_model is None:
                 ctx = self.accelerator.unwrap_model(self.model).disable_adapter()
                 scorer = self.model
@@ -548,7 +553,7 @@ class GRPOTrainer(Trainer):
             with ctx:
                 flat = self.compute_token_logps(scorer, batch)
             scorer.train(was)
-            out += list(flat.split(batch["completion_lengths"].tolist()))
+            out += list(flat.cpu().split(batch["completion_lengths"].tolist()))
         return out
 
     # ------------------------------------------------------------------------------- batching

@@ -10,15 +10,17 @@ distribution and the loss is the generalised Jensen-Shannon divergence between t
     JSD_beta = beta * KL(teacher || M) + (1 - beta) * KL(student || M)
     beta = 0: KL(teacher || student) (forward KL, supervised KD)   beta = 1: KL(student || teacher) (reverse KL)
 
-summed over the vocabulary and averaged over the step's completion tokens. `lmbda=1, beta=1` is on-policy
+summed over the vocabulary and averaged over the step's completion tokens (all micro-batches and ranks). `lmbda=1, beta=1` is on-policy
 distillation with the full-vocabulary reverse KL (Thinking Machines' "on-policy distillation" estimates the
 same quantity from the sampled token alone). The loss, per token and reduced, and its gradients equal TRL's
 `GKDTrainer.generalized_jsd_loss` and `GKDTrainer.compute_loss` on the same ids (tests/test_gkd.py).
 
 Departures from TRL, on purpose: the logits are only formed at completion positions and in chunks of
 `logps_chunk_size` tokens, recomputed in backward (TRL materialises [batch, sequence, vocab] for both models);
-the on-policy coin is seeded by (seed, step), so a resumed run takes the same coins; the teacher runs on the
-same packed rows as the student (one forward each per micro-batch). Not here: TRL's `seq_kd` (teacher-generated
+the on-policy coin is flipped once per optimizer step (TRL: per micro-batch) and seeded by (seed, step), so a
+resumed run takes the same coins; the loss divides by the step's completion tokens (TRL's num_items_in_batch
+is counted from the dataset's labels before on-policy samples replace them); the teacher runs on the same
+packed rows as the student (one forward each per micro-batch). Not here: TRL's `seq_kd` (teacher-generated
 completions) and a teacher served by vLLM (which returns top-k log-probs, not the whole distribution).
 
 `GKDTrainer` is `GRPOTrainer` with another loss: prompts, generation backends, rewards (optional, logged to show
@@ -112,10 +114,16 @@ class GKDConfig(GRPOConfig):
             raise ConfigError(f"beta: GKD's interpolation must be in [0, 1] (0 forward KL, 1 reverse KL), got "
                               f"{self.beta}.")
         for name, default in (("num_iterations", 1), ("off_policy_mask_threshold", None),
-                              ("skip_solved_threshold", None), ("loss_kwargs", None)):
+                              ("skip_solved_threshold", None), ("loss_kwargs", None),
+                              ("mask_truncated_completions", False)):
             if getattr(self, name) != default:
                 raise ConfigError(f"{name}: GKD does not read GRPO's {name} (got {getattr(self, name)!r}); leave it "
                                   "unset.")
+        if self.lmbda < 1 and self.num_generations > 1:
+            # the loss is a token mean, so G copies give the value of one, at G times the compute
+            logger.warning("GKD: lmbda=%s with num_generations=%d: off-policy steps train on each dataset completion "
+                           "%d times over (the same loss as once, %dx the compute).", self.lmbda,
+                           self.num_generations, self.num_generations, self.num_generations)
 
 
 class GKDTrainer(GRPOTrainer):
@@ -152,12 +160,16 @@ class GKDTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, train_dataset=train_dataset, processing_class=tokenizer, **kwargs)
         if isinstance(teacher_model, str):
             teacher_model = load_model(teacher_model, dtype=args.model_dtype)
-        self.teacher_model = teacher_model.eval().requires_grad_(False)
+        # Trainer places only the student; the teacher goes to the same device
+        self.teacher_model = teacher_model.eval().requires_grad_(False).to(self.args.device)
         s_vocab = output_head(self.model)[0].shape[0]
         t_vocab = output_head(self.teacher_model)[0].shape[0]
-        if s_vocab != t_vocab:
-            raise ConfigError(f"teacher_model: its LM head has {t_vocab} rows, the student's {s_vocab}; GKD needs one "
-                              "vocabulary.")
+        # Families pad their heads to different sizes (a 0.5B and a 7B model of one family); the tokenizer's
+        # entries are what both distributions are compared over, so unequal heads are cut to len(tokenizer).
+        self._vocab = None if s_vocab == t_vocab else len(tokenizer)
+        if self._vocab is not None and self._vocab > min(s_vocab, t_vocab):
+            raise ConfigError(f"teacher_model: its LM head has {t_vocab} rows, the student's {s_vocab}, the tokenizer "
+                              f"{self._vocab} entries; GKD needs both heads to cover the tokenizer's vocabulary.")
         if self.padding_free and supports_varlen(self.teacher_model):
             use_varlen_attention(self.teacher_model)
         # the teacher reads the student's packed rows, so the layout is one both attention implementations run
@@ -214,6 +226,9 @@ class GKDTrainer(GRPOTrainer):
             rollout = super().generate_rollout(row_indices)
             rollout.metrics["on_policy"] = 1.0
             return rollout
+        # off-policy: the dataset's completions; their reward is not the student's, so it is logged apart (the
+        # report's reward curve and the falling-reward warning read the student's samples only), and nothing
+        # was generated
         G = self.args.num_generations
         groups = [[Completion(list(self._dataset_completions[i]), [0.0] * len(self._dataset_completions[i]), "stop")
                    for _ in range(G)] for i in row_indices]
@@ -221,6 +236,9 @@ class GKDTrainer(GRPOTrainer):
         rewards = self.compute_rewards(rows, [c.token_ids for g in groups for c in g])
         rollout = self.build_rollout(row_indices, groups, rewards, 0.0, 0.0)
         rollout.metrics["on_policy"] = 0.0
+        rollout.metrics["reward_dataset"] = rollout.metrics.pop("reward")
+        for key in ("reward_std", "generation_tokens_per_s", "time/generation_s"):
+            rollout.metrics.pop(key, None)
         return rollout
 
     def compute_rewards(self, rows, completion_ids) -> torch.Tensor:
@@ -251,6 +269,10 @@ class GKDTrainer(GRPOTrainer):
         self.teacher_model.train(was)
         weight, bias = output_head(model)
         t_weight, t_bias = output_head(self.teacher_model)
+        if self._vocab is not None:  # heads padded to different sizes: compare over the tokenizer's entries
+            weight, t_weight = weight[: self._vocab], t_weight[: self._vocab]
+            bias = None if bias is None else bias[: self._vocab]
+            t_bias = None if t_bias is None else t_bias[: self._vocab]
         keep = inputs["loss_mask"][inputs["completion_mask"]]  # flat: the tokens in the loss
         hidden, teacher_hidden = hidden[keep], teacher_hidden[keep]
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -262,7 +284,7 @@ class GKDTrainer(GRPOTrainer):
                                        self.args.fp32_lm_head, use_reentrant=False)
         # the step's token count over every micro-batch and rank, so accumulated micro-batches add up to the mean
         # over the step's tokens (TRL's num_items_in_batch normalisation)
-        loss = total / inputs["step_tokens"]
+        loss = total / inputs["step_tokens"] + 0.0 * hidden.sum()  # 0 x hidden: a graph even with no token
         self._health.check_finite(self.state.global_step, loss=loss)
         self._step_metrics["jsd_per_token"].append(float(total.detach()) / max(int(keep.sum()), 1))
         return (loss, {}) if return_outputs else loss
@@ -278,4 +300,6 @@ def run_gkd_command(argv: list[str]) -> int:
                           peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run),
                           callbacks=callbacks)
 
-    return _run_online(argv, GKDConfig, make, title="GKD", reward_key="reward", step_name="optimizer step")
+    # prompt + completion rows: off-policy steps (lmbda < 1) read the completions; on-policy ones ignore them
+    return _run_online(argv, GKDConfig, make, title="GKD", reward_key="reward", step_name="optimizer step",
+                       kind="prompt_completion")

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from toolkit.core.errors import ConfigError
+from toolkit.core.errors import ConfigError, TrainingHealthError
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer, Rollout
 from toolkit.core.models import DEFAULT_MODEL
 from toolkit.core.objectives import PreferenceLossInputs, resolve_preference_loss_settings
@@ -89,7 +89,7 @@ class OnlineDPOConfig(GRPOConfig):
         # GRPO's own objective fields are not read here: refused by name rather than silently ignored.
         for name, default in (("num_iterations", 1), ("off_policy_mask_threshold", None),
                               ("skip_solved_threshold", None), ("advantage_estimator", "grpo"),
-                              ("advantage_estimator_kwargs", None)):
+                              ("advantage_estimator_kwargs", None), ("mask_truncated_completions", False)):
             if getattr(self, name) != default:
                 raise ConfigError(f"{name}: online DPO does not read GRPO's {name} (got {getattr(self, name)!r}); "
                                   "leave it unset.")
@@ -156,7 +156,7 @@ class OnlineDPOTrainer(GRPOTrainer):
         """No advantages (the loss reads the pair); zero_std marks the groups with no pair to learn from, for GRPO's
         frac_reward_zero_std metric and its no-signal warning."""
         G = self.args.num_generations
-        _, _, valid = select_pairs(rewards, G)
+        _, _, valid = select_pairs(rewards, G, keep_ties=not self.args.zero_variance_filter)
         return torch.zeros_like(rewards), (~valid).repeat_interleave(G)
 
     @torch.no_grad()
@@ -191,6 +191,10 @@ class OnlineDPOTrainer(GRPOTrainer):
         # Rows are prompt-major and each group holds at most one pair, so the i-th chosen and the i-th rejected
         # row belong to the same prompt.
         chosen, rejected = in_loss & (inputs["advantages"] > 0), in_loss & (inputs["advantages"] < 0)
+        if int(chosen.sum()) != int(rejected.sum()) or int(in_loss.sum()) != 2 * int(chosen.sum()):
+            raise TrainingHealthError(f"online DPO step {self.state.global_step}: {int(chosen.sum())} chosen and "
+                                      f"{int(rejected.sum())} rejected rows in a micro-batch; every pair must be "
+                                      "whole (a compute_loss or build_rollout override broke the pairing).")
         logratios = seq - ref
         lengths = mask.sum(-1).to(seq.dtype)
         settings = resolve_preference_loss_settings(self.preference_loss, self.args, name=self.args.loss_type)
