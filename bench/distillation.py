@@ -9,7 +9,8 @@ Reads both runs' report files (summary.json: held-out greedy accuracy every `eva
 per-step phase timings) and writes the table (stdout), the JSON and a plot next to the JSON. Time is measured
 two ways: optimizer steps (both runs sample 32 completions of up to 16 tokens per step from the same 135M model),
 and training minutes, the sum of each step's generation, scoring, scoring-forward and training seconds as the
-trainer logged them (evaluation excluded). Both runs use the same model, task, batch and learning rate; their
+trainer logged them (evaluation excluded; `time/train_s` is per micro-batch, so the sum is exact for
+gradient_accumulation_steps = 1, as both runs here use). Both runs use the same model, task, batch and learning rate; their
 minutes are only comparable if the machine was otherwise idle during both (the JSON records each run's s/step).
 """
 
@@ -27,6 +28,11 @@ PHASES = ("time/generation_s", "time/scoring_s", "time/scoring_forward_s", "time
 def _run(folder: Path) -> dict:
     summary = json.loads((folder / "summary.json").read_text())
     steps = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    logged = [int(e["step"]) for e in steps if "step" in e and any(k in e for k in PHASES)]
+    if logged != list(range(1, len(logged) + 1)):
+        # with logging_steps > 1 the logged phase times are averages over several steps: the sum would undercount
+        raise SystemExit(f"{folder}: metrics.jsonl does not log every step (logging_steps = 1 is needed to sum "
+                         "the phase times).")
     minutes, total = {0: 0.0}, 0.0
     for entry in steps:
         if "step" in entry and any(k in entry for k in PHASES):
