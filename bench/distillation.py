@@ -60,15 +60,18 @@ def main() -> None:
     ap.add_argument("--teacher-run", default="outputs/grpo-arithmetic/report", help="The GRPO run's report folder.")
     ap.add_argument("--student-run", default="outputs/gkd-arithmetic/report", help="The GKD run's report folder.")
     ap.add_argument("--json", default=None, help="Write the results here (and the plot next to it).")
+    ap.add_argument("--runs-commit", default=None, help="The commit the two runs were made at, when not this one.")
     a = ap.parse_args()
     teacher, student = _run(Path(a.teacher_run)), _run(Path(a.student_run))
     target = teacher["accuracy_after"]
     grpo_hit, gkd_hit = _first_reaching(teacher, target), _first_reaching(student, target)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"commit": commit, "date": datetime.date.today().isoformat(), "target_accuracy": target,
+    out = {"commit": commit, "runs_commit": a.runs_commit or commit, "date": datetime.date.today().isoformat(),
+           "target_accuracy": target,
            "grpo": {**teacher, "reached_at": grpo_hit}, "gkd": {**student, "reached_at": gkd_hit}}
-    print(f"Distillation demonstration (commit {commit[:7]}, {out['date']}): held-out greedy accuracy on 64 "
-          "generated +/- problems")
+    runs = f", runs at {a.runs_commit[:7]}" if a.runs_commit else ""
+    print(f"Distillation demonstration (report written at commit {commit[:7]}{runs}, {out['date']}): held-out greedy "
+          "accuracy on 64 generated +/- problems")
     print(f"teacher (GRPO, {teacher['folder']}): {teacher['accuracy_before']:.3f} -> {teacher['accuracy_after']:.3f} "
           f"in {teacher['steps']} steps, {teacher['train_minutes']} training min ({teacher['s_per_step']} s/step)")
     print(f"student (GKD from the teacher, {student['folder']}): {student['accuracy_before']:.3f} -> "

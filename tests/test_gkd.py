@@ -223,3 +223,35 @@ def test_errors_name_the_field_before_any_model_loads(tmp_path):
     with pytest.raises(DataError, match="no 'completion' column"):
         GKDTrainer("/nonexistent/student", teacher_model=teacher(), args=cfg(tmp_path, lmbda=0.5),
                    train_dataset=rows(4, completions=False), processing_class=tiny_tokenizer())
+
+
+def test_heads_padded_to_other_sizes_are_compared_over_the_tokenizer(tmp_path):
+    tok = tiny_tokenizer()
+    big = teacher()
+    big.resize_token_embeddings(big.get_output_embeddings().weight.shape[0] + 8)  # a family's larger, padded head
+    t = GKDTrainer(tiny_model(), teacher_model=big, args=cfg(tmp_path), train_dataset=rows(4), processing_class=tok)
+    assert t._vocab == len(tok)
+    micro = t._split(t.build_rollout([0, 1, 2, 3], _groups(tok), torch.zeros(0, 4), 0.0, 0.0))[0]
+    t.model.train()
+    assert torch.isfinite(t.compute_loss(t.model, micro))
+    student = tiny_model()
+    student.resize_token_embeddings(student.get_output_embeddings().weight.shape[0] + 8)
+    # a student head larger than the teacher's could sample ids the teacher has no row for
+    with pytest.raises(ConfigError, match="teacher's head to cover"):
+        GKDTrainer(student, teacher_model=teacher(), args=cfg(tmp_path / "s"), train_dataset=rows(4),
+                   processing_class=tok)
+
+
+def test_place_frozen_leaves_a_dispatched_model_where_it_is():
+    from toolkit.core.models import place_frozen
+
+    dispatched = tiny_model()
+    dispatched.hf_device_map = {"": "cpu"}  # as accelerate's dispatch leaves it
+
+    def moved(*a, **k):
+        raise AssertionError("a dispatched model was moved")
+
+    dispatched.to = moved
+    assert place_frozen(dispatched, torch.device("cpu")) is dispatched
+    plain = tiny_model()
+    assert place_frozen(plain, torch.device("cpu")) is plain and plain.device.type == "cpu"

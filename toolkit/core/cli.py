@@ -256,7 +256,7 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     # builtin:arithmetic is checked by its number; any other eval_dataset by the run's own reward functions
     # (GRPO and async GRPO; PPO's rewards include a reward model and are not replayed here)
     by_rewards = run.eval_dataset != "builtin:arithmetic"
-    if held_out is not None and run.report_accuracy and by_rewards and not run.reward_funcs:
+    if held_out is not None and run.report_accuracy and by_rewards and not run.reward_funcs and title != "PPO":
         logger.info("%s: no held-out evaluation of a custom eval_dataset without reward functions to score it.", title)
         held_out = None
     if held_out is not None and run.report_accuracy and by_rewards and title == "PPO":

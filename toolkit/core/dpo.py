@@ -51,6 +51,7 @@ from .models import (
     is_peft_model,
     load_model,
     load_tokenizer,
+    place_frozen,
     prepare_model,
     unwrap_model,
 )
@@ -184,7 +185,7 @@ class DPOTrainer(Trainer):
         install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
         if self.ref_model is not None:
             # Trainer places only the policy; the frozen reference was loaded or copied on the CPU
-            self.ref_model.to(self.args.device)
+            place_frozen(self.ref_model, self.args.device)
         warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
         self.preference_losses = []  # (name, PreferenceLoss, its settings at start-up, weight)
         for name, weight in zip(args.loss_types, args.loss_weight_values):

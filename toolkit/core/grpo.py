@@ -70,6 +70,7 @@ from .models import (
     load_model,
     load_tokenizer,
     output_head,
+    place_frozen,
     prepare_model,
     unwrap_model,
 )
@@ -365,7 +366,7 @@ class GRPOTrainer(Trainer):
         warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
         if self.ref_model is not None:
             # Trainer places only the policy; the frozen copy was made before that, on the CPU
-            self.ref_model.to(self.args.device)
+            place_frozen(self.ref_model, self.args.device)
         self.loss_is_scaled_for_ga = True
         self.solved: set[int] = set()
         self._micro = 0

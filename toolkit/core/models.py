@@ -22,6 +22,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "output_head",
+    "place_frozen",
     "prepare_model",
     "resolve_model_path",
     "sequence_classifier_parts",
@@ -209,6 +210,17 @@ def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) ->
         return AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as e:  # no tokenizer files (ValueError: nothing to build a fast tokenizer from)
         raise ConfigError(f"model: could not load the tokenizer of '{model}': {e}") from e
+
+
+def place_frozen(model: torch.nn.Module, device: Any) -> torch.nn.Module:
+    """Move a frozen helper model (a reference, a teacher) to the training device; Trainer places only the policy.
+
+    A model dispatched by accelerate (`device_map=`, offloaded or spread over devices) stays where its hooks put
+    it: moving it would break the hooks (or raise), and its forward already routes inputs to its devices.
+    """
+    if getattr(model, "hf_device_map", None):
+        return model
+    return model.to(device)
 
 
 def unwrap_model(model: torch.nn.Module) -> PreTrainedModel:

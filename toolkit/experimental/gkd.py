@@ -45,7 +45,7 @@ from toolkit.core.data import DatasetFormat, tokenize_for_sft
 from toolkit.core.errors import ConfigError, DataError
 from toolkit.core.generation import Completion
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer, Rollout
-from toolkit.core.models import DEFAULT_MODEL, load_model, load_tokenizer, output_head, unwrap_model
+from toolkit.core.models import DEFAULT_MODEL, load_model, load_tokenizer, output_head, place_frozen, unwrap_model
 from toolkit.core.packing import completion_hidden
 from toolkit.core.rollout import generation_seed
 
@@ -161,15 +161,17 @@ class GKDTrainer(GRPOTrainer):
         if isinstance(teacher_model, str):
             teacher_model = load_model(teacher_model, dtype=args.model_dtype)
         # Trainer places only the student; the teacher goes to the same device
-        self.teacher_model = teacher_model.eval().requires_grad_(False).to(self.args.device)
+        self.teacher_model = place_frozen(teacher_model.eval().requires_grad_(False), self.args.device)
         s_vocab = output_head(self.model)[0].shape[0]
         t_vocab = output_head(self.teacher_model)[0].shape[0]
         # Families pad their heads to different sizes (a 0.5B and a 7B model of one family); the tokenizer's
         # entries are what both distributions are compared over, so unequal heads are cut to len(tokenizer).
         self._vocab = None if s_vocab == t_vocab else len(tokenizer)
-        if self._vocab is not None and self._vocab > min(s_vocab, t_vocab):
+        if self._vocab is not None and (self._vocab > t_vocab or s_vocab > t_vocab):
+            # a student head larger than the teacher's can sample ids the teacher has no row for
             raise ConfigError(f"teacher_model: its LM head has {t_vocab} rows, the student's {s_vocab}, the tokenizer "
-                              f"{self._vocab} entries; GKD needs both heads to cover the tokenizer's vocabulary.")
+                              f"{self._vocab} entries; GKD needs the teacher's head to cover the tokenizer and the "
+                              "student's head.")
         if self.padding_free and supports_varlen(self.teacher_model):
             use_varlen_attention(self.teacher_model)
         # the teacher reads the student's packed rows, so the layout is one both attention implementations run
@@ -237,6 +239,8 @@ class GKDTrainer(GRPOTrainer):
         rollout = self.build_rollout(row_indices, groups, rewards, 0.0, 0.0)
         rollout.metrics["on_policy"] = 0.0
         rollout.metrics["reward_dataset"] = rollout.metrics.pop("reward")
+        for key in [k for k in rollout.metrics if k.startswith("rewards/")]:
+            rollout.metrics[key.replace("rewards/", "rewards_dataset/", 1)] = rollout.metrics.pop(key)
         for key in ("reward_std", "generation_tokens_per_s", "time/generation_s"):
             rollout.metrics.pop(key, None)
         return rollout
@@ -264,11 +268,13 @@ class GKDTrainer(GRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         hidden = completion_hidden(model, inputs)
         was = self.teacher_model.training
-        with torch.no_grad():
-            teacher_hidden = completion_hidden(self.teacher_model, inputs)
+        with torch.no_grad():  # a teacher dispatched over devices answers on its own: bring it to the student's
+            teacher_hidden = completion_hidden(self.teacher_model, inputs).to(hidden.device)
         self.teacher_model.train(was)
         weight, bias = output_head(model)
         t_weight, t_bias = output_head(self.teacher_model)
+        t_weight = t_weight.to(hidden.device)
+        t_bias = None if t_bias is None else t_bias.to(hidden.device)
         if self._vocab is not None:  # heads padded to different sizes: compare over the tokenizer's entries
             weight, t_weight = weight[: self._vocab], t_weight[: self._vocab]
             bias = None if bias is None else bias[: self._vocab]
