@@ -1,7 +1,7 @@
 """The distillation demonstration: how long a fresh student needs, distilled on-policy from the GRPO-trained
 model (GKD), to reach the teacher's held-out accuracy, against how long GRPO itself took to get there.
 
-    bash scripts/run-main.sh                              # the teacher: GRPO, outputs/grpo-arithmetic
+    toolkit grpo --config examples/grpo_arithmetic.toml   # the teacher: GRPO, outputs/grpo-arithmetic
     toolkit gkd --config examples/gkd_arithmetic.toml     # the student: GKD, outputs/gkd-arithmetic
     python bench/distillation.py --json bench/results/distillation.json > bench/results/distillation.txt
 

@@ -267,6 +267,44 @@ def test_any_eval_dataset_is_scored_by_the_runs_rewards(tmp_path, capsys):
     assert summary["heldout_mean_reward_before"] == pytest.approx(summary["heldout_accuracy_before"])  # 0/1 reward
 
 
+def test_sft_and_dpo_report_heldout_accuracy_by_rewards_for_data_with_an_answer(tmp_path, caplog):
+    """Any eval data with an `answer` column (or a builtin task) gets held-out greedy accuracy before and after,
+    scored by the run's reward functions; data without one is named and skipped, eval loss still reported."""
+    import logging
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    rows = [{"prompt": f"What is {i}+1? ", "completion": str(i + 1), "answer": str(i + 1)} for i in range(12)]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:8]))
+    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps(r) for r in rows[8:]))
+    common = ["--model", str(tmp_path / "m"), "--max_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true",
+              "--per_device_train_batch_size", "4"]
+    # a reward that is known to pass every completion: the accuracy must come from it, not from the number check
+    assert main(["sft", "--dataset", str(tmp_path / "t.jsonl"), "--eval_dataset", str(tmp_path / "e.jsonl"),
+                 "--reward_funcs", '["format:.*"]', "--output_dir", str(tmp_path / "a")] + common) == 0
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["heldout_accuracy_before"] == 1.0 and summary["heldout_accuracy_after"] == 1.0
+    assert "eval_loss_after" in summary
+    # ... and one known to pass none
+    assert main(["sft", "--dataset", str(tmp_path / "t.jsonl"), "--eval_dataset", str(tmp_path / "e.jsonl"),
+                 "--reward_funcs", '["format:NEVER"]', "--output_dir", str(tmp_path / "b")] + common) == 0
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["heldout_accuracy_after"] == 0.0
+    # builtin tasks other than arithmetic (DPO, preference rows): scored by the rewards too
+    assert main(["dpo", "--dataset", "builtin:sorting", "--eval_dataset", "builtin:sorting", "--dataset_size", "8",
+                 "--eval_size", "3", "--task_max_value", "30", "--task_max_terms", "3", "--reward_funcs",
+                 '["number_list_match"]', "--output_dir", str(tmp_path / "c")] + common) == 0
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert 0.0 <= summary["heldout_accuracy_before"] <= 1.0 and "heldout_accuracy_after" in summary
+    for r in rows:
+        del r["answer"]
+    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps(r) for r in rows[8:]))
+    with caplog.at_level(logging.INFO, logger="toolkit"):
+        assert main(["sft", "--dataset", str(tmp_path / "t.jsonl"), "--eval_dataset", str(tmp_path / "e.jsonl"),
+                     "--output_dir", str(tmp_path / "d")] + common) == 0
+    assert "heldout_accuracy_after" not in json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert "no 'answer' column" in caplog.text
+
+
 def test_heldout_by_rewards_counts_what_the_rewards_say(tmp_path):
     """The scorer itself, against a reward whose answer is known: rewards 1 exactly for completions of length 3."""
     from toolkit.core.grpo import GRPOConfig, GRPOTrainer
@@ -324,3 +362,40 @@ def test_the_toolkit_script_runs_an_experimental_command_the_core_cli_does_not_k
     final = tmp_path / "out" / "final"
     assert (final / "model.safetensors").exists() and "reward-modeling" in (final / "README.md").read_text()
     assert "ForSequenceClassification" in (final / "config.json").read_text()
+
+
+def test_curve_stability_reports_the_worst_fall_after_step_20_and_the_final_vs_best_accuracy():
+    from toolkit.core.report import curve_stability
+
+    rising = [(s, s / 100) for s in range(1, 61)]
+    out = curve_stability(rising, [(0, 0.2), (30, 0.5), (60, 0.7)])
+    assert out["reward_average_max_drop"] == 0.0 and out["heldout_best"] == 0.7
+    assert out["heldout_final_minus_best"] == 0.0
+    # up to 0.6, then down to 0.35 (issue 16's failing main job): the 10-step average ends 0.25 below its best
+    fall = [(s, 0.6 if s <= 40 else 0.35) for s in range(1, 81)]
+    out = curve_stability(fall, [(0, 0.2), (40, 0.45), (80, 0.39)])
+    assert out["reward_average_max_drop"] == pytest.approx(0.25)
+    assert out["heldout_final_minus_best"] == pytest.approx(-0.06)
+    # a fall before step 20 is the warm-up's business, not counted
+    early = [(s, 0.8 if s <= 12 else 0.5) for s in range(1, 24)]
+    assert curve_stability(early, [], after=20)["reward_average_max_drop"] == pytest.approx(0.3)
+    assert curve_stability(early, [], after=30)["reward_average_max_drop"] is None
+    assert curve_stability([(1, 0.5)], [])["heldout_best"] is None
+
+
+def test_the_other_tasks_run_the_main_jobs_recipe_unchanged():
+    """examples/{multiplication,sorting}_pipeline.toml: same stages, run files and settings as the main job's
+    pipeline; only the keys that name the task (its data, its numbers, the reward that checks it) differ."""
+    from toolkit.core.pipeline import load_pipeline
+
+    task_keys = {"dataset", "eval_dataset", "task_max_value", "task_max_terms", "reward_funcs"}
+    examples = Path(__file__).parents[1] / "examples"
+    _, main_stages = load_pipeline(examples / "arithmetic_pipeline.toml")
+    for name in ("multiplication_pipeline.toml", "sorting_pipeline.toml"):
+        _, stages = load_pipeline(examples / name)
+        assert [(s["command"], s["config"]) for s in stages] == [(s["command"], s["config"]) for s in main_stages]
+        for ours, main_stage in zip(stages, main_stages):
+            recipe = {k: v for k, v in ours["overrides"].items() if k not in task_keys}
+            assert recipe == main_stage["overrides"], name
+            assert ours["overrides"]["dataset"].startswith("builtin:") and ours["overrides"]["dataset"] != \
+                "builtin:arithmetic"

@@ -171,6 +171,43 @@ def test_zero_variance_groups_are_dropped_and_reported(tmp_path):
     assert logged(t, "loss") == [0.0]
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "prompt"])
+def test_rows_out_of_the_loss_are_not_trained_and_the_gradients_are_the_same(tmp_path, loss_type):
+    """Tied groups (and unjudged rows) leave the forward: same loss and gradients as training every row."""
+    def half_tied(prompts, completions, completion_ids, **kw):  # prompts 1 and 3 tied at 1; the others vary
+        tied = ["What is 1 " in str(p) or "What is 3 " in str(p) for p in prompts]
+        return [1.0 if t else [0.0, 1.0, None, 1.0][i % 4] for i, t in enumerate(tied)]
+
+    class TrainsEveryRow(GRPOTrainer):
+        @staticmethod
+        def _trained_rows(rollout, rows):
+            return list(rows)
+
+    grads = {}
+    for name, cls in (("skipping", GRPOTrainer), ("every row", TrainsEveryRow)):
+        torch.manual_seed(0)
+        t = cls(tiny_model(), [half_tied], cfg(tmp_path / name, loss_type=loss_type, per_device_train_batch_size=4,
+                                             gradient_accumulation_steps=2),
+                train_dataset=prompts(4), processing_class=tiny_tokenizer())
+        t.model.train()
+        t.current_gradient_accumulation_steps = 2
+        rollout = t.generate_rollout([1, 3])  # both groups tied: no row in the loss
+        rollout2 = t.generate_rollout([0, 1])  # one micro-batch varied (some rows unjudged), one tied
+        for r in (rollout, rollout2):
+            t.model.zero_grad()
+            micro = t._split(r)
+            total = sum(t.compute_loss(t.model, m) for m in micro)
+            total.backward()
+            grads[(name, id(r) == id(rollout))] = (float(total), [p.grad.clone() for p in t.model.parameters()
+                                                                 if p.grad is not None],
+                                                   sum(int(m["input_ids"].numel()) for m in micro))
+    for first in (True, False):
+        (loss_a, g_a, _), (loss_b, g_b, _) = grads[("skipping", first)], grads[("every row", first)]
+        assert loss_a == pytest.approx(loss_b, abs=1e-6)
+        assert len(g_a) == len(g_b) and all(torch.allclose(x, y, atol=1e-6) for x, y in zip(g_a, g_b))
+    assert grads[("skipping", True)][2] < grads[("every row", True)][2]  # the tied prompts' rows were not run
+
+
 def test_no_learning_signal_is_said_loudly(tmp_path, caplog):
     def constant(prompts, completions, completion_ids, **kw):
         return [0.0] * len(completions)

@@ -149,3 +149,12 @@ def test_numpy_and_tensor_returns_are_lists_and_a_function_that_keeps_hanging_st
     with pytest.raises(TrainingHealthError, match=r"'hangs' has 4 calls still running past reward_timeout"):
         for _ in range(5):
             runner(["p"], ["a"], [[1]], {})
+
+
+def test_number_list_match_reads_the_numbers_in_order():
+    from toolkit.core.rewards import number_list_match
+
+    completions = ["3, 7, 12", "3,7,12.", "The sorted list: 3 7 12", "3, 12, 7", "3, 7", "3, 7, 12, 12",
+                   [{"role": "assistant", "content": "-1, 0"}], "anything"]
+    answers = ["3, 7, 12"] * 6 + ["-1, 0", "no numbers"]
+    assert number_list_match(None, completions, None, answer=answers) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .hookspecs import hookimpl
 from .objectives import BUILTIN_ADVANTAGE_ESTIMATORS, BUILTIN_POLICY_LOSSES, BUILTIN_PREFERENCE_LOSSES
-from .rewards import format_reward, numeric_match
+from .rewards import format_reward, number_list_match, numeric_match
 
 __all__: list[str] = []  # a plugin module: its hooks are found by pluggy, nothing here is imported by name
 
@@ -31,7 +31,7 @@ def toolkit_register_advantage_estimators():
 
 @hookimpl
 def toolkit_register_rewards():
-    return {"numeric_match": numeric_match}
+    return {"numeric_match": numeric_match, "number_list_match": number_list_match}
 
 
 @hookimpl

@@ -49,13 +49,10 @@ def load_dataset_spec(spec: str, run: RunArgs, *, split: str, kind: str = "promp
     if not spec:
         return None
     if spec.startswith("builtin:"):
-        name = spec.split(":", 1)[1]
-        if name != "arithmetic":
-            raise ConfigError(f"dataset: unknown builtin '{name}'; the builtin datasets are: arithmetic.")
-        from .tasks import arithmetic_splits
+        from .tasks import task_splits
 
-        train, held_out = arithmetic_splits(run.dataset_size, run.eval_size, max_value=run.task_max_value,
-                                            max_terms=run.task_max_terms, kind=kind)
+        train, held_out = task_splits(spec.split(":", 1)[1], run.dataset_size, run.eval_size,
+                                      max_value=run.task_max_value, max_terms=run.task_max_terms, kind=kind)
         return train if split == "train" else held_out
     if Path(spec).suffix in (".json", ".jsonl"):
         return spec  # the data layer reads files itself and names the line of a broken one
@@ -132,11 +129,9 @@ def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: 
     started = time.perf_counter()
     trainer = make_trainer(run, cfg, train, held_out)
     summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset}
-    arithmetic_eval = generates and run.report_accuracy and run.eval_dataset == "builtin:arithmetic"
-    if arithmetic_eval:
-        from .tasks import greedy_accuracy
-
-        summary["heldout_accuracy_before"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
+    accuracy = _offline_accuracy(run, held_out) if generates and run.report_accuracy else None
+    if accuracy is not None:
+        summary["heldout_accuracy_before"] = accuracy(trainer)
         logger.info("held-out greedy accuracy before training: %.3f", summary["heldout_accuracy_before"])
     if held_out is not None:
         before = trainer.evaluate()
@@ -154,8 +149,8 @@ def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: 
         summary["eval_loss_after"] = after["eval_loss"]
         for key in eval_keys:
             summary[key.replace("eval_rewards/", "eval_reward_") + "_after"] = after.get(key)
-    if arithmetic_eval:
-        summary["heldout_accuracy_after"] = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
+    if accuracy is not None:
+        summary["heldout_accuracy_after"] = accuracy(trainer)
     final_dir = Path(cfg.output_dir) / "final"
     # Trainer saves on rank 0 only (should_save); _internal_call: no push from here (_publish pushes once)
     trainer.save_model(str(final_dir), _internal_call=True)
@@ -166,6 +161,34 @@ def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: 
         _publish(trainer, cfg, run, final_dir, summary, title)
         _print_summary(title, summary)
     return 0
+
+
+def _offline_accuracy(run: RunArgs, held_out: Any) -> Any:
+    """How an SFT/DPO run measures held-out greedy accuracy (a function of the trainer), or None.
+
+    builtin:arithmetic by its number (as it always was); any other eval data with a verifiable answer (a builtin
+    task, or rows with an `answer` column) by the run's reward functions, as GRPO's held-out evaluation does."""
+    if held_out is None:
+        return None
+    if run.eval_dataset == "builtin:arithmetic":
+        from .tasks import greedy_accuracy
+
+        return lambda trainer: greedy_accuracy(trainer.model, trainer.processing_class, held_out)
+    from .data import as_rows
+
+    rows = as_rows(held_out)
+    if not run.eval_dataset.startswith("builtin:") and not (rows and "answer" in rows[0]):
+        logger.info("held-out accuracy: skipped (eval_dataset has no 'answer' column for the reward functions %s to "
+                    "check); eval loss is reported.", list(run.reward_funcs))
+        return None
+    from .plugins import resolve_reward
+    from .report import heldout_accuracy
+
+    funcs = [resolve_reward(f) for f in run.reward_funcs]
+    # Generation prompts only: the training columns (completion / chosen / rejected) are not shown to the model
+    prompts = [{k: v for k, v in r.items() if k not in ("completion", "chosen", "rejected")} for r in rows]
+    return lambda trainer: heldout_accuracy(trainer.model, trainer.processing_class, prompts, funcs,
+                                            max_new_tokens=32)[0]
 
 
 def _publish(trainer: Any, cfg: Any, run: RunArgs, final_dir: Path, summary: dict[str, Any], title: str) -> None:
@@ -348,11 +371,16 @@ def _pipeline(argv: list[str]) -> int:
         for spec in (run.dataset, run.eval_dataset):
             if spec and Path(spec).suffix in (".json", ".jsonl") and not Path(spec).expanduser().exists():
                 raise ConfigError(f"dataset: '{spec}' (a {command} stage) does not exist.")
-        if command in ("grpo", "async-grpo", "ppo"):
-            from .plugins import resolve_reward
+            if spec.startswith("builtin:"):
+                from .tasks import TASKS
 
-            for spec in run.reward_funcs:
-                resolve_reward(spec)
+                if spec.split(":", 1)[1] not in TASKS:
+                    raise ConfigError(f"dataset: unknown builtin '{spec}' (a {command} stage); the builtin "
+                                      f"datasets are: {', '.join('builtin:' + t for t in TASKS)}.")
+        from .plugins import resolve_reward
+
+        for spec in run.reward_funcs:  # RL trains on them; every stage's held-out accuracy reads them
+            resolve_reward(spec)
 
     return run_pipeline(argv, stage_commands, parse_stage)
 

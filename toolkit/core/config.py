@@ -44,7 +44,8 @@ class RunArgs:
     model: str = field(default=DEFAULT_MODEL, metadata={
         "help": "Model: 'smollm2-135m-instruct' (embedded, offline), a local folder, or a Hub id."})
     dataset: str = field(default="", metadata={
-        "help": "Training data: a .jsonl/.json file, 'builtin:arithmetic' (generated), or a Hub dataset id."})
+        "help": "Training data: a .jsonl/.json file, a generated task ('builtin:arithmetic', 'builtin:multiplication', "
+                "'builtin:sorting'), or a Hub dataset id."})
     eval_dataset: str = field(default="", metadata={"help": "Evaluation data, same forms as `dataset` (optional)."})
     dataset_size: int = field(default=256, metadata={"help": "Rows to generate for builtin datasets."})
     eval_size: int = field(default=64, metadata={"help": "Held-out rows to generate for builtin datasets."})
@@ -57,11 +58,15 @@ class RunArgs:
                                                                 "(bitsandbytes; needs lora_r > 0)."})
     report_accuracy: bool = field(default=True, metadata={
         "help": "With eval_dataset: held-out greedy accuracy before, every eval_every steps, and after training "
-                "(builtin:arithmetic by its number; other data, GRPO, by the run's reward functions)."})
-    task_max_value: int = field(default=20, metadata={"help": "builtin:arithmetic: largest number in a problem."})
-    task_max_terms: int = field(default=2, metadata={"help": "builtin:arithmetic: most numbers in a problem (2 or 3)."})
+                "(builtin:arithmetic by its number; other data by the run's reward functions: any prompt data for GRPO, "
+                "data with an 'answer' column or a builtin task for SFT/DPO)."})
+    task_max_value: int = field(default=20, metadata={"help": "builtin tasks: largest number in a problem "
+                                                                   "(multiplication: of the first factor)."})
+    task_max_terms: int = field(default=2, metadata={"help": "builtin tasks: most numbers in an arithmetic "
+                                                                  "problem; how many numbers to sort (2-8)."})
     reward_funcs: list = field(default_factory=lambda: ["numeric_match"], metadata={
-        "help": "RL only: reward functions by name ('numeric_match', 'format:<regex>')."})
+        "help": "Reward functions by name ('numeric_match', 'number_list_match', 'format:<regex>'): RL "
+                "trains on them; every trainer's held-out accuracy uses them."})
     eval_every: int = field(default=0, metadata={
         "help": "RL with eval_dataset: held-out greedy accuracy every this many steps (0 = before/after only)."})
 
@@ -74,8 +79,8 @@ class RunArgs:
                           ("lora_alpha", 1)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{name}: must be >= {low}, got {getattr(self, name)}.")
-        if self.task_max_terms not in (2, 3):
-            raise ConfigError(f"task_max_terms: builtin:arithmetic has problems of 2 or 3 numbers, got "
+        if not 2 <= self.task_max_terms <= 8:
+            raise ConfigError(f"task_max_terms: the builtin tasks take 2 to 8 numbers per problem, got "
                               f"{self.task_max_terms}.")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}.")

@@ -600,7 +600,22 @@ class GRPOTrainer(Trainer):
         total = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu() if n > 1 else local
         counts = {name: float(max(float(v), 1.0)) / n
                   for name, v in zip(("step_tokens", "step_sequences", "step_prompts"), total)}
-        return [self._micro_batch(rollout, range(k * B, (k + 1) * B), counts) for k in range(GA)]
+        return [self._micro_batch(rollout, self._trained_rows(rollout, range(k * B, (k + 1) * B)), counts)
+                for k in range(GA)]
+
+    @staticmethod
+    def _trained_rows(rollout: Rollout, rows: range) -> list[int]:
+        """The rows of a micro-batch that go through forward and backward: those in the loss.
+
+        A row out of the loss (its group tied under zero_variance_filter, no reward, a masked truncation) has a
+        zero loss mask, so it adds nothing to the gradient, only compute: a third to a half of a step's rows on
+        a task the model half-solves. Leaving them out gives the same loss and gradients (the step's counts
+        already count only rows in the loss; tests/test_grpo.py) in less time; the logged entropy and sampler
+        metrics describe the rows trained on. A micro-batch with no row in the loss keeps its first row (masked):
+        every micro-step still runs one forward and backward, so the ranks' collectives stay in step.
+        """
+        kept = [r for r in rows if bool(rollout.included[r])]
+        return kept or [rows[0]]
 
     # -------------------------------------------------------------------------------- the loss
 

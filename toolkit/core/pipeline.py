@@ -146,7 +146,8 @@ def run_pipeline(argv: list[str], commands: dict[str, Any], parse_stage: Any) ->
         summary = _stage_summary(stage_dir)
         results.append({"stage": i, "command": stage["command"], "config": stage["config"],
                         "output_dir": str(stage_dir), "minutes": round((time.perf_counter() - t0) / 60, 2),
-                        **{k: v for k, v in summary.items() if k.startswith(("heldout_", "eval_", "train_loss"))},
+                        **{k: v for k, v in summary.items()
+                           if k.startswith(("heldout_", "eval_", "train_loss", "stability"))},
                         "accuracy_history": summary.get("accuracy_history", [])})
         model = str(stage_dir / "final")
     total = {"stages": results, "minutes": round((time.perf_counter() - started) / 60, 2), "commit": _commit(),

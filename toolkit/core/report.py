@@ -4,6 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "AccuracyCallback",
+    "curve_stability",
+    "heldout_accuracy",
     "heldout_by_rewards",
     "write_report",
 ]
@@ -84,24 +86,40 @@ class AccuracyCallback(TrainerCallback):
             logger.info("step %d: held-out greedy accuracy %.3f", state.global_step, acc)
 
 
-@torch.no_grad()
 def heldout_by_rewards(trainer: Any, dataset: Any, *, max_new_tokens: int, batch_size: int = 64
                        ) -> tuple[float, float]:
-    """(accuracy, mean reward) of greedy completions to the held-out prompts in `dataset`, scored by the trainer's
-    reward functions (GRPO's `compute_rewards`, weighted as in training). Accuracy: total reward >= solved_reward.
-    A progress bar shows on a terminal when there is more than one batch."""
+    """(accuracy, mean reward) of greedy completions to the held-out prompts in `dataset`, scored by the RL
+    trainer's reward functions with its weights, prompt length, stop tokens and `solved_reward` (see
+    `heldout_accuracy`)."""
+    args = trainer.args
+    return heldout_accuracy(trainer.model, trainer.processing_class, dataset, trainer.reward_runner.funcs,
+                            weights=trainer.reward_weights, solved_reward=args.solved_reward,
+                            max_new_tokens=max_new_tokens, max_prompt_length=args.max_prompt_length,
+                            chat_template_kwargs=args.chat_template_kwargs, stop_token_ids=args.stop_token_ids,
+                            reward_timeout=args.reward_timeout, batch_size=batch_size)
+
+
+@torch.no_grad()
+def heldout_accuracy(model: Any, tokenizer: Any, dataset: Any, reward_funcs: list, *, weights: Any = None,
+                     solved_reward: float = 1.0, max_new_tokens: int = 64, max_prompt_length: int | None = None,
+                     chat_template_kwargs: dict | None = None, stop_token_ids: list[int] | None = None,
+                     reward_timeout: float = 60.0, batch_size: int = 64) -> tuple[float, float]:
+    """(accuracy, mean reward) of the model's greedy completions to the prompts of `dataset` (any prompt dataset;
+    its other columns reach the reward functions, as in GRPO), scored by `reward_funcs` (callables) and summed
+    with `weights` (default 1 each). Accuracy: the fraction of judged completions whose total reaches
+    `solved_reward`. Rows no function judged (None, failures) are left out with a warning; NaN if none was.
+    A progress bar shows on a terminal when there is more than one batch. Used by every trainer's CLI run."""
     from tqdm.auto import tqdm
 
     from .data import prompt_rows, tokenize_prompts
     from .generation import SamplingParams, TransformersBackend
     from .rewards import RewardRunner, score_completions, weighted_total
 
-    tokenizer, args = trainer.processing_class, trainer.args
     rows, fmt = prompt_rows(dataset, tokenizer, trainer="eval_dataset")
-    prompts, _ = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
-                                  chat_template_kwargs=args.chat_template_kwargs)
-    backend = TransformersBackend(trainer.model, pad_token_id=tokenizer.pad_token_id, max_batch_size=batch_size)
-    stop = tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id])
+    prompts, _ = tokenize_prompts(rows, tokenizer, max_prompt_length=max_prompt_length,
+                                  chat_template_kwargs=chat_template_kwargs)
+    backend = TransformersBackend(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=batch_size)
+    stop = tuple(stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
     params = SamplingParams(max_tokens=max_new_tokens, top_k=1, stop_token_ids=stop)
     completion_ids: list[list[int]] = []
     starts = range(0, len(prompts), batch_size)
@@ -109,10 +127,12 @@ def heldout_by_rewards(trainer: Any, dataset: Any, *, max_new_tokens: int, batch
         groups = backend.generate(prompts[start:start + batch_size], params, n=1, seed=0)
         completion_ids += [g[0].token_ids for g in groups]
     # A runner of its own (the eval set's columns and format; its failures never count towards stopping training)
-    runner = RewardRunner(trainer.reward_runner.funcs, timeout=args.reward_timeout, max_consecutive_failures=10**9)
+    runner = RewardRunner(list(reward_funcs), timeout=reward_timeout, max_consecutive_failures=10**9)
     outcome, _ = score_completions(runner, tokenizer, rows, completion_ids, conversational=fmt.conversational,
                                    extra_columns=fmt.extra_columns)
-    total = weighted_total(torch.tensor(outcome.rewards, dtype=torch.float32), trainer.reward_weights)
+    rewards = torch.tensor(outcome.rewards, dtype=torch.float32)
+    weights = torch.ones(rewards.shape[0]) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
+    total = weighted_total(rewards, weights)
     judged = ~torch.isnan(total)
     if not judged.any():
         logger.warning("held-out eval: no completion was judged by the reward functions (all None/failed; "
@@ -121,12 +141,35 @@ def heldout_by_rewards(trainer: Any, dataset: Any, *, max_new_tokens: int, batch
     if not judged.all():
         logger.warning("held-out eval: %d of %d completions were not judged; accuracy counts the judged ones.",
                        int((~judged).sum()), len(total))
-    accuracy = float((total[judged] >= args.solved_reward).float().mean())
+    accuracy = float((total[judged] >= solved_reward).float().mean())
     return accuracy, float(total[judged].mean())
 
 
+def curve_stability(rewards: list[tuple[int, float]], accuracy: list[tuple[int, float]], *, window: int = 10,
+                    after: int = 20) -> dict[str, Any]:
+    """How stable a run's learning was, in the numbers a person checks on its plot.
+
+    `reward_average_max_drop`: after step `after`, how far the `window`-step average training reward fell at worst
+    below its running maximum (the best average so far); `heldout_best` / `heldout_final_minus_best`: whether the
+    model at the end is the best one measured. None where the run is too short to say."""
+    out: dict[str, Any] = {"reward_average_window": window, "reward_drop_checked_after_step": after,
+                           "reward_average_max_drop": None, "heldout_best": None, "heldout_final_minus_best": None}
+    best, drop = None, None
+    for i in range(window - 1, len(rewards)):
+        average = sum(r for _, r in rewards[i - window + 1:i + 1]) / window
+        best = average if best is None else max(best, average)
+        if rewards[i][0] > after:
+            drop = max(drop or 0.0, best - average)
+    out["reward_average_max_drop"] = None if drop is None else round(drop, 4)
+    measured = [a for _, a in accuracy if a == a]  # NaN: not judged
+    if measured:
+        out["heldout_best"] = max(measured)
+        out["heldout_final_minus_best"] = round(measured[-1] - max(measured), 4)
+    return out
+
+
 def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summary: dict[str, Any], *,
-                 reward_key: str = "reward", title: str = "GRPO", step_name: str = "optimizer step") -> dict[str, str]:
+                 reward_key: str = "reward", title: str = "GRPO", step_name: str = "optimizer step") -> dict[str, Any]:
     """Write metrics.jsonl, summary.json and report.png under out_dir/report; return their paths."""
     report = out_dir / "report"
     report.mkdir(parents=True, exist_ok=True)
@@ -163,5 +206,7 @@ def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summ
         fig.savefig(report / "report.png", dpi=110)
         plt.close(fig)
         paths["plot"] = str(report / "report.png")
-    (report / "summary.json").write_text(json.dumps({**summary, "accuracy_history": accuracy}, indent=2))
+    logged = [(h["step"], h[reward_key]) for h in trainer.state.log_history if reward_key in h and "step" in h]
+    paths["stability"] = curve_stability(logged, accuracy)
+    (report / "summary.json").write_text(json.dumps({**summary, **paths, "accuracy_history": accuracy}, indent=2))
     return paths

@@ -41,6 +41,7 @@ __all__ = [
     "RewardRunner",
     "format_reward",
     "length_penalty",
+    "number_list_match",
     "numeric_match",
     "parse_number",
     "reward_name",
@@ -66,6 +67,8 @@ def _text(completion: Any) -> str:
 # ------------------------------------------------------------------------------------------------
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+# In a list "3, 7, 12" the commas separate numbers, so no thousands separators here
+_INTEGER_OR_DECIMAL = re.compile(r"-?\d+(?:\.\d+)?")
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*-?\d+(?:\.\d+)?)?")
 
 
@@ -104,6 +107,22 @@ def numeric_match(prompts: Sequence[Any], completions: Sequence[Any], completion
             continue
         got = parse_number(_text(completion))
         out.append(1.0 if got is not None and got == target else 0.0)
+    return out
+
+
+def number_list_match(prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Any], *,
+                      answer: Sequence[Any], **_: Any) -> list[float | None]:
+    """1.0 when the numbers in the completion, in order, are exactly the numbers of the `answer` column (a list
+    such as "3, 7, 12": builtin:sorting), else 0.0. Separators and surrounding words do not matter; a missing,
+    extra or misplaced number does. Rows whose `answer` holds no number get None (not judged)."""
+    out: list[float | None] = []
+    for completion, expected in zip(completions, answer):
+        target = [Fraction(t) for t in _INTEGER_OR_DECIMAL.findall(str(expected))]
+        if not target:
+            out.append(None)
+            continue
+        got = [Fraction(t) for t in _INTEGER_OR_DECIMAL.findall(_text(completion))]
+        out.append(1.0 if got == target else 0.0)
     return out
 
 

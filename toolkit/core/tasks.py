@@ -1,18 +1,23 @@
 """Small tasks the project generates itself, so examples and tests need no download.
 
 `arithmetic`: additions and subtractions of two or three numbers with a verifiable integer answer.
-The same generator feeds the SFT main job (prompt-completion rows) and, later, RL (prompt-only
-rows with an `answer` column). Splits are disjoint by construction (different seeds, and held-out
-problems are removed from the training set).
+`multiplication`: a number times a one-digit number. `sorting`: a few numbers to put in increasing order
+(the answer is the list; `number_list_match` scores it). The same generators feed SFT (prompt-completion
+rows), RL (prompt-only rows with an `answer` column) and preference training (the answer against a near
+miss). Splits are disjoint by construction (different seeds, and held-out problems are removed from the
+training set).
 """
 
 from __future__ import annotations
 
 __all__ = [
     "PROMPT_SUFFIX",
+    "TASKS",
     "arithmetic",
     "arithmetic_splits",
     "greedy_accuracy",
+    "task_rows",
+    "task_splits",
 ]
 
 import random
@@ -36,10 +41,46 @@ def _problem(rng: random.Random, max_value: int, max_terms: int) -> tuple[str, i
     return expr, value
 
 
-def arithmetic(n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3, kind: str = "prompt_completion",
-               exclude: set[str] | None = None) -> list[dict[str, Any]]:
-    """`n` conversational rows. kind="prompt_completion" adds the answer as the completion; "prompt_only"
-    keeps it in an `answer` column for reward functions; "preference" pairs it (chosen) with a near miss."""
+def _multiplication(rng: random.Random, max_value: int, max_terms: int) -> tuple[str, int]:
+    a, b = rng.randint(2, max_value), rng.randint(2, 9)
+    return f"{a} * {b}", a * b
+
+
+def _sorting(rng: random.Random, max_value: int, max_terms: int) -> tuple[str, list[int]]:
+    if max_value < max_terms:
+        raise ConfigError(f"task_max_value: sorting draws {max_terms} distinct numbers up to task_max_value, so it "
+                          f"must be >= task_max_terms ({max_terms}); got {max_value}.")
+    return "", rng.sample(range(1, max_value + 1), max_terms)
+
+
+def _question(task: str, key: str, values: Any) -> str:
+    if task == "sorting":
+        return (f"Sort these numbers from smallest to largest: {', '.join(map(str, values))}. "
+                "Answer with just the numbers, separated by commas.")
+    return f"What is {key}? {PROMPT_SUFFIX}"
+
+
+def _near_miss(task: str, rng: random.Random, value: Any) -> str:
+    if task == "sorting":  # two neighbours swapped: every number right, the order wrong
+        wrong = sorted(value)
+        i = rng.randrange(len(wrong) - 1)
+        wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
+        return ", ".join(map(str, wrong))
+    return str(value + rng.choice([-3, -2, -1, 1, 2, 3]))
+
+
+# name -> problem generator (rng, max_value, max_terms) -> (expression, value); sorting's "expression" is its list
+TASKS = {"arithmetic": _problem, "multiplication": _multiplication, "sorting": _sorting}
+
+
+def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3,
+              kind: str = "prompt_completion", exclude: set[str] | None = None) -> list[dict[str, Any]]:
+    """`n` distinct conversational rows of a builtin task (see TASKS). kind="prompt_completion" adds the answer
+    as the completion; "prompt_only" keeps it in an `answer` column for reward functions; "preference" pairs it
+    (chosen) with a near miss (rejected). `exclude`: problems (their prompt text) to leave out."""
+    if task not in TASKS:
+        raise ConfigError(f"dataset: unknown builtin '{task}'; the builtin datasets are: "
+                          f"{', '.join('builtin:' + t for t in TASKS)}.")
     if kind not in ("prompt_completion", "prompt_only", "preference"):
         raise ConfigError(f"kind must be 'prompt_completion', 'prompt_only' or 'preference', got {kind!r}")
     rng = random.Random(seed)
@@ -48,35 +89,44 @@ def arithmetic(n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3
     while len(rows) < n:
         attempts += 1
         if attempts > 100 * n:
-            raise ConfigError(f"dataset_size: cannot draw {n} distinct problems with task_max_value={max_value} and "
-                              f"task_max_terms={max_terms} (about {len(seen)} exist outside the held-out set); "
-                              "lower dataset_size or raise task_max_value.")
-        expr, value = _problem(rng, max_value, max_terms)
-        if expr in seen:
+            raise ConfigError(f"dataset_size: cannot draw {n} distinct builtin:{task} problems with "
+                              f"task_max_value={max_value} and task_max_terms={max_terms} (about {len(seen)} exist "
+                              "outside the held-out set); lower dataset_size or raise task_max_value.")
+        expr, value = TASKS[task](rng, max_value, max_terms)
+        question = _question(task, expr, value)
+        if question in seen:
             continue
-        seen.add(expr)
-        prompt = [{"role": "user", "content": f"What is {expr}? {PROMPT_SUFFIX}"}]
-        row: dict[str, Any] = {"prompt": prompt, "answer": str(value)}
+        seen.add(question)
+        answer = ", ".join(map(str, sorted(value))) if task == "sorting" else str(value)
+        prompt = [{"role": "user", "content": question}]
+        row: dict[str, Any] = {"prompt": prompt, "answer": answer}
         if kind == "prompt_completion":
-            row["completion"] = [{"role": "assistant", "content": str(value)}]
+            row["completion"] = [{"role": "assistant", "content": answer}]
         elif kind == "preference":  # the right answer against an off-by-a-little one
-            wrong = value + rng.choice([-3, -2, -1, 1, 2, 3])
-            row["chosen"] = [{"role": "assistant", "content": str(value)}]
-            row["rejected"] = [{"role": "assistant", "content": str(wrong)}]
+            row["chosen"] = [{"role": "assistant", "content": answer}]
+            row["rejected"] = [{"role": "assistant", "content": _near_miss(task, rng, value)}]
         rows.append(row)
     return rows
 
 
+def task_splits(task: str, n_train: int, n_eval: int, *, seed: int = 0, **kwargs: Any
+                ) -> tuple[list[dict], list[dict]]:
+    """Disjoint train and held-out sets of a builtin task."""
+    held_out = task_rows(task, n_eval, seed=seed + 1_000_003, **kwargs)
+    questions = {r["prompt"][-1]["content"] for r in held_out}
+    return task_rows(task, n_train, seed=seed, exclude=questions, **kwargs), held_out
+
+
+def arithmetic(n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3, kind: str = "prompt_completion",
+               exclude: set[str] | None = None) -> list[dict[str, Any]]:
+    """`n` arithmetic rows (see `task_rows`); `exclude` holds expressions ("3 + 4") to leave out."""
+    return task_rows("arithmetic", n, seed=seed, max_value=max_value, max_terms=max_terms, kind=kind,
+                     exclude={_question("arithmetic", e, None) for e in exclude or ()})
+
+
 def arithmetic_splits(n_train: int, n_eval: int, *, seed: int = 0, **kwargs: Any) -> tuple[list[dict], list[dict]]:
     """Disjoint train and held-out sets."""
-    held_out = arithmetic(n_eval, seed=seed + 1_000_003, **kwargs)
-    exprs = {_expr_of(r) for r in held_out}
-    return arithmetic(n_train, seed=seed, exclude=exprs, **kwargs), held_out
-
-
-def _expr_of(row: dict[str, Any]) -> str:
-    text = row["prompt"][-1]["content"]
-    return text[len("What is "): text.index("?")]
+    return task_splits("arithmetic", n_train, n_eval, seed=seed, **kwargs)
 
 
 @torch.no_grad()

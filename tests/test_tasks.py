@@ -1,0 +1,58 @@
+"""The generated tasks: right answers, disjoint splits, near misses that are wrong, and the error for a typo."""
+
+import re
+
+import pytest
+
+from toolkit.core.errors import ConfigError
+from toolkit.core.rewards import number_list_match, numeric_match
+from toolkit.core.tasks import TASKS, arithmetic_splits, task_rows, task_splits
+
+
+def _question(row):
+    return row["prompt"][-1]["content"]
+
+
+def test_arithmetic_rows_are_the_ones_every_measured_run_used():
+    """The held-out set behind every accuracy in the README and examples: the refactor must not move it."""
+    train, held_out = arithmetic_splits(512, 64, max_value=20, max_terms=2, kind="prompt_only")
+    # (the values the generator gave before builtin tasks were generalised, read from that version)
+    assert _question(held_out[0]) == "What is 17 + 6? Answer with just the number." and held_out[0]["answer"] == "23"
+    assert len(train) == 512 and _question(train[0]) == "What is 14 - 2? Answer with just the number."
+
+
+@pytest.mark.parametrize("task, max_value, max_terms", [("arithmetic", 20, 3), ("multiplication", 99, 2),
+                                                        ("sorting", 99, 4)])
+def test_every_task_answers_right_and_its_splits_are_disjoint(task, max_value, max_terms):
+    train, held_out = task_splits(task, 300, 50, max_value=max_value, max_terms=max_terms, kind="prompt_completion")
+    assert len(train) == 300 and len(held_out) == 50
+    assert not {_question(r) for r in train} & {_question(r) for r in held_out}
+    assert len({_question(r) for r in train}) == 300
+    for row in train + held_out:
+        numbers = [int(n) for n in re.findall(r"-?\d+", _question(row).split("?")[0].split(".")[0])]
+        if task == "sorting":
+            assert len(numbers) == max_terms and row["answer"] == ", ".join(map(str, sorted(numbers)))
+        elif task == "multiplication":
+            assert 2 <= numbers[1] <= 9 and int(row["answer"]) == numbers[0] * numbers[1]
+        else:
+            assert int(row["answer"]) == eval(_question(row)[len("What is "):_question(row).index("?")])
+        assert row["completion"][0]["content"] == row["answer"]
+
+
+@pytest.mark.parametrize("task, reward", [("arithmetic", numeric_match), ("multiplication", numeric_match),
+                                          ("sorting", number_list_match)])
+def test_the_task_reward_accepts_the_chosen_answer_and_rejects_the_near_miss(task, reward):
+    rows = task_rows(task, 40, max_value=50, max_terms=3, kind="preference")
+    answers = [r["answer"] for r in rows]
+    assert reward(None, [r["chosen"] for r in rows], None, answer=answers) == [1.0] * 40
+    assert reward(None, [r["rejected"] for r in rows], None, answer=answers) == [0.0] * 40
+
+
+def test_unknown_tasks_and_impossible_sizes_are_named():
+    with pytest.raises(ConfigError, match="unknown builtin 'division'.*builtin:arithmetic, builtin:multiplication"):
+        task_rows("division", 3)
+    with pytest.raises(ConfigError, match="cannot draw 100 distinct builtin:multiplication problems"):
+        task_rows("multiplication", 100, max_value=5)
+    with pytest.raises(ConfigError, match="must be >= task_max_terms"):
+        task_rows("sorting", 1, max_value=3, max_terms=4)
+    assert set(TASKS) == {"arithmetic", "multiplication", "sorting"}
