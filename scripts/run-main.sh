@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/toolkit pipeline --config examples/arithmetic_pipeline.toml "$@"
+.venv/bin/toolkit pipeline --config examples/arithmetic_pipeline.toml  # settings live in the run files it names

@@ -376,10 +376,13 @@ def test_curve_stability_reports_the_worst_fall_after_step_20_and_the_final_vs_b
     out = curve_stability(fall, [(0, 0.2), (40, 0.45), (80, 0.39)])
     assert out["reward_average_max_drop"] == pytest.approx(0.25)
     assert out["heldout_final_minus_best"] == pytest.approx(-0.06)
-    # a fall before step 20 is the warm-up's business, not counted
-    early = [(s, 0.8 if s <= 12 else 0.5) for s in range(1, 24)]
+    # the running best includes the early steps, but only averages ending after `after` are checked
+    early = [(s, 0.8 if s <= 12 else 0.5) for s in range(1, 41)]
     assert curve_stability(early, [], after=20)["reward_average_max_drop"] == pytest.approx(0.3)
-    assert curve_stability(early, [], after=30)["reward_average_max_drop"] is None
+    recovered = [(s, 0.8 if s <= 12 or s > 28 else 0.5) for s in range(1, 41)]
+    assert curve_stability(recovered, [], after=38)["reward_average_max_drop"] == pytest.approx(0.0)
+    assert curve_stability(recovered, [], after=20)["reward_average_max_drop"] == pytest.approx(0.3)
+    assert curve_stability(early, [], after=40)["reward_average_max_drop"] is None  # nothing after step 40
     assert curve_stability([(1, 0.5)], [])["heldout_best"] is None
 
 
@@ -399,3 +402,19 @@ def test_the_other_tasks_run_the_main_jobs_recipe_unchanged():
             assert recipe == main_stage["overrides"], name
             assert ours["overrides"]["dataset"].startswith("builtin:") and ours["overrides"]["dataset"] != \
                 "builtin:arithmetic"
+
+
+def test_sorting_refuses_a_reward_that_reads_one_number_and_pipelines_check_task_sizes_first(tmp_path, capsys):
+    assert main(["grpo", "--dataset", "builtin:sorting", "--task_max_terms", "4", "--task_max_value", "99",
+                 "--output_dir", str(tmp_path / "o")]) == 2
+    assert "use reward_funcs = [\"number_list_match\"]" in capsys.readouterr().err
+    # a stage whose task cannot be drawn fails before the first stage trains
+    (tmp_path / "sft.toml").write_text('dataset = "builtin:arithmetic"\nmax_steps = 1\n')
+    (tmp_path / "grpo.toml").write_text('dataset = "builtin:multiplication"\ndataset_size = 500\ntask_max_value = 20\n')
+    (tmp_path / "p.toml").write_text(f'''output_dir = "{tmp_path / 'out'}"
+stages = [{{command = "sft", config = "{tmp_path / 'sft.toml'}"}},
+          {{command = "grpo", config = "{tmp_path / 'grpo.toml'}"}}]
+''')
+    assert main(["pipeline", "--config", str(tmp_path / "p.toml")]) == 2
+    assert "cannot draw 500 distinct builtin:multiplication problems with task_max_value=20" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -19,6 +19,12 @@ def test_arithmetic_rows_are_the_ones_every_measured_run_used():
     # (the values the generator gave before builtin tasks were generalised, read from that version)
     assert _question(held_out[0]) == "What is 17 + 6? Answer with just the number." and held_out[0]["answer"] == "23"
     assert len(train) == 512 and _question(train[0]) == "What is 14 - 2? Answer with just the number."
+    t2, h2 = arithmetic_splits(512, 64, max_value=20, max_terms=2, kind="prompt_completion")
+    assert [_question(r) for r in t2 + h2] == [_question(r) for r in train + held_out]
+    # preference rows draw a near miss after each problem from the same generator (so their problems differ)
+    t3, h3 = arithmetic_splits(512, 64, max_value=20, max_terms=2, kind="preference")
+    assert (h3[0]["chosen"][0]["content"], h3[0]["rejected"][0]["content"]) == ("23", "24")
+    assert (_question(t3[-1]), t3[-1]["rejected"][0]["content"]) == ("What is 4 + 2? Answer with just the number.", "8")
 
 
 @pytest.mark.parametrize("task, max_value, max_terms", [("arithmetic", 20, 3), ("multiplication", 99, 2),
@@ -27,6 +33,8 @@ def test_every_task_answers_right_and_its_splits_are_disjoint(task, max_value, m
     train, held_out = task_splits(task, 300, 50, max_value=max_value, max_terms=max_terms, kind="prompt_completion")
     assert len(train) == 300 and len(held_out) == 50
     assert not {_question(r) for r in train} & {_question(r) for r in held_out}
+    if task == "sorting":  # a reordering of a held-out list is the same problem: never trained on
+        assert not {r["answer"] for r in train} & {r["answer"] for r in held_out}
     assert len({_question(r) for r in train}) == 300
     for row in train + held_out:
         numbers = [int(n) for n in re.findall(r"-?\d+", _question(row).split("?")[0].split(".")[0])]

@@ -51,8 +51,13 @@ def load_dataset_spec(spec: str, run: RunArgs, *, split: str, kind: str = "promp
     if spec.startswith("builtin:"):
         from .tasks import task_splits
 
-        train, held_out = task_splits(spec.split(":", 1)[1], run.dataset_size, run.eval_size,
-                                      max_value=run.task_max_value, max_terms=run.task_max_terms, kind=kind)
+        name = spec.split(":", 1)[1]
+        if name == "sorting" and "numeric_match" in run.reward_funcs:
+            raise ConfigError("reward_funcs: builtin:sorting's answer is a list of numbers and numeric_match reads only "
+                              "the last one (it would reward ending with the largest number); use reward_funcs = "
+                              "[\"number_list_match\"].")
+        train, held_out = task_splits(name, run.dataset_size, run.eval_size, max_value=run.task_max_value,
+                                      max_terms=run.task_max_terms, kind=kind)
         return train if split == "train" else held_out
     if Path(spec).suffix in (".json", ".jsonl"):
         return spec  # the data layer reads files itself and names the line of a broken one
@@ -177,10 +182,12 @@ def _offline_accuracy(run: RunArgs, held_out: Any) -> Any:
     from .data import as_rows
 
     rows = as_rows(held_out)
-    if not run.eval_dataset.startswith("builtin:") and not (rows and "answer" in rows[0]):
-        logger.info("held-out accuracy: skipped (eval_dataset has no 'answer' column for the reward functions %s to "
-                    "check); eval loss is reported.", list(run.reward_funcs))
+    if not run.eval_dataset.startswith("builtin:") and not (rows and "answer" in rows[0] and "prompt" in rows[0]):
+        logger.info("held-out accuracy: skipped (eval_dataset needs a 'prompt' and an 'answer' column for the reward "
+                    "functions %s to check a greedy completion); eval loss is reported.", list(run.reward_funcs))
         return None
+    logger.info("held-out accuracy: greedy completions to %d eval prompts, scored by %s, before and after training "
+                "(report_accuracy = false turns it off).", len(rows), list(run.reward_funcs))
     from .plugins import resolve_reward
     from .report import heldout_accuracy
 
@@ -283,8 +290,8 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
         logger.info("%s: no held-out evaluation of a custom eval_dataset without reward functions to score it.", title)
         held_out = None
     if held_out is not None and run.report_accuracy and by_rewards and title == "PPO":
-        logger.info("PPO: no held-out evaluation of a custom eval_dataset (its rewards include a reward model and "
-                    "are not replayed); builtin:arithmetic is evaluated.")
+        logger.info("PPO: no held-out evaluation of an eval_dataset other than builtin:arithmetic (its rewards include "
+                    "a reward model and are not replayed).")
     if held_out is not None and run.report_accuracy and not (by_rewards and title == "PPO"):
         accuracy = AccuracyCallback(held_out, every=run.eval_every, max_new_tokens=cfg.max_completion_length,
                                     by_rewards=by_rewards)
@@ -371,12 +378,8 @@ def _pipeline(argv: list[str]) -> int:
         for spec in (run.dataset, run.eval_dataset):
             if spec and Path(spec).suffix in (".json", ".jsonl") and not Path(spec).expanduser().exists():
                 raise ConfigError(f"dataset: '{spec}' (a {command} stage) does not exist.")
-            if spec.startswith("builtin:"):
-                from .tasks import TASKS
-
-                if spec.split(":", 1)[1] not in TASKS:
-                    raise ConfigError(f"dataset: unknown builtin '{spec}' (a {command} stage); the builtin "
-                                      f"datasets are: {', '.join('builtin:' + t for t in TASKS)}.")
+            if spec.startswith("builtin:"):  # drawn now (milliseconds): an impossible size fails before stage 1
+                load_dataset_spec(spec, run, split="train")
         from .plugins import resolve_reward
 
         for spec in run.reward_funcs:  # RL trains on them; every stage's held-out accuracy reads them

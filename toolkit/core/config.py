@@ -80,7 +80,7 @@ class RunArgs:
             if getattr(self, name) < low:
                 raise ConfigError(f"{name}: must be >= {low}, got {getattr(self, name)}.")
         if not 2 <= self.task_max_terms <= 8:
-            raise ConfigError(f"task_max_terms: the builtin tasks take 2 to 8 numbers per problem, got "
+            raise ConfigError(f"task_max_terms: 2 to 8 (numbers per arithmetic problem, numbers to sort), got "
                               f"{self.task_max_terms}.")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}.")

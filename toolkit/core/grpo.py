@@ -610,9 +610,10 @@ class GRPOTrainer(Trainer):
         A row out of the loss (its group tied under zero_variance_filter, no reward, a masked truncation) has a
         zero loss mask, so it adds nothing to the gradient, only compute: a third to a half of a step's rows on
         a task the model half-solves. Leaving them out gives the same loss and gradients (the step's counts
-        already count only rows in the loss; tests/test_grpo.py) in less time; the logged entropy and sampler
-        metrics describe the rows trained on. A micro-batch with no row in the loss keeps its first row (masked):
-        every micro-step still runs one forward and backward, so the ranks' collectives stay in step.
+        already count only rows in the loss; tests/test_grpo.py) in less time. The per-token metrics (entropy, kl,
+        importance_ratio/*, sampler/*, train_tokens_per_s) describe the rows trained on. A micro-batch with no row
+        in the loss keeps its first row (masked, logged nowhere): every micro-step still runs one forward and
+        backward, so the ranks' collectives stay in step.
         """
         kept = [r for r in rows if bool(rollout.included[r])]
         return kept or [rows[0]]
@@ -760,6 +761,8 @@ class GRPOTrainer(Trainer):
     def _record_loss_metrics(self, inputs: PolicyLossInputs, out: PolicyLossOutput) -> None:
         s = self._step_metrics
         info, tis, kl, mask, lm = out.info, out.importance_weights, out.kl, inputs.completion_mask, inputs.loss_mask
+        if not bool(lm.any()):  # the masked stand-in row of a micro-batch with nothing to train: not a sample
+            return
         denom = max(int(lm.sum()), 1)
         if "clipped_low" in info:
             s["clip_ratio/low_mean"].append(float((info["clipped_low"] & lm).sum()) / denom)

@@ -1,11 +1,11 @@
 """Small tasks the project generates itself, so examples and tests need no download.
 
-`arithmetic`: additions and subtractions of two or three numbers with a verifiable integer answer.
+`arithmetic`: additions and subtractions of `task_max_terms` numbers with a verifiable integer answer.
 `multiplication`: a number times a one-digit number. `sorting`: a few numbers to put in increasing order
 (the answer is the list; `number_list_match` scores it). The same generators feed SFT (prompt-completion
 rows), RL (prompt-only rows with an `answer` column) and preference training (the answer against a near
 miss). Splits are disjoint by construction (different seeds, and held-out problems are removed from the
-training set).
+training set; for sorting, a problem is its set of numbers, so no reordering of a held-out list is trained on).
 """
 
 from __future__ import annotations
@@ -73,11 +73,17 @@ def _near_miss(task: str, rng: random.Random, value: Any) -> str:
 TASKS = {"arithmetic": _problem, "multiplication": _multiplication, "sorting": _sorting}
 
 
+def _key(task: str, question: str, answer: str) -> str:
+    """What makes two problems the same: the question, except for sorting, where any order of the same numbers
+    has the same answer."""
+    return f"sorted:{answer}" if task == "sorting" else question
+
+
 def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3,
               kind: str = "prompt_completion", exclude: set[str] | None = None) -> list[dict[str, Any]]:
     """`n` distinct conversational rows of a builtin task (see TASKS). kind="prompt_completion" adds the answer
     as the completion; "prompt_only" keeps it in an `answer` column for reward functions; "preference" pairs it
-    (chosen) with a near miss (rejected). `exclude`: problems (their prompt text) to leave out."""
+    (chosen) with a near miss (rejected). `exclude`: problems to leave out (see `_key`)."""
     if task not in TASKS:
         raise ConfigError(f"dataset: unknown builtin '{task}'; the builtin datasets are: "
                           f"{', '.join('builtin:' + t for t in TASKS)}.")
@@ -89,15 +95,18 @@ def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_term
     while len(rows) < n:
         attempts += 1
         if attempts > 100 * n:
-            raise ConfigError(f"dataset_size: cannot draw {n} distinct builtin:{task} problems with "
-                              f"task_max_value={max_value} and task_max_terms={max_terms} (about {len(seen)} exist "
-                              "outside the held-out set); lower dataset_size or raise task_max_value.")
+            shape = (f"task_max_value={max_value}" if task == "multiplication"
+                     else f"task_max_value={max_value} and task_max_terms={max_terms}")
+            raise ConfigError(f"dataset_size / eval_size: cannot draw {n} distinct builtin:{task} problems with "
+                              f"{shape} ({len(rows)} drawn, {len(exclude or ())} held out); lower dataset_size or "
+                              "eval_size, or raise task_max_value.")
         expr, value = TASKS[task](rng, max_value, max_terms)
         question = _question(task, expr, value)
-        if question in seen:
-            continue
-        seen.add(question)
         answer = ", ".join(map(str, sorted(value))) if task == "sorting" else str(value)
+        key = _key(task, question, answer)
+        if key in seen:
+            continue
+        seen.add(key)
         prompt = [{"role": "user", "content": question}]
         row: dict[str, Any] = {"prompt": prompt, "answer": answer}
         if kind == "prompt_completion":
@@ -113,8 +122,8 @@ def task_splits(task: str, n_train: int, n_eval: int, *, seed: int = 0, **kwargs
                 ) -> tuple[list[dict], list[dict]]:
     """Disjoint train and held-out sets of a builtin task."""
     held_out = task_rows(task, n_eval, seed=seed + 1_000_003, **kwargs)
-    questions = {r["prompt"][-1]["content"] for r in held_out}
-    return task_rows(task, n_train, seed=seed, exclude=questions, **kwargs), held_out
+    keys = {_key(task, r["prompt"][-1]["content"], r["answer"]) for r in held_out}
+    return task_rows(task, n_train, seed=seed, exclude=keys, **kwargs), held_out
 
 
 def arithmetic(n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3, kind: str = "prompt_completion",

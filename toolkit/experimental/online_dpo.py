@@ -211,9 +211,9 @@ class OnlineDPOTrainer(GRPOTrainer):
     def _record_pair_metrics(self, seq, ref, chosen, rejected, mask) -> None:
         """TRL's online-DPO metric names; the rewards are beta x log-ratio (DPO's implicit rewards)."""
         s, beta = self._step_metrics, self.args.beta
-        s["objective/kl"].append(float((seq - ref).mean()))
         s["beta"].append(beta)
-        if chosen.any():
+        if chosen.any():  # (a micro-batch without a pair holds one masked stand-in row: not a sample)
+            s["objective/kl"].append(float((seq - ref)[chosen | rejected].mean()))
             c, r = beta * (seq - ref)[chosen], beta * (seq - ref)[rejected]
             s["rewards/chosen"].append(float(c.mean()))
             s["rewards/rejected"].append(float(r.mean()))
