@@ -302,7 +302,7 @@ def test_sft_and_dpo_report_heldout_accuracy_by_rewards_for_data_with_an_answer(
         assert main(["sft", "--dataset", str(tmp_path / "t.jsonl"), "--eval_dataset", str(tmp_path / "e.jsonl"),
                      "--output_dir", str(tmp_path / "d")] + common) == 0
     assert "heldout_accuracy_after" not in json.loads((tmp_path / "d" / "summary.json").read_text())
-    assert "no 'answer' column" in caplog.text
+    assert "needs a 'prompt' and an 'answer' column" in caplog.text
 
 
 def test_heldout_by_rewards_counts_what_the_rewards_say(tmp_path):
