@@ -611,9 +611,9 @@ class GRPOTrainer(Trainer):
         zero loss mask, so it adds nothing to the gradient, only compute: a third to a half of a step's rows on
         a task the model half-solves. Leaving them out gives the same loss and gradients (the step's counts
         already count only rows in the loss; tests/test_grpo.py) in less time. The per-token metrics (entropy, kl,
-        importance_ratio/*, sampler/*, train_tokens_per_s) describe the rows trained on. A micro-batch with no row
-        in the loss keeps its first row (masked, logged nowhere): every micro-step still runs one forward and
-        backward, so the ranks' collectives stay in step.
+        importance_ratio/*, sampler/*, train_tokens_per_s) describe the rows in the forward. A micro-batch with no
+        row in the loss keeps its first row (masked; only its sampler gap is logged): every micro-step still runs
+        one forward and backward, so the ranks' collectives stay in step.
         """
         kept = [r for r in rows if bool(rollout.included[r])]
         return kept or [rows[0]]
@@ -761,7 +761,14 @@ class GRPOTrainer(Trainer):
     def _record_loss_metrics(self, inputs: PolicyLossInputs, out: PolicyLossOutput) -> None:
         s = self._step_metrics
         info, tis, kl, mask, lm = out.info, out.importance_weights, out.kl, inputs.completion_mask, inputs.loss_mask
-        if not bool(lm.any()):  # the masked stand-in row of a micro-batch with nothing to train: not a sample
+        # How far the sampler's log-probs are from the trainer's for the same tokens (engine numerics, stale
+        # weights): the quantity importance_sampling_cap corrects, logged every step (the masked stand-in row of a
+        # micro-batch with nothing to train is a real sample, so it still measures this).
+        gap = (inputs.old_logps - inputs.sampler_logps).abs()[mask]
+        if gap.numel():
+            s["sampler/logp_abs_diff_mean"].append(float(gap.mean()))
+            s["sampler/logp_abs_diff_max"].append(float(gap.max()))
+        if not bool(lm.any()):  # the rest describes the training signal: nothing here was trained
             return
         denom = max(int(lm.sum()), 1)
         if "clipped_low" in info:
@@ -781,12 +788,6 @@ class GRPOTrainer(Trainer):
             s["importance_ratio/max_max"].append(float(sel.max()) if sel.numel() else 1.0)
         if kl is not None:
             s["kl"].append(float((kl.detach() * mask).sum() / max(int(mask.sum()), 1)))
-        # How far the sampler's log-probs are from the trainer's for the same tokens (engine numerics, stale
-        # weights): the quantity importance_sampling_cap corrects, logged every step.
-        gap = (inputs.old_logps - inputs.sampler_logps).abs()[mask]
-        if gap.numel():
-            s["sampler/logp_abs_diff_mean"].append(float(gap.mean()))
-            s["sampler/logp_abs_diff_max"].append(float(gap.max()))
         hidden = getattr(self, "_last_hidden", None)
         if hidden is not None and hidden.shape[0] == int(inputs.completion_mask.sum()):
             # entropy from the hidden states of this forward (a compute_token_logps override that does not call
