@@ -73,3 +73,27 @@ def run_each(script: str, kinds, steps: int, describe, *, env: dict | None = Non
             continue
         print(f"  {describe(results[kind])} ({time.perf_counter() - started:.0f} s)", flush=True)
     return results
+
+
+def provenance() -> dict:
+    """What a results file needs to be rerun: the commit (and whether the tree had changes), the date, the
+    machine's cores and the versions of the libraries both sides run on."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+    versions = {}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return {"commit": git("rev-parse", "HEAD"), "tree_changed": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu_cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+            "versions": versions}
