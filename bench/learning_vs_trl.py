@@ -153,28 +153,41 @@ def ensure_start(out: str, sft: dict) -> str:
     return final
 
 
-def at_minute(points, minute: float):
-    """The last accuracy measured at or before `minute` of training."""
-    seen = [acc for _, m, acc in points if m <= minute + 1e-9]
-    return seen[-1] if seen else None
-
-
-def table(results: list[dict], minutes: float, eval_every: float) -> str:
-    marks = []
-    m = eval_every
-    while m < minutes - 1e-9:
-        marks.append(round(m, 3))
-        m += eval_every
-    head = ["side", "seed", "steps", "s/step", "start"] + [f"<= {x:g} min" for x in marks] + [
-        f"end ({minutes:g} min)", "best"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+def table(results: list[dict]) -> str:
+    """One row per run: every measurement as accuracy @ training minutes (step), then the end and the best."""
+    lines = ["| side | seed | steps | s/step | held-out accuracy @ training minutes (step) | end | best |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         pts = r["points"]
-        cells = [r["kind"], str(r["seed"]), str(r["steps"]), f"{r['sec_per_step']:.1f}", f"{pts[0][2]:.1%}"]
-        cells += [f"{at_minute(pts, x):.1%}" for x in marks]
-        cells += [f"{pts[-1][2]:.1%}", f"{max(p[2] for p in pts):.1%}"]
-        lines.append("| " + " | ".join(cells) + " |")
+        curve = ", ".join(f"{acc:.1%} @ {m:.1f} ({step})" for step, m, acc in pts)
+        lines.append(f"| {r['kind']} | {r['seed']} | {r['steps']} | {r['sec_per_step']:.1f} | {curve} | "
+                     f"{pts[-1][2]:.1%} | {max(p[2] for p in pts):.1%} |")
     return "\n".join(lines)
+
+
+def describe(data: dict) -> str:
+    s, prov = data["settings"], data["provenance"]
+    return (f"Held-out accuracy per training minute: the main job's GRPO stage (examples/arithmetic_pipeline.toml), "
+            f"ours vs TRL's GRPOTrainer, {data['minutes']:g} training minutes each, from {data['start']} "
+            f"(its SFT stage: {data['start_sft_heldout_accuracy']}).\n"
+            f"{s['prompts_per_step']} prompts x {s['num_generations']} samples per step, max "
+            f"{s['max_completion_length']} new tokens, temperature {s['temperature']}, lr {s['learning_rate']} "
+            f"({s['warmup_steps']} warm-up steps, then constant), loss {s['loss_type']}, beta {s['beta']}; "
+            f"{s['eval_size']} held-out problems, greedy, measured after each {data['eval_every_minutes']:g} training "
+            "minutes (at the end of the step that crosses the mark) and at the end; a run stops at the end of the "
+            "step that crosses the budget.\n"
+            f"Measured at commit {prov['commit'][:12]}{' (tree changed)' if prov['tree_changed'] else ''}, "
+            f"{prov['date']}, {prov['cpu_cores']} cores, torch {prov['versions']['torch']}, transformers "
+            f"{prov['versions']['transformers']}, trl {prov['versions']['trl']}.\n\n"
+            + table(data["results"]) + f"\n\nbenchmark run time: {data['benchmark_minutes']:.1f} min\n")
+
+
+def write_outputs(data: dict, out: str) -> None:
+    text = describe(data)
+    print("\n" + text)
+    with open(out + ".txt", "w") as f:
+        f.write(text)
+    plot(data["results"], out + ".png", data["minutes"])
 
 
 def plot(results: list[dict], path: str, minutes: float) -> None:
@@ -208,12 +221,18 @@ def main() -> None:
     ap.add_argument("--start", default=None, help="a model to start from instead of the main job's SFT checkpoint")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "learning_vs_trl"),
                     help="results path without extension (.json, .txt, .png are written)")
+    ap.add_argument("--render", action="store_true",
+                    help="write the .txt and .png again from the .json of a finished run (no training)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.start, args.minutes, args.eval_every, args.seed)),
               flush=True)
+        return
+    if args.render:
+        with open(args.out + ".json") as f:
+            write_outputs(json.load(f), args.out)
         return
     out, sft, run, cfg = main_job_settings()
     start = args.start or ensure_start(out, sft)
@@ -228,34 +247,23 @@ def main() -> None:
             r = results[-1]
             print(f"  {r['steps']} steps, {r['sec_per_step']:.1f} s/step, accuracy {r['points'][0][2]:.1%} -> "
                   f"{r['points'][-1][2]:.1%}", flush=True)
-    text = (f"Held-out accuracy per training minute: the main job's GRPO stage (examples/arithmetic_pipeline.toml), "
-            f"ours vs TRL's GRPOTrainer, {args.minutes:g} training minutes each, from {os.path.relpath(start, ROOT)}.\n"
-            f"{cfg.per_device_train_batch_size // cfg.num_generations} prompts x {cfg.num_generations} samples per "
-            f"step, max {cfg.max_completion_length} new tokens, temperature {cfg.temperature}, lr {cfg.learning_rate} "
-            f"({getattr(cfg.lr_scheduler_type, 'value', cfg.lr_scheduler_type)}, {cfg.warmup_steps} warm-up steps), "
-            f"loss {cfg.loss_type}, beta {cfg.beta}; {run.eval_size} held-out problems, greedy.\n"
-            "Accuracy columns: the last measurement at or before that many training minutes.\n\n"
-            + table(results, args.minutes, args.eval_every) + "\n")
     total = (time.perf_counter() - began) / 60
-    text += f"\nbenchmark run time: {total:.1f} min\n"
-    print("\n" + text)
+    stage = os.path.join(os.path.dirname(start), "summary.json")
+    start_summary = json.load(open(stage)) if os.path.isfile(stage) else {}
+    data = {"provenance": provenance(), "start": os.path.relpath(start, ROOT),
+            "start_sft_heldout_accuracy": start_summary.get("heldout_accuracy_after"),
+            "start_sft_commit": start_summary.get("commit"), "minutes": args.minutes,
+            "eval_every_minutes": args.eval_every, "settings": {
+                "prompts_per_step": cfg.per_device_train_batch_size // cfg.num_generations,
+                "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
+                "temperature": cfg.temperature, "learning_rate": cfg.learning_rate,
+                "warmup_steps": cfg.warmup_steps, "loss_type": cfg.loss_type, "beta": cfg.beta,
+                "dataset_size": run.dataset_size, "eval_size": run.eval_size},
+            "benchmark_minutes": round(total, 1), "results": results}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".txt", "w") as f:
-        f.write(text)
     with open(args.out + ".json", "w") as f:
-        stage = os.path.join(os.path.dirname(start), "summary.json")
-        start_summary = json.load(open(stage)) if os.path.isfile(stage) else {}
-        json.dump({"provenance": provenance(), "start": os.path.relpath(start, ROOT),
-                   "start_sft_heldout_accuracy": start_summary.get("heldout_accuracy_after"),
-                   "start_sft_commit": start_summary.get("commit"), "minutes": args.minutes,
-                   "eval_every_minutes": args.eval_every, "settings": {
-                       "prompts_per_step": cfg.per_device_train_batch_size // cfg.num_generations,
-                       "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
-                       "temperature": cfg.temperature, "learning_rate": cfg.learning_rate,
-                       "warmup_steps": cfg.warmup_steps, "loss_type": cfg.loss_type, "beta": cfg.beta,
-                       "dataset_size": run.dataset_size, "eval_size": run.eval_size},
-                   "benchmark_minutes": round(total, 1), "results": results}, f, indent=2)
-    plot(results, args.out + ".png", args.minutes)
+        json.dump(data, f, indent=2)
+    write_outputs(data, args.out)
 
 
 if __name__ == "__main__":
