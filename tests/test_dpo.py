@@ -151,6 +151,21 @@ def test_config_errors_name_the_field(tmp_path):
         cfg(tmp_path, loss_type="robust", label_smoothing=0.5)
 
 
+def test_sft_term_is_the_chosen_nll_per_token(tmp_path):
+    """["sigmoid", "sft"] adds the chosen answers' NLL, averaged over all their tokens, to the DPO loss."""
+    tok = tiny_tokenizer()
+    both = DPOTrainer(tiny_model(), args=cfg(tmp_path / "a", loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),
+                      train_dataset=conv_rows(4), processing_class=tok)
+    batch = both.data_collator([both.train_dataset[i] for i in range(4)])
+    both.model.train()
+    total = both.compute_loss(both.model, batch)
+    chosen, _, lengths = both.compute_sequence_logps(both.model, batch)
+    nll = -chosen.sum() / lengths.chunk(2)[0].sum()
+    only = DPOTrainer(tiny_model(), args=cfg(tmp_path / "b"), train_dataset=conv_rows(4), processing_class=tok)
+    only.model.train()
+    assert total.item() == pytest.approx(only.compute_loss(only.model, batch).item() + 0.5 * nll.item(), rel=1e-5)
+
+
 # ------------------------------------------------------------------------------------ parity with TRL
 
 trl = pytest.importorskip("trl")
@@ -159,7 +174,7 @@ trl = pytest.importorskip("trl")
 # TRL 1.16's "sigmoid" ignores label_smoothing; ours applies conservative DPO (cDPO) when it is set, so
 # parity is checked at label_smoothing=0 for sigmoid (and at 0.1 for robust, where both smooth).
 @pytest.mark.parametrize("loss_type, label_smoothing", [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0),
-                                                        ("robust", 0.1)])
+                                                        ("robust", 0.1), (["sigmoid", "sft"], 0.0)])
 def test_loss_and_metrics_equal_trl(tmp_path, loss_type, label_smoothing):
     from datasets import Dataset
 
@@ -178,7 +193,8 @@ def test_loss_and_metrics_equal_trl(tmp_path, loss_type, label_smoothing):
 
     tiny_model().save_pretrained(tmp_path / "tiny")
     theirs = trl.DPOTrainer(model=str(tmp_path / "tiny"), processing_class=tok,
-                            args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), loss_type=[loss_type], beta=0.3,
+                            args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.3,
+                                               loss_type=loss_type if isinstance(loss_type, list) else [loss_type],
                                                label_smoothing=label_smoothing, use_cpu=True, bf16=False,
                                                report_to="none", model_init_kwargs={"dtype": torch.float32}),
                             train_dataset=Dataset.from_list(rows))

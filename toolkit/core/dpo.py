@@ -80,7 +80,8 @@ class DPOConfig(TrainingArguments):
 
     beta: float = field(default=0.1, metadata={"help": "Strength of the implicit KL to the reference (tau for ipo)."})
     loss_type: Any = field(default="sigmoid", metadata={
-        "help": "sigmoid | robust | hinge | ipo | a registered loss, or a list of them (see loss_weights)."})
+        "help": "sigmoid | robust | hinge | ipo | sft (the chosen answer's NLL, to combine: [\"sigmoid\", \"sft\"]) | "
+                "a registered loss, or a list of them (see loss_weights)."})
     loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss type."})
     loss_kwargs: dict | None = field(default=None, metadata={
         "help": "The preference losses' own settings (a plugin loss's), checked against their settings dataclasses; "
@@ -286,10 +287,12 @@ class DPOTrainer(Trainer):
         return chosen, rejected
 
     def compute_preference_loss(self, chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor,
-                                lengths: torch.Tensor) -> torch.Tensor:
-        """Weighted sum over `loss_type`s of the mean per-example loss."""
+                                lengths: torch.Tensor, chosen_logps: torch.Tensor | None = None) -> torch.Tensor:
+        """Weighted sum over `loss_type`s of the mean per-example loss. `chosen_logps`: the policy's summed
+        log-probs of the chosen answers (the "sft" term's input)."""
         chosen_len, rejected_len = lengths.chunk(2)
-        inputs = PreferenceLossInputs(chosen_logratios, rejected_logratios, chosen_len.float(), rejected_len.float())
+        inputs = PreferenceLossInputs(chosen_logratios, rejected_logratios, chosen_len.float(), rejected_len.float(),
+                                      chosen_logps=chosen_logps)
         loss = chosen_logratios.new_zeros(())
         for name, preference_loss, _, weight in self.preference_losses:
             # Settings are read from args at every step, so a callback that schedules beta takes effect.
@@ -304,7 +307,7 @@ class DPOTrainer(Trainer):
         ref_chosen, ref_rejected = self.compute_reference_logps(inputs)
         ref_chosen, ref_rejected = ref_chosen.to(chosen.device), ref_rejected.to(chosen.device)
         chosen_logratios, rejected_logratios = chosen - ref_chosen, rejected - ref_rejected
-        loss = self.compute_preference_loss(chosen_logratios, rejected_logratios, lengths)
+        loss = self.compute_preference_loss(chosen_logratios, rejected_logratios, lengths, chosen_logps=chosen)
         if not torch.isfinite(loss):
             raise TrainingHealthError(f"DPO loss is {loss.item()} at step {self.state.global_step}; check for extreme "
                                       "sequence lengths or lower the learning rate.")

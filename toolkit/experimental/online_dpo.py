@@ -84,6 +84,9 @@ class OnlineDPOConfig(GRPOConfig):
         if self.num_generations < 2:
             raise ConfigError(f"num_generations: must be >= 2 (a pair needs two completions), got "
                               f"{self.num_generations}.")
+        if self.loss_type == "sft":
+            raise ConfigError("loss_type: 'sft' is only the chosen answer's likelihood term, which DPOTrainer combines "
+                              "with a preference loss; online DPO takes one preference loss (e.g. 'sigmoid').")
         loss = registry().get("preference_loss", self.loss_type, field="loss_type")
         resolve_preference_loss_settings(loss, self, name=self.loss_type)
         # GRPO's own objective fields are not read here: refused by name rather than silently ignored.

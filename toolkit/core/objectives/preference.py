@@ -38,6 +38,8 @@ class PreferenceLossInputs:
     rejected_logratios: torch.Tensor   # the same for the rejected answer
     chosen_lengths: torch.Tensor       # answer token counts (float), for per-token averaging (IPO)
     rejected_lengths: torch.Tensor
+    # summed log pi(chosen|x), with gradient: the SFT term's input (None from trainers that do not compute it)
+    chosen_logps: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -101,12 +103,25 @@ def _numerics_loss(kind: str) -> Callable[[PreferenceLossInputs, Any], torch.Ten
     return loss
 
 
+def _sft_loss(inputs: PreferenceLossInputs, settings: Any) -> torch.Tensor:
+    """The chosen answers' negative log-likelihood, averaged over all their tokens in the micro-batch (RPO's and
+    MPO's SFT term; TRL's loss_type "sft"), as a per-pair tensor whose mean is that average."""
+    if inputs.chosen_logps is None:
+        raise SettingsError("loss_type", "'sft' needs the policy's chosen log-probs, which this trainer does not "
+                                         "pass (PreferenceLossInputs.chosen_logps).")
+    nll = -inputs.chosen_logps.sum() / inputs.chosen_lengths.sum().clamp(min=1.0)
+    return nll.expand(inputs.chosen_logps.shape[0])
+
+
 #: The built-in preference losses (registered through the plugin hooks by builtin_plugin).
 BUILTIN_PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
     "sigmoid": PreferenceLoss(_numerics_loss("sigmoid"), DPOSettings, "DPO (Rafailov et al. 2023), cDPO smoothing"),
     "robust": PreferenceLoss(_numerics_loss("robust"), RobustDPOSettings, "rDPO (Chowdhury et al. 2024)"),
     "hinge": PreferenceLoss(_numerics_loss("hinge"), _BetaSettings, "SLiC hinge (Zhao et al. 2023)"),
     "ipo": PreferenceLoss(_numerics_loss("ipo"), _BetaSettings, "IPO (Azar et al. 2023), per-token averaged"),
+    # Combined with a preference loss (loss_type = ["sigmoid", "sft"]) it keeps the chosen answers likely while
+    # DPO moves the margin: DPO alone can lower both likelihoods (docs/dpo.md has the measured example).
+    "sft": PreferenceLoss(_sft_loss, NoSettings, "NLL of the chosen answer per token (RPO, Pang et al. 2024)"),
 }
 
 
