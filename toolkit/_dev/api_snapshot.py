@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 SNAPSHOT = Path(__file__).resolve().parents[2] / "tests" / "api_snapshot.json"
-EXTRA_PUBLIC_MODULES = ("toolkit.core.tasks", "toolkit.core.vllm_backend")
+EXTRA_PUBLIC_MODULES = ("toolkit.core.tasks", "toolkit.core.vllm_backend", "toolkit.core.environments",
+                        "toolkit.core.sandbox")
 
 
 def _clean(text: str) -> str:

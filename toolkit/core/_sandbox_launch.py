@@ -1,0 +1,155 @@
+"""The sandbox's launcher: the first process of a sandboxed run (see sandbox.py, which starts it).
+
+Runs as `python -I -S _sandbox_launch.py CONFIG_JSON` with nothing imported but the standard library (it must
+not import toolkit, torch or anything from the trainer's environment). In order:
+
+1. new user, network and PID namespaces (unshare): no network interface but a loopback that is down, and no
+   process outside is visible or can be signalled by number;
+2. fork: the child is PID 1 of the new namespace, so when it exits every process the code started dies with it;
+   it also dies (PR_SET_PDEATHSIG) when this launcher is killed, which is how a timeout ends the whole tree;
+3. in the child: rlimits (CPU seconds, address space, processes, file size, open files, no core dumps), then
+   Landlock: read and execute only the Python installation and system libraries, read and write only the
+   sandbox's temporary directory, no TCP, no signals or abstract sockets outside the sandbox; then exec.
+
+Exit status: the code's, or 128 + signal; 125 when the sandbox itself could not be set up (the reason on
+stderr, prefixed "sandbox:").
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+
+# Landlock filesystem rights by ABI version (include/uapi/linux/landlock.h)
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_ABI1 = (1 << 13) - 1        # execute ... make_sym
+FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+__all__: list = []  # a script the sandbox runs, not an API
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def fail(message):
+    sys.stderr.write(f"sandbox: {message}\n")
+    sys.stderr.flush()
+    os._exit(125)
+
+
+def check(ret, what):
+    if ret < 0:
+        err = ctypes.get_errno()
+        fail(f"{what} failed: {os.strerror(err)} (errno {err})")
+    return ret
+
+
+def write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def landlock_abi():
+    return libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+
+
+class PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock(abi, read_paths, read_files, rw_dirs, rw_files):
+    fs = FS_ABI1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0) | (
+        FS_IOCTL_DEV if abi >= 5 else 0)
+    fields = [fs]
+    if abi >= 4:
+        fields.append(NET_BIND_TCP | NET_CONNECT_TCP)  # handled and never allowed: no TCP at all
+    if abi >= 6:
+        if len(fields) == 1:
+            fields.append(0)
+        fields.append(SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL)
+    attr = (ctypes.c_uint64 * len(fields))(*fields)
+    ruleset = check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
+                                 ctypes.c_uint32(0)), "landlock_create_ruleset")
+    read_dir = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+    file_rights = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | (FS_TRUNCATE if abi >= 3 else 0) | (
+        FS_IOCTL_DEV if abi >= 5 else 0)
+    rules = [(p, read_dir) for p in read_paths] + [(p, FS_READ_FILE) for p in read_files]
+    rules += [(p, fs) for p in rw_dirs] + [(p, file_rights) for p in rw_files]
+    for path, access in rules:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue  # a path this system does not have
+        if not os.path.isdir(path):
+            access &= file_rights  # Landlock accepts only file rights on a file
+        rule = PathBeneath(access, fd)
+        check(libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(1), ctypes.byref(rule),
+                           ctypes.c_uint32(0)), f"landlock_add_rule({path})")
+        os.close(fd)
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)),
+          "landlock_restrict_self")
+    os.close(ruleset)
+
+
+def limit(kind, value):
+    resource.setrlimit(kind, (value, value))
+
+
+def child(cfg):
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    if os.getppid() != cfg["_launcher_pid"] and not cfg["namespaces"]:
+        os._exit(125)  # the launcher died before the death signal was armed
+    lim = cfg["limits"]
+    cpu = int(lim["cpu_seconds"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL at the hard
+    limit(resource.RLIMIT_AS, int(lim["memory_mb"]) << 20)
+    limit(resource.RLIMIT_FSIZE, int(lim["max_file_mb"]) << 20)
+    limit(resource.RLIMIT_NPROC, int(lim["max_processes"]))
+    limit(resource.RLIMIT_NOFILE, 256)
+    limit(resource.RLIMIT_CORE, 0)
+    if cfg["landlock"]:
+        landlock(cfg["landlock_abi"], cfg["read_paths"], cfg["read_files"], [cfg["workdir"]], cfg["rw_files"])
+    os.chdir(cfg["workdir"])
+    try:
+        os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+    except OSError as e:
+        fail(f"cannot run {cfg['argv'][0]}: {e}")
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    cfg["_launcher_pid"] = os.getpid()
+    if cfg["namespaces"]:
+        uid, gid = os.getuid(), os.getgid()
+        check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID), "unshare(user, net, pid namespaces)")
+        write("/proc/self/setgroups", "deny")
+        write("/proc/self/uid_map", f"{uid} {uid} 1")
+        write("/proc/self/gid_map", f"{gid} {gid} 1")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child(cfg)
+        except BaseException as e:  # never return into the launcher's code in the child
+            fail(f"setting up the sandbox failed: {e!r}")
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        os._exit(128 + os.WTERMSIG(status))
+    os._exit(os.WEXITSTATUS(status))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""Multi-turn episodes with token-exact bookkeeping: the ids trained on are the ids sampled.
+
+An environment is anything with `reset(row) -> messages` and `step(text) -> EnvResponse` (the `Environment`
+protocol, version `ENVIRONMENT_PROTOCOL_VERSION`). An episode (`run_episode`) renders the starting messages with
+the tokenizer's chat template once, then alternates:
+
+1. the policy samples a turn as token ids from the current ids (prompt + everything so far);
+2. the environment answers the turn's text (tool results, observations, a reward, done);
+3. its messages are turned into ids by `TemplateDelta`: exactly the ids the chat template puts between the end of
+   an assistant turn and the start of the next one (e.g. "\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>
+   assistant\\n"), computed from a fixed anchor conversation, never by re-rendering this episode's history.
+
+The next turn's prompt is the previous ids extended by the sampled ids and the environment's ids, so what the
+policy saw when it sampled is what the trainer scores. `Episode.mask` is 1 on sampled ids (trained) and 0 on
+prompt and environment ids (in the context, excluded from the loss: zero gradient).
+
+Why not re-render: chat templates change history when they render it. Qwen3-style templates drop `<think>` blocks
+from earlier assistant turns, some merge or strip whitespace, some insert tokens between turns, and decoding then
+re-encoding text does not return the sampled ids (a different but equal-text tokenization). A trainer that
+re-renders computes the loss on ids the policy never produced (TRL issues #2712, #3367; docs/agents.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from .errors import ConfigError
+from .generation import Completion
+
+ENVIRONMENT_PROTOCOL_VERSION = 1
+
+__all__ = ["ENVIRONMENT_PROTOCOL_VERSION", "EnvResponse", "Environment", "Episode", "TOOL_CALL_FORMATS", "TemplateDelta",
+           "ToolBox", "ToolCall", "ToolEnvironment", "calc", "parse_tool_calls", "run_episode"]
+
+
+@dataclass
+class EnvResponse:
+    """The environment's answer to one model turn. `messages`: chat messages that follow the turn (role "tool",
+    "user", ...), rendered by the chat template. `reward`: this turn's reward (None: none yet; the episode's reward
+    is the sum of the turns' rewards). `done`: the episode ends after this turn (no messages are rendered then).
+    `info`: counters for the report (`tool_calls`, `tool_errors`) and anything else, kept per turn."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    reward: float | None = None
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode's environment. `reset(row)` gets the dataset row and returns the starting messages (the prompt
+    conversation); `step(text)` gets the model's turn (decoded, special tokens skipped) and answers it. `tools`
+    (optional attribute): tool schemas or functions passed to `apply_chat_template(tools=...)`."""
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def step(self, text: str) -> EnvResponse: ...
+
+
+@dataclass
+class Episode:
+    """A finished episode, token-exact. `prompt_ids`: the rendered starting messages. `ids`: everything after the
+    prompt, in order: sampled turns and environment answers. `mask[i]`: 1 when `ids[i]` was sampled by the policy
+    (trained), 0 for environment/template ids. `logprobs[i]`: the sampler's log-prob of a sampled id (0.0
+    elsewhere). `turns`: the sampled turns' (start, end) spans in `ids`."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[tuple[int, int]] = field(default_factory=list)
+    rewards: list[float | None] = field(default_factory=list)
+    infos: list[dict[str, Any]] = field(default_factory=list)
+    finish: str = "done"   # done | max_turns | max_tokens | length (a turn hit its token limit)
+
+    @property
+    def reward(self) -> float | None:
+        """The sum of the turns' rewards; None when no turn was rewarded."""
+        given = [r for r in self.rewards if r is not None]
+        return float(math.fsum(given)) if given else None
+
+    def sampled_turns(self) -> list[list[int]]:
+        return [self.ids[a:b] for a, b in self.turns]
+
+    def count(self, key: str) -> int:
+        return int(sum(info.get(key, 0) for info in self.infos))
+
+
+class TemplateDelta:
+    """The ids a chat template places after an assistant turn that ended with `end_text` (the stop token the policy
+    sampled, e.g. "<|im_end|>") up to and including the next generation prompt, for given new messages.
+
+    Computed against an anchor conversation (user "A", assistant "B"): render anchor, render anchor + messages with
+    the generation prompt, and keep what follows "B" + `end_text`. The text after a special token is tokenized on
+    its own, which is how the template's rendering tokenizes it too (BPE does not merge across special tokens).
+    Raises ConfigError when the template renders the anchor differently once messages follow it (then no
+    delta is exact) or does not end assistant turns with `end_text`.
+    """
+
+    def __init__(self, tokenizer: Any, *, end_text: str | None = None, tools: Sequence[Any] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
+        self.tokenizer = tokenizer
+        self.end_text = end_text if end_text is not None else tokenizer.eos_token
+        self.tools = list(tools) if tools else None
+        self.kwargs = dict(chat_template_kwargs or {})
+        self._anchor = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]
+        base = self._render(self._anchor, generation_prompt=False)
+        at = base.rfind("B")
+        if at < 0 or not base[at + 1:].startswith(self.end_text):
+            raise ConfigError(f"chat template: an assistant turn is not closed by {self.end_text!r} (the stop token "
+                              f"the policy samples), so the ids between turns cannot be placed after it; rendered "
+                              f"{base[max(0, at - 40):at + 40]!r}. Set the stop token to the template's end-of-turn "
+                              "token.")
+        self._cut = at + 1 + len(self.end_text)
+        self._prefix = base[:self._cut]
+
+    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt, **self.kwargs)
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The starting conversation, rendered once with the generation prompt."""
+        text = self._render(messages, generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def after_turn(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Ids after an assistant turn's stop token: `messages` rendered, then the next generation prompt."""
+        full = self._render(self._anchor + list(messages), generation_prompt=True)
+        if not full.startswith(self._prefix):
+            raise ConfigError("chat template: it renders an earlier assistant turn differently once more messages "
+                              "follow, so environment messages cannot be appended as ids after the sampled turn; "
+                              f"anchor {self._prefix[-60:]!r}, with messages {full[:len(self._prefix)][-60:]!r}.")
+        return self.tokenizer(full[self._cut:], add_special_tokens=False)["input_ids"]
+
+
+# A sampler: prompt ids -> one Completion (ids, sampler log-probs, finish reason). GRPO's backends provide it.
+Sampler = Callable[[list[int]], Completion]
+
+
+def run_episode(env: Environment, row: dict[str, Any], sample: Sampler, delta: TemplateDelta, *,
+                max_turns: int = 8, max_tokens: int = 1024, decode: Callable[[list[int]], str] | None = None,
+                stop_token_ids: Sequence[int] = ()) -> Episode:
+    """Run one episode (see the module docstring). `max_turns`: model turns at most. `max_tokens`: the episode's
+    ids after the prompt at most (sampled + environment), checked before each turn. `stop_token_ids`: ids that
+    end a turn (the sampled one is kept in the ids: it is what the policy produced)."""
+    if max_turns < 1:
+        raise ConfigError(f"max_turns: must be >= 1, got {max_turns}.")
+    tok = delta.tokenizer
+    decode = decode or (lambda ids: tok.decode(ids, skip_special_tokens=True))
+    ep = Episode(prompt_ids=delta.prompt_ids(env.reset(row)))
+    stops = set(stop_token_ids)
+    for turn in range(max_turns):
+        if len(ep.ids) >= max_tokens:
+            ep.finish = "max_tokens"
+            break
+        out = sample(ep.prompt_ids + ep.ids)
+        start = len(ep.ids)
+        ep.ids += list(out.token_ids)
+        ep.mask += [1] * len(out.token_ids)
+        ep.logprobs += [float(x) for x in out.logprobs]
+        ep.turns.append((start, len(ep.ids)))
+        ended = bool(out.token_ids) and out.token_ids[-1] in stops
+        response = env.step(decode(list(out.token_ids)))
+        ep.rewards.append(response.reward)
+        ep.infos.append(dict(response.info))
+        if response.done:
+            ep.finish = "done"
+            break
+        if not ended:  # cut at its token limit: there is no end of turn to append the environment's answer to
+            ep.finish = "length"
+            break
+        if turn == max_turns - 1:
+            ep.finish = "max_turns"
+            break
+        answer = delta.after_turn(response.messages)
+        ep.ids += answer
+        ep.mask += [0] * len(answer)
+        ep.logprobs += [0.0] * len(answer)
+    return ep
+
+
+# ----------------------------------------------------------------------------------------------- tools
+
+@dataclass
+class ToolCall:
+    """A tool call parsed from a model turn. `error`: why it could not be parsed (then `name`/`arguments` may be
+    empty); the environment answers it with that error as a tool message instead of failing the episode."""
+
+    name: str
+    arguments: dict[str, Any]
+    error: str | None = None
+
+
+# format -> (opening tag, closing tag or None: to the end of the turn, key of the arguments)
+TOOL_CALL_FORMATS = {
+    "hermes": ("<tool_call>", "</tool_call>", "arguments"),     # Hermes 2 Pro, Qwen 2.5/3, SmolLM3
+    "llama3": ("<|python_tag|>", None, "parameters"),           # Llama 3.1+ (also a bare JSON object, see below)
+    "mistral": ("[TOOL_CALLS]", None, "arguments"),             # a JSON list of calls
+}
+
+
+def _decode_json_values(text: str) -> list[Any]:
+    """Every top-level JSON value in `text` separated by whitespace, ';' or ','; raises ValueError otherwise."""
+    import json
+
+    decoder = json.JSONDecoder()
+    values, i = [], 0
+    while i < len(text):
+        while i < len(text) and text[i] in " \t\r\n;,":
+            i += 1
+        if i >= len(text):
+            break
+        value, i = decoder.raw_decode(text, i)
+        values.append(value)
+    return values
+
+
+def _as_call(obj: Any, key: str) -> ToolCall:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return ToolCall("", {}, f"a tool call is a JSON object with a \"name\" string, got {str(obj)[:200]!r}")
+    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            import json
+
+            args = json.loads(args)
+        except ValueError:
+            return ToolCall(obj["name"], {}, f"the arguments of {obj['name']!r} are not JSON: {args[:200]!r}")
+    if not isinstance(args, dict):
+        return ToolCall(obj["name"], {}, f"the arguments of {obj['name']!r} must be a JSON object, got {args!r}")
+    return ToolCall(obj["name"], args)
+
+
+def parse_tool_calls(text: str, fmt: str = "hermes") -> list[ToolCall]:
+    """The tool calls in a model turn, in order ([] when it makes none: a final answer).
+
+    hermes: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. llama3: `<|python_tag|>` then
+    JSON objects separated by ';', or the whole turn one JSON object with "name" and "parameters". mistral:
+    `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}. A call that does not parse becomes a ToolCall with
+    `error` set, so the model is told what was wrong."""
+    if fmt not in TOOL_CALL_FORMATS:
+        raise ConfigError(f"tool_call_format: {fmt!r} is not one of {sorted(TOOL_CALL_FORMATS)}.")
+    start, end, key = TOOL_CALL_FORMATS[fmt]
+    calls: list[ToolCall] = []
+    if end is not None:
+        pos = 0
+        while (a := text.find(start, pos)) >= 0:
+            b = text.find(end, a + len(start))
+            body = text[a + len(start): b if b >= 0 else len(text)]
+            pos = len(text) if b < 0 else b + len(end)
+            try:
+                values = _decode_json_values(body.strip())
+            except ValueError as e:
+                calls.append(ToolCall("", {}, f"the tool call is not valid JSON ({e}): {body.strip()[:200]!r}"))
+                continue
+            calls += [_as_call(v, key) for v in values] or [ToolCall("", {}, "an empty tool call")]
+        return calls
+    stripped = text.strip()
+    if start in stripped:
+        body = stripped.split(start, 1)[1]
+    elif fmt == "llama3" and stripped.startswith("{") and '"name"' in stripped:
+        body = stripped  # Llama 3's JSON-only tool call, no tag
+    else:
+        return []
+    try:
+        values = _decode_json_values(body.strip())
+    except ValueError as e:
+        return [ToolCall("", {}, f"the tool call is not valid JSON ({e}): {body.strip()[:200]!r}")]
+    flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+    return [_as_call(v, key) for v in flat] or [ToolCall("", {}, "an empty tool call")]
+
+
+class ToolBox:
+    """Named Python functions the model may call. `run(call)` -> (text for the tool message, failed?).
+
+    Each call runs in a worker thread with `timeout` seconds; an exception, a wrong argument, an unknown tool or a
+    timeout becomes an error message to the model ("error: ..."), never an exception in the trainer. A thread
+    cannot be killed: a tool that can hang or run untrusted code belongs in the sandbox (toolkit.core.sandbox),
+    which kills the process on its own timeout. Results are cut to `max_chars`."""
+
+    def __init__(self, tools: Sequence[Callable[..., Any]] | dict[str, Callable[..., Any]], *, timeout: float = 10.0,
+                 max_chars: int = 4000):
+        self.tools = dict(tools) if isinstance(tools, dict) else {t.__name__: t for t in tools}
+        self.timeout, self.max_chars = timeout, max_chars
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="toolkit-tool")
+
+    @property
+    def schemas(self) -> list[Callable[..., Any]]:
+        """What `apply_chat_template(tools=...)` takes: the functions (their docstrings give the JSON schema)."""
+        return list(self.tools.values())
+
+    def run(self, call: ToolCall) -> tuple[str, bool]:
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        if call.error:
+            return f"error: {call.error}", True
+        fn = self.tools.get(call.name)
+        if fn is None:
+            return f"error: there is no tool named {call.name!r}; the tools are {sorted(self.tools)}", True
+        future = self._pool.submit(fn, **call.arguments)
+        try:
+            result = future.result(timeout=self.timeout)
+        except FutureTimeout:
+            return f"error: {call.name} gave no result within {self.timeout:g} s", True
+        except TypeError as e:
+            return f"error: wrong arguments for {call.name}: {e}", True
+        except Exception as e:  # the tool's own failure is the model's information, not the trainer's crash
+            return f"error: {type(e).__name__}: {e}", True
+        text = result if isinstance(result, str) else str(result)
+        if len(text) > self.max_chars:
+            text = text[:self.max_chars] + f"... [cut at {self.max_chars} characters]"
+        return text, False
+
+
+class ToolEnvironment:
+    """A tool-use episode: the model either calls tools (answered with tool messages) or gives its final answer,
+    which `reward(text, row)` scores (the episode ends). `max_tool_turns`: after this many tool turns the next
+    turn is the last (its text is scored whatever it holds). Counts `tool_calls` and `tool_errors` per turn."""
+
+    def __init__(self, tools: ToolBox, reward: Callable[[str, dict[str, Any]], float], *, fmt: str = "hermes",
+                 system_prompt: str | None = None, max_tool_turns: int = 4):
+        if fmt not in TOOL_CALL_FORMATS:
+            raise ConfigError(f"tool_call_format: {fmt!r} is not one of {sorted(TOOL_CALL_FORMATS)}.")
+        self.toolbox, self.reward_fn, self.fmt = tools, reward, fmt
+        self.system_prompt, self.max_tool_turns = system_prompt, max_tool_turns
+        self.tools = tools.schemas
+        self.row: dict[str, Any] = {}
+        self.tool_turns = 0
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        self.row, self.tool_turns = dict(row), 0
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if self.system_prompt and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def step(self, text: str) -> EnvResponse:
+        calls = parse_tool_calls(text, self.fmt)
+        if not calls or self.tool_turns >= self.max_tool_turns:
+            return EnvResponse(reward=float(self.reward_fn(text, self.row)), done=True,
+                               info={"tool_calls": 0, "tool_errors": 0})
+        self.tool_turns += 1
+        messages, errors = [], 0
+        for call in calls:
+            content, failed = self.toolbox.run(call)
+            errors += failed
+            messages.append({"role": "tool", "name": call.name or "unknown", "content": content})
+        return EnvResponse(messages=messages, info={"tool_calls": len(calls), "tool_errors": errors})
+
+
+# ----------------------------------------------------------------------------------------- calculator
+
+def calc(expression: str) -> str:
+    """Evaluate an arithmetic expression of integers with + - * / and parentheses.
+
+    Args:
+        expression: The expression to evaluate, for example "17 + 5 * (3 - 1)".
+    """
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Mult) and max(abs(left), abs(right)) > 1e12:
+                raise ValueError("numbers too large")
+            return ops[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.operand))
+        raise ValueError(f"only numbers, + - * / and parentheses are allowed, not {ast.dump(node)[:60]}")
+
+    if len(expression) > 200:
+        raise ValueError("expression longer than 200 characters")
+    value = ev(ast.parse(expression.strip(), mode="eval"))
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"

@@ -1,0 +1,266 @@
+"""Run code a model wrote, contained: as a tool the model calls, or as a reward that runs tests.
+
+    from toolkit.core.sandbox import Sandbox
+    result = Sandbox().run_python("print(sum(range(10)))")
+    result.stdout, result.exit_code, result.timed_out       # '45\\n', 0, False
+
+Each run is a fresh process tree (see _sandbox_launch.py for the order of the steps):
+
+- **no network**: its own network namespace, whose only interface (loopback) is down; with Landlock ABI >= 4
+  TCP bind/connect are refused as well;
+- **no view of other processes**: its own PID namespace; its first process is PID 1 there, and when it exits or is
+  killed every process the code started is killed with it (fork bombs, daemons that called setsid); with Landlock
+  ABI >= 6 it cannot signal anything outside the sandbox;
+- **files**: Landlock lets it read and execute only the Python installation and system libraries (not the
+  trainer's working directory, its checkpoints, the home directory or /proc of other processes), and write only
+  inside its own temporary directory, which is removed afterwards;
+- **limits**: CPU seconds, address space, process count, file size and open files (rlimits), a wall-clock timeout
+  after which the whole tree is killed, and stdout/stderr truncated to `max_output_bytes` each (a flood of
+  output is cut, and the run killed once it is far past the cap).
+
+Why this and not bubblewrap or containers: everything above is in the Linux kernel and reachable from the standard
+library by an unprivileged user (user namespaces, Landlock), so it works in a pip install with no setuid helper,
+no daemon and no package from the system. Where the kernel lacks a piece (user namespaces disabled, Landlock
+before 5.13) `Sandbox()` refuses to run and says which piece and how to enable it; `Sandbox(strict=False)` runs
+with what is there and `result.protections` lists what was active.
+
+The sandbox runs nothing in the trainer's process: a hostile snippet can at worst use its own limits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "sandbox_support"]
+
+_LAUNCHER = str(Path(__file__).with_name("_sandbox_launch.py"))
+_SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc")
+_DEVICES_READ = ("/dev/urandom", "/dev/random", "/dev/zero")
+_DEVICES_RW = ("/dev/null",)
+
+
+class SandboxUnavailable(RuntimeError):
+    """The kernel lacks a protection the sandbox needs (and `strict=True`)."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one run may use. `wall_seconds`: the whole tree is killed after this long. `cpu_seconds`: CPU time of
+    the code's first process (SIGXCPU, then SIGKILL a second later). `memory_mb`: address space of each process.
+    `max_processes`: processes and threads of this user inside the sandbox. `max_file_mb`: largest file it may
+    write. `max_output_bytes`: kept of stdout and of stderr each; past 64x that the run is killed."""
+
+    wall_seconds: float = 10.0
+    cpu_seconds: int = 5
+    memory_mb: int = 512
+    max_processes: int = 64
+    max_file_mb: int = 16
+    max_output_bytes: int = 16_384
+
+    def __post_init__(self):
+        for name in ("wall_seconds", "cpu_seconds", "memory_mb", "max_processes", "max_file_mb", "max_output_bytes"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"SandboxLimits.{name}: must be > 0, got {value!r}.")
+
+
+@dataclass
+class SandboxResult:
+    """The outcome of one run. `exit_code`: the code's exit status, or -N when signal N killed it (None when the
+    sandbox killed it on timeout or output flood). `ok`: exited 0 in time."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    timed_out: bool
+    seconds: float
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    killed_reason: str | None = None   # "timeout" | "output flood" | None
+    protections: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    def as_text(self, limit: int = 2000) -> str:
+        """stdout, then stderr and how the run ended when it did not end well: what a tool message shows."""
+        parts = [self.stdout[:limit]]
+        if self.stderr.strip():
+            parts.append(self.stderr[-limit:])
+        if self.timed_out:
+            parts.append(f"[killed: no result after {self.seconds:.1f} s]")
+        elif self.killed_reason:
+            parts.append(f"[killed: {self.killed_reason}]")
+        elif self.exit_code not in (0, None):
+            parts.append(f"[exit status {self.exit_code}]")
+        return "\n".join(p for p in parts if p)
+
+
+@lru_cache(maxsize=1)
+def sandbox_support() -> dict[str, Any]:
+    """Which protections this kernel offers an unprivileged process (probed once, in a throwaway process)."""
+    probe = ("import ctypes, os\n"
+             "libc = ctypes.CDLL(None, use_errno=True)\n"
+             "abi = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))\n"
+             "ns = libc.unshare(0x10000000 | 0x40000000 | 0x20000000) == 0\n"
+             "print(abi, int(ns))\n")
+    try:
+        out = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30)
+        abi, ns = (int(x) for x in out.stdout.split())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        abi, ns = -1, 0
+    return {"namespaces": bool(ns), "landlock_abi": max(abi, 0), "linux": sys.platform.startswith("linux")}
+
+
+def _read_paths() -> list[str]:
+    """The Python installation (the venv and the interpreter it was made from) and the system libraries."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable)), *_SYSTEM_READ}
+    paths |= {os.path.realpath(p) for p in list(paths)}
+    return sorted(p for p in paths if p and os.path.exists(p))
+
+
+class Sandbox:
+    """Runs code contained (see the module docstring). `strict`: refuse to run when the kernel lacks user
+    namespaces or Landlock (the default); False runs with what is there. `python`: the interpreter inside (default:
+    the trainer's, so the same packages are importable)."""
+
+    def __init__(self, limits: SandboxLimits | None = None, *, strict: bool = True, python: str | None = None):
+        self.limits = limits or SandboxLimits()
+        self.python = python or sys.executable
+        support = sandbox_support()
+        missing = []
+        if not support["linux"]:
+            missing.append("Linux (namespaces and Landlock are Linux kernel features)")
+        if not support["namespaces"]:
+            missing.append("unprivileged user namespaces (no network/PID isolation): enable them with "
+                           "`sysctl kernel.unprivileged_userns_clone=1` (Debian) or "
+                           "`sysctl user.max_user_namespaces=15000`, or allow them in the container's seccomp profile")
+        if support["landlock_abi"] < 1:
+            missing.append("Landlock (no filesystem restriction): Linux >= 5.13 with `lsm=...,landlock` on the "
+                           "kernel command line")
+        if missing and strict:
+            raise SandboxUnavailable("the sandbox cannot contain code on this machine; missing: " + "; ".join(missing)
+                                     + ". Sandbox(strict=False) runs with the protections that are available.")
+        self.missing = missing
+        self.protections = {
+            "network_namespace": support["namespaces"], "pid_namespace": support["namespaces"],
+            "landlock_abi": support["landlock_abi"], "landlock_filesystem": support["landlock_abi"] >= 1,
+            "landlock_no_tcp": support["landlock_abi"] >= 4, "landlock_signal_scope": support["landlock_abi"] >= 6,
+            "rlimits": True, "wall_timeout": True}
+
+    def run_python(self, code: str, *, stdin: str = "", files: dict[str, str] | None = None,
+                   args: list[str] | None = None) -> SandboxResult:
+        """Run `code` as a Python script (main.py in a fresh temporary directory, with `files` beside it)."""
+        return self.run([self.python, "-E", "-s", "main.py", *(args or [])], stdin=stdin,
+                        files={"main.py": code, **(files or {})})
+
+    def run(self, argv: list[str], *, stdin: str = "", files: dict[str, str] | None = None) -> SandboxResult:
+        """Run `argv` (argv[0] an absolute path) in a fresh temporary directory holding `files`."""
+        if not argv or not os.path.isabs(argv[0]):
+            raise ConfigError(f"Sandbox.run: argv[0] must be an absolute path, got {argv[:1]!r}.")
+        workdir = tempfile.mkdtemp(prefix="toolkit-sandbox-")
+        try:
+            for name, text in (files or {}).items():
+                target = Path(workdir, name).resolve()
+                if Path(workdir).resolve() not in target.parents:
+                    raise ConfigError(f"Sandbox.run: file name {name!r} points outside the sandbox directory.")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text)
+            return self._launch(argv, workdir, stdin)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _launch(self, argv: list[str], workdir: str, stdin: str) -> SandboxResult:
+        support = sandbox_support()
+        cfg = {
+            "argv": argv, "workdir": workdir, "limits": asdict(self.limits),
+            "namespaces": support["namespaces"], "landlock": support["landlock_abi"] >= 1,
+            "landlock_abi": support["landlock_abi"], "read_paths": _read_paths(),
+            "read_files": list(_DEVICES_READ), "rw_files": list(_DEVICES_RW),
+            "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+                    "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"},
+        }
+        started = time.monotonic()
+        proc = subprocess.Popen([self.python, "-I", "-S", _LAUNCHER, json.dumps(cfg)], cwd=workdir,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, close_fds=True)
+        out, err, truncated, reason = _collect(proc, stdin.encode(), started + self.limits.wall_seconds,
+                                               self.limits.max_output_bytes)
+        if reason is not None:
+            _kill_tree(proc)
+        code = proc.wait()
+        _kill_tree(proc)  # anything left in the session (the namespace's processes died with its first process)
+        seconds = time.monotonic() - started
+        err_text = err.decode("utf-8", "replace")
+        if code == 125 and err_text.startswith("sandbox:"):
+            raise SandboxUnavailable(err_text.strip())
+        exit_code = None if reason is not None else (code if code < 128 else -(code - 128))
+        return SandboxResult(stdout=out.decode("utf-8", "replace"), stderr=err_text, exit_code=exit_code,
+                             timed_out=reason == "timeout", seconds=seconds, stdout_truncated=truncated[0],
+                             stderr_truncated=truncated[1], killed_reason=reason, protections=dict(self.protections))
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _collect(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int
+             ) -> tuple[bytes, bytes, tuple[bool, bool], str | None]:
+    """Feed stdin and read stdout/stderr until both close, the deadline passes or the output floods.
+    Returns (stdout, stderr, (stdout truncated, stderr truncated), why it was stopped or None)."""
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    seen = {proc.stdout: 0, proc.stderr: 0}
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    try:
+        if stdin:
+            proc.stdin.write(stdin[:1 << 20])
+        proc.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass
+    reason = None
+    open_streams = 2
+    while open_streams:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            reason = "timeout"
+            break
+        for key, _ in sel.select(timeout=min(left, 0.5)):
+            chunk = os.read(key.fileobj.fileno(), 65536)
+            if not chunk:
+                sel.unregister(key.fileobj)
+                open_streams -= 1
+                continue
+            seen[key.fileobj] += len(chunk)
+            room = cap - len(bufs[key.fileobj])
+            if room > 0:
+                bufs[key.fileobj] += chunk[:room]
+            if seen[key.fileobj] > 64 * cap:
+                reason = "output flood"
+        if reason:
+            break
+    sel.close()
+    for stream in (proc.stdout, proc.stderr):
+        stream.close()
+    return (bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]),
+            (seen[proc.stdout] > cap, seen[proc.stderr] > cap), reason)
