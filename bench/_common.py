@@ -84,8 +84,10 @@ def provenance() -> dict:
     import subprocess
     from importlib.metadata import PackageNotFoundError, version
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo, wherever the script is run from
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
 
     versions = {}
     for name in ("torch", "transformers", "trl", "peft", "accelerate"):

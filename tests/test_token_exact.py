@@ -30,6 +30,7 @@ QWEN3_LIKE = (
     "{%- if m.role == 'assistant' %}"
     "{%- set c = m.content %}"
     "{%- if not loop.last and '</think>' in c %}{%- set c = c.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.last and '</think>' not in c %}{%- set c = '<think>\\n\\n</think>\\n\\n' + c %}{%- endif %}"
     "{{- '<|im_start|>assistant\\n' + c + '<|im_end|>\\n' }}"
     "{%- elif m.role == 'tool' %}"
     "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
@@ -248,16 +249,24 @@ def test_environment_ids_get_exactly_zero_gradient(tokenizer):
         assert torch.equal(aggregate(per_token2, mask, "token"), loss.detach())
 
 
-def test_template_that_rewrites_history_is_refused(tokenizer):
-    # renders the last assistant turn differently from earlier ones: no delta can be exact
+def test_templates_that_rewrite_history_work_and_unclosed_turns_are_refused_up_front(tokenizer):
+    # renders the last assistant turn differently (as Qwen3 does with <think>): the delta uses only what follows
+    # the anchor turn, so this is fine, and the ids after a turn are the template's
     template = ("{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}{{- 'LAST:' }}{%- endif %}"
                 "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
                 "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
     delta = TemplateDelta(tokenizer, end_text="<|im_end|>", chat_template_kwargs={"chat_template": template})
-    with pytest.raises(ConfigError, match="renders an earlier assistant turn differently"):
-        delta.after_turn([{"role": "tool", "content": "1"}])
+    assert tokenizer.decode(delta.after_turn([{"role": "tool", "content": "1"}])) == \
+        "\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>assistant\n"
+    # assistant turns closed by another token than the one sampled: refused when the delta is built
     with pytest.raises(ConfigError, match="not closed by '<|eot_id|>'"):
         TemplateDelta(tokenizer, end_text="<|eot_id|>")
+    # a template that closes an assistant turn differently when a tool answers it: refused up front too
+    merging = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content }}"
+               "{%- if m.role == 'assistant' and not loop.last %}{{- '\\n' }}{%- else %}{{- '<|im_end|>\\n' }}"
+               "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    with pytest.raises(ConfigError, match="when \\['tool'\\] messages follow it"):
+        TemplateDelta(tokenizer, end_text="<|im_end|>", chat_template_kwargs={"chat_template": merging})
 
 
 def test_episode_limits(tokenizer):

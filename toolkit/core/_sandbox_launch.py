@@ -38,7 +38,15 @@ __all__: list = []  # a script the sandbox runs, not an API
 libc = ctypes.CDLL(None, use_errno=True)
 
 
+STATUS_FD = None  # the trainer's status pipe: only the launcher writes it (closed on exec, the code never has it)
+
+
 def fail(message):
+    if STATUS_FD is not None:
+        try:
+            os.write(STATUS_FD, message.encode("utf-8", "replace")[:4000])
+        except OSError:
+            pass
     sys.stderr.write(f"sandbox: {message}\n")
     sys.stderr.flush()
     os._exit(125)
@@ -100,6 +108,43 @@ def landlock(abi, read_paths, read_files, rw_dirs, rw_files):
     os.close(ruleset)
 
 
+# seccomp: refuse Unix-domain sockets (a path or abstract socket outside, e.g. a container runtime's or a
+# terminal multiplexer's, would be a way out that neither the network namespace nor Landlock closes) and the
+# calls that change file metadata (chmod, chown, utimes, xattrs), which Landlock does not cover.
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+SYSCALLS = {  # arch -> (socket, [metadata calls])
+    "x86_64": (41, [90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280, 188, 189, 190, 197, 198, 199]),
+    "aarch64": (198, [52, 53, 452, 54, 55, 88, 5, 6, 7, 14, 15, 16]),
+}
+RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
+EACCES, EPERM = 13, 1
+
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
+
+
+def seccomp(machine):
+    LD_W_ABS, JEQ_K, JGE_K, RET_K = 0x20, 0x15, 0x35, 0x06
+    socket_nr, metadata = SYSCALLS[machine]
+    prog = [(LD_W_ABS, 0, 0, 4), (JEQ_K, 1, 0, AUDIT_ARCH[machine]), (RET_K, 0, 0, RET_KILL_PROCESS),
+            (LD_W_ABS, 0, 0, 0)]
+    if machine == "x86_64":  # x32 system calls (nr | 0x40000000) are not what the numbers above mean
+        prog += [(JGE_K, 0, 1, 0x40000000), (RET_K, 0, 0, RET_KILL_PROCESS)]
+    for nr in metadata:
+        prog += [(JEQ_K, 0, 1, nr), (RET_K, 0, 0, RET_ERRNO | EPERM)]
+    prog += [(JEQ_K, 0, 3, socket_nr), (LD_W_ABS, 0, 0, 16), (JEQ_K, 0, 1, 1),  # socket(AF_UNIX, ...)
+             (RET_K, 0, 0, RET_ERRNO | EACCES), (RET_K, 0, 0, RET_ALLOW)]
+    filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
+    fprog = SockFprog(len(prog), filters)
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    check(libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "prctl(PR_SET_SECCOMP)")  # SECCOMP_MODE_FILTER
+
+
 def limit(kind, value):
     resource.setrlimit(kind, (value, value))
 
@@ -118,7 +163,11 @@ def child(cfg):
     limit(resource.RLIMIT_CORE, 0)
     if cfg["landlock"]:
         landlock(cfg["landlock_abi"], cfg["read_paths"], cfg["read_files"], [cfg["workdir"]], cfg["rw_files"])
+    if cfg["seccomp"]:
+        seccomp(cfg["machine"])
     os.chdir(cfg["workdir"])
+    if STATUS_FD is not None:
+        os.set_inheritable(STATUS_FD, False)  # closed when the code starts: it cannot report as the sandbox
     try:
         os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
     except OSError as e:
@@ -126,14 +175,23 @@ def child(cfg):
 
 
 def main():
-    cfg = json.loads(sys.argv[1])
-    cfg["_launcher_pid"] = os.getpid()
-    if cfg["namespaces"]:
-        uid, gid = os.getuid(), os.getgid()
-        check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID), "unshare(user, net, pid namespaces)")
-        write("/proc/self/setgroups", "deny")
-        write("/proc/self/uid_map", f"{uid} {uid} 1")
-        write("/proc/self/gid_map", f"{gid} {gid} 1")
+    global STATUS_FD
+    try:
+        cfg = json.loads(sys.argv[1])
+        STATUS_FD = cfg.get("status_fd")
+        cfg["_launcher_pid"] = os.getpid()
+        # die with the trainer: a trainer killed mid-run must not leave the tree running
+        check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+        if os.getppid() != cfg["trainer_pid"]:
+            os._exit(125)
+        if cfg["namespaces"]:
+            uid, gid = os.getuid(), os.getgid()
+            check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID), "unshare(user, net, pid namespaces)")
+            write("/proc/self/setgroups", "deny")
+            write("/proc/self/uid_map", f"{uid} {uid} 1")
+            write("/proc/self/gid_map", f"{gid} {gid} 1")
+    except Exception as e:  # a sandbox that cannot be set up is the sandbox's failure, never the code's
+        fail(f"setting up the sandbox failed: {e!r}")
     pid = os.fork()
     if pid == 0:
         try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -189,6 +190,7 @@ class DPOTrainer(Trainer):
             place_frozen(self.ref_model, self.args.device)
         warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
         self.preference_losses = []  # (name, PreferenceLoss, its settings at start-up, weight)
+        self._loss_takes_chosen_logps = "chosen_logps" in inspect.signature(self.compute_preference_loss).parameters
         for name, weight in zip(args.loss_types, args.loss_weight_values):
             loss = registry().get("preference_loss", name, field="loss_type")
             self.preference_losses.append((name, loss, resolve_preference_loss_settings(loss, args, name=name), weight))
@@ -307,7 +309,10 @@ class DPOTrainer(Trainer):
         ref_chosen, ref_rejected = self.compute_reference_logps(inputs)
         ref_chosen, ref_rejected = ref_chosen.to(chosen.device), ref_rejected.to(chosen.device)
         chosen_logratios, rejected_logratios = chosen - ref_chosen, rejected - ref_rejected
-        loss = self.compute_preference_loss(chosen_logratios, rejected_logratios, lengths, chosen_logps=chosen)
+        # Passed only to a compute_preference_loss that takes it: a wrapper's override written for toolkit 0.1's
+        # three arguments keeps working (the "sft" term then says it did not get the log-probs).
+        extra = {"chosen_logps": chosen} if self._loss_takes_chosen_logps else {}
+        loss = self.compute_preference_loss(chosen_logratios, rejected_logratios, lengths, **extra)
         if not torch.isfinite(loss):
             raise TrainingHealthError(f"DPO loss is {loss.item()} at step {self.state.global_step}; check for extreme "
                                       "sequence lengths or lower the learning rate.")

@@ -93,12 +93,16 @@ class TemplateDelta:
     """The ids a chat template places after an assistant turn that ended with `end_text` (the stop token the policy
     sampled, e.g. "<|im_end|>") up to and including the next generation prompt, for given new messages.
 
-    Computed against an anchor conversation (user "A", assistant "B"): render anchor, render anchor + messages with
-    the generation prompt, and keep what follows "B" + `end_text`. The text after a special token is tokenized on
-    its own, which is how the template's rendering tokenizes it too (BPE does not merge across special tokens).
-    Raises ConfigError when the template renders the anchor differently once messages follow it (then no
-    delta is exact) or does not end assistant turns with `end_text`.
+    Rendered against an anchor conversation (a user turn, then an assistant turn holding a sentinel string): the
+    delta is what follows sentinel + `end_text` in the rendering of anchor + messages with the generation prompt.
+    Only that tail is used, so templates that render earlier turns differently once more follow (Qwen3 drops
+    `<think>` from them) work; it is rendered at every call, so templates that print the date stay right. The
+    text after a special token is tokenized on its own, which is how the template's rendering tokenizes it too
+    (BPE does not merge across special tokens). Checked at construction with a tool and a user message: a
+    template whose assistant turns are not closed by `end_text` raises ConfigError before any episode runs.
     """
+
+    _SENTINEL = "\u2063toolkit-anchor-7f3a\u2063"  # invisible separators around a string no template produces
 
     def __init__(self, tokenizer: Any, *, end_text: str | None = None, tools: Sequence[Any] | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None):
@@ -106,16 +110,9 @@ class TemplateDelta:
         self.end_text = end_text if end_text is not None else tokenizer.eos_token
         self.tools = list(tools) if tools else None
         self.kwargs = dict(chat_template_kwargs or {})
-        self._anchor = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]
-        base = self._render(self._anchor, generation_prompt=False)
-        at = base.rfind("B")
-        if at < 0 or not base[at + 1:].startswith(self.end_text):
-            raise ConfigError(f"chat template: an assistant turn is not closed by {self.end_text!r} (the stop token "
-                              f"the policy samples), so the ids between turns cannot be placed after it; rendered "
-                              f"{base[max(0, at - 40):at + 40]!r}. Set the stop token to the template's end-of-turn "
-                              "token.")
-        self._cut = at + 1 + len(self.end_text)
-        self._prefix = base[:self._cut]
+        self._anchor = [{"role": "user", "content": "A"}, {"role": "assistant", "content": self._SENTINEL}]
+        for probe in ([{"role": "tool", "content": "1"}], [{"role": "user", "content": "2"}]):
+            self.after_turn(probe)
 
     def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -129,11 +126,15 @@ class TemplateDelta:
     def after_turn(self, messages: list[dict[str, Any]]) -> list[int]:
         """Ids after an assistant turn's stop token: `messages` rendered, then the next generation prompt."""
         full = self._render(self._anchor + list(messages), generation_prompt=True)
-        if not full.startswith(self._prefix):
-            raise ConfigError("chat template: it renders an earlier assistant turn differently once more messages "
-                              "follow, so environment messages cannot be appended as ids after the sampled turn; "
-                              f"anchor {self._prefix[-60:]!r}, with messages {full[:len(self._prefix)][-60:]!r}.")
-        return self.tokenizer(full[self._cut:], add_special_tokens=False)["input_ids"]
+        at = full.rfind(self._SENTINEL)
+        cut = at + len(self._SENTINEL)
+        if at < 0 or not full[cut:].startswith(self.end_text):
+            shown = full[max(0, at - 40):cut + 40] if at >= 0 else full[-120:]
+            raise ConfigError(f"chat template: an assistant turn is not closed by {self.end_text!r} (the stop token "
+                              f"the policy samples) when {[m.get('role') for m in messages]} messages follow it, so "
+                              f"the ids between turns cannot be placed after it; rendered {shown!r}. Set the stop "
+                              "token (end_text) to the template's end-of-turn token.")
+        return self.tokenizer(full[cut + len(self.end_text):], add_special_tokens=False)["input_ids"]
 
 
 # A sampler: prompt ids -> one Completion (ids, sampler log-probs, finish reason). GRPO's backends provide it.
@@ -144,14 +145,18 @@ def run_episode(env: Environment, row: dict[str, Any], sample: Sampler, delta: T
                 max_turns: int = 8, max_tokens: int = 1024, decode: Callable[[list[int]], str] | None = None,
                 stop_token_ids: Sequence[int] = ()) -> Episode:
     """Run one episode (see the module docstring). `max_turns`: model turns at most. `max_tokens`: the episode's
-    ids after the prompt at most (sampled + environment), checked before each turn. `stop_token_ids`: ids that
-    end a turn (the sampled one is kept in the ids: it is what the policy produced)."""
+    ids after the prompt (sampled + environment) before a new turn starts (a turn may take the episode past it
+    by its own token limit). `stop_token_ids`: ids that end a turn (default: the template's `end_text`; the
+    sampled one is kept in the ids: it is what the policy produced)."""
     if max_turns < 1:
         raise ConfigError(f"max_turns: must be >= 1, got {max_turns}.")
     tok = delta.tokenizer
-    decode = decode or (lambda ids: tok.decode(ids, skip_special_tokens=True))
+    end_id = tok.convert_tokens_to_ids(delta.end_text)
+    stops = set(stop_token_ids) if stop_token_ids else {end_id}
+    # The text the environment reads keeps special tokens (tool-call markers such as [TOOL_CALLS] or
+    # <|python_tag|> are special in their tokenizers) and drops only the stop token that ended the turn.
+    decode = decode or (lambda ids: tok.decode(ids[:-1] if ids and ids[-1] in stops else ids))
     ep = Episode(prompt_ids=delta.prompt_ids(env.reset(row)))
-    stops = set(stop_token_ids)
     for turn in range(max_turns):
         if len(ep.ids) >= max_tokens:
             ep.finish = "max_tokens"
@@ -285,9 +290,6 @@ class ToolBox:
                  max_chars: int = 4000):
         self.tools = dict(tools) if isinstance(tools, dict) else {t.__name__: t for t in tools}
         self.timeout, self.max_chars = timeout, max_chars
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="toolkit-tool")
 
     @property
     def schemas(self) -> list[Callable[..., Any]]:
@@ -295,22 +297,37 @@ class ToolBox:
         return list(self.tools.values())
 
     def run(self, call: ToolCall) -> tuple[str, bool]:
-        from concurrent.futures import TimeoutError as FutureTimeout
+        import inspect
+        import threading
 
         if call.error:
             return f"error: {call.error}", True
         fn = self.tools.get(call.name)
         if fn is None:
             return f"error: there is no tool named {call.name!r}; the tools are {sorted(self.tools)}", True
-        future = self._pool.submit(fn, **call.arguments)
         try:
-            result = future.result(timeout=self.timeout)
-        except FutureTimeout:
-            return f"error: {call.name} gave no result within {self.timeout:g} s", True
+            inspect.signature(fn).bind(**call.arguments)
         except TypeError as e:
             return f"error: wrong arguments for {call.name}: {e}", True
-        except Exception as e:  # the tool's own failure is the model's information, not the trainer's crash
+        outcome: dict[str, Any] = {}
+
+        def work():
+            try:
+                outcome["result"] = fn(**call.arguments)
+            except BaseException as e:  # the tool's own failure is the model's information, not the trainer's crash
+                outcome["error"] = e
+
+        # a daemon thread per call: a tool that never returns is abandoned, and neither blocks later calls nor
+        # the interpreter's exit
+        worker = threading.Thread(target=work, name=f"toolkit-tool-{call.name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            return f"error: {call.name} gave no result within {self.timeout:g} s", True
+        if "error" in outcome:
+            e = outcome["error"]
             return f"error: {type(e).__name__}: {e}", True
+        result = outcome.get("result")
         text = result if isinstance(result, str) else str(result)
         if len(text) > self.max_chars:
             text = text[:self.max_chars] + f"... [cut at {self.max_chars} characters]"

@@ -124,7 +124,10 @@ def sandbox_support() -> dict[str, Any]:
         abi, ns = (int(x) for x in out.stdout.split())
     except (OSError, ValueError, subprocess.SubprocessError):
         abi, ns = -1, 0
-    return {"namespaces": bool(ns), "landlock_abi": max(abi, 0), "linux": sys.platform.startswith("linux")}
+    import platform
+
+    return {"namespaces": bool(ns), "landlock_abi": max(abi, 0), "linux": sys.platform.startswith("linux"),
+            "machine": platform.machine()}
 
 
 def _read_paths() -> list[str]:
@@ -151,9 +154,13 @@ class Sandbox:
             missing.append("unprivileged user namespaces (no network/PID isolation): enable them with "
                            "`sysctl kernel.unprivileged_userns_clone=1` (Debian) or "
                            "`sysctl user.max_user_namespaces=15000`, or allow them in the container's seccomp profile")
-        if support["landlock_abi"] < 1:
-            missing.append("Landlock (no filesystem restriction): Linux >= 5.13 with `lsm=...,landlock` on the "
-                           "kernel command line")
+        if support["landlock_abi"] < 3:
+            missing.append(f"Landlock ABI >= 3 (found {support['landlock_abi']}; below 3 files outside cannot be "
+                           "kept from being truncated): Linux >= 6.2 with `lsm=...,landlock` on the kernel command "
+                           "line")
+        if support["machine"] not in ("x86_64", "aarch64"):
+            missing.append(f"a seccomp filter for {support['machine']} (Unix sockets and file-metadata calls are "
+                           "refused by system-call number, known here for x86_64 and aarch64)")
         if missing and strict:
             raise SandboxUnavailable("the sandbox cannot contain code on this machine; missing: " + "; ".join(missing)
                                      + ". Sandbox(strict=False) runs with the protections that are available.")
@@ -162,6 +169,7 @@ class Sandbox:
             "network_namespace": support["namespaces"], "pid_namespace": support["namespaces"],
             "landlock_abi": support["landlock_abi"], "landlock_filesystem": support["landlock_abi"] >= 1,
             "landlock_no_tcp": support["landlock_abi"] >= 4, "landlock_signal_scope": support["landlock_abi"] >= 6,
+            "seccomp": support["machine"] in ("x86_64", "aarch64") and support["linux"],
             "rlimits": True, "wall_timeout": True}
 
     def run_python(self, code: str, *, stdin: str = "", files: dict[str, str] | None = None,
@@ -188,28 +196,48 @@ class Sandbox:
 
     def _launch(self, argv: list[str], workdir: str, stdin: str) -> SandboxResult:
         support = sandbox_support()
+        # stdin from a file, not a pipe: writing a pipe the code never reads would block before any timeout runs
+        stdin_path = os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".stdin")
+        with open(stdin_path, "wb") as f:
+            f.write(stdin.encode("utf-8"))
+        status_r, status_w = os.pipe()
         cfg = {
-            "argv": argv, "workdir": workdir, "limits": asdict(self.limits),
+            "argv": argv, "workdir": workdir, "limits": asdict(self.limits), "status_fd": status_w,
+            "trainer_pid": os.getpid(), "machine": support["machine"],
             "namespaces": support["namespaces"], "landlock": support["landlock_abi"] >= 1,
+            "seccomp": bool(self.protections["seccomp"]),
             "landlock_abi": support["landlock_abi"], "read_paths": _read_paths(),
             "read_files": list(_DEVICES_READ), "rw_files": list(_DEVICES_RW),
             "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                     "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"},
         }
         started = time.monotonic()
-        proc = subprocess.Popen([self.python, "-I", "-S", _LAUNCHER, json.dumps(cfg)], cwd=workdir,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, close_fds=True)
-        out, err, truncated, reason = _collect(proc, stdin.encode(), started + self.limits.wall_seconds,
-                                               self.limits.max_output_bytes)
-        if reason is not None:
-            _kill_tree(proc)
-        code = proc.wait()
-        _kill_tree(proc)  # anything left in the session (the namespace's processes died with its first process)
+        proc = None
+        try:
+            with open(stdin_path, "rb") as stdin_file:
+                proc = subprocess.Popen([self.python, "-I", "-S", _LAUNCHER, json.dumps(cfg)], cwd=workdir,
+                                        stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True, close_fds=True, pass_fds=(status_w,))
+            os.close(status_w)
+            status_w = -1
+            out, err, truncated, reason = _collect(proc, started + self.limits.wall_seconds,
+                                                   self.limits.max_output_bytes)
+            if reason is not None:
+                _kill_tree(proc)
+            code = proc.wait()
+            status = os.read(status_r, 8192).decode("utf-8", "replace")
+        finally:
+            if proc is not None:
+                _kill_tree(proc)  # whatever is left in the session, also when this thread is interrupted
+                proc.wait()
+            for fd in (status_r, status_w):
+                if fd >= 0:
+                    os.close(fd)
+            os.unlink(stdin_path)
         seconds = time.monotonic() - started
         err_text = err.decode("utf-8", "replace")
-        if code == 125 and err_text.startswith("sandbox:"):
-            raise SandboxUnavailable(err_text.strip())
+        if status:  # written only by the launcher, before the code starts: the code cannot forge it
+            raise SandboxUnavailable(f"sandbox: {status}")
         exit_code = None if reason is not None else (code if code < 128 else -(code - 128))
         return SandboxResult(stdout=out.decode("utf-8", "replace"), stderr=err_text, exit_code=exit_code,
                              timed_out=reason == "timeout", seconds=seconds, stdout_truncated=truncated[0],
@@ -223,21 +251,15 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-def _collect(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int
+def _collect(proc: subprocess.Popen, deadline: float, cap: int
              ) -> tuple[bytes, bytes, tuple[bool, bool], str | None]:
-    """Feed stdin and read stdout/stderr until both close, the deadline passes or the output floods.
+    """Read stdout/stderr until both close, the deadline passes or the output floods.
     Returns (stdout, stderr, (stdout truncated, stderr truncated), why it was stopped or None)."""
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     seen = {proc.stdout: 0, proc.stderr: 0}
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     sel.register(proc.stderr, selectors.EVENT_READ)
-    try:
-        if stdin:
-            proc.stdin.write(stdin[:1 << 20])
-        proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass
     reason = None
     open_streams = 2
     while open_streams:
