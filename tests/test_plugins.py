@@ -99,7 +99,7 @@ def test_builtins_register_through_the_public_hooks(fresh):
     kinds = {e.kind for e in fresh.entries() if e.plugin == plugins.BUILTIN_NAME}
     assert kinds == set(hookspecs.REGISTRATION_HOOKS.values())
     assert {"dapo", "grpo", "dr_grpo", "bnpo", "prompt"} <= set(fresh.names("policy_loss"))
-    assert fresh.names("preference_loss") == ["hinge", "ipo", "robust", "sigmoid"]
+    assert fresh.names("preference_loss") == ["hinge", "ipo", "robust", "sft", "sigmoid"]
     assert fresh.names("advantage_estimator") == ["grpo", "rloo"]
     assert fresh.names("generation_backend") == ["transformers", "vllm", "vllm-server"]
     assert fresh.tables()["reward"]["numeric_match"].package.endswith("(built-in)")
