@@ -63,4 +63,18 @@ def test_unknown_tasks_and_impossible_sizes_are_named():
         task_rows("multiplication", 100, max_value=5)
     with pytest.raises(ConfigError, match="must be >= task_max_terms"):
         task_rows("sorting", 1, max_value=3, max_terms=4)
-    assert set(TASKS) == {"arithmetic", "multiplication", "sorting"}
+    assert set(TASKS) == {"arithmetic", "multiplication", "sorting", "calculator"}
+
+
+def test_calculator_rows_warm_up_with_the_tool_sometimes_and_hold_out_disjoint_questions():
+    train, held_out = task_splits("calculator", 200, 20, max_value=99, kind="prompt_completion")
+    with_tool = [r for r in train if any(m["role"] == "tool" for m in r["messages"])]
+    assert 15 <= len(with_tool) <= 50  # about 15% use the tool; the rest answer at once
+    for r in with_tool:
+        call, result, answer = r["messages"][2:]
+        expression = call["content"].split('"expression": "')[1].split('"')[0]
+        assert result["content"] == answer["content"] == r["answer"] == str(eval(expression))  # noqa: S307
+    questions = {r["messages"][1]["content"] for r in train}
+    assert not questions & {r["messages"][1]["content"] for r in held_out}
+    rows = task_rows("calculator", 5, max_value=99, kind="prompt_only")
+    assert all(set(r) == {"prompt", "answer"} for r in rows)

@@ -111,6 +111,8 @@ class AsyncGRPOConfig(GRPOConfig):
 class AsyncGRPOTrainer(GRPOTrainer):
     """GRPO with generation in a separate worker process; see the module docstring and docs/async_grpo.md."""
 
+    _supports_environments = False  # multi-turn episodes: GRPOTrainer only, for now (docs/agents.md)
+
     _tag_names = ["toolkit", "grpo", "async-grpo"]  # noqa: RUF012
 
     def __init__(

@@ -75,3 +75,10 @@ def toolkit_register_generation_backends():
         return VLLMServerBackend(**(config.generation_backend_kwargs or {}))
 
     return {"transformers": transformers, "vllm": vllm, "vllm-server": vllm_server}
+
+
+@hookimpl
+def toolkit_register_environments():
+    from .environments import calculator_environment
+
+    return {"calculator": calculator_environment}

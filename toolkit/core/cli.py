@@ -138,6 +138,8 @@ def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: 
     if accuracy is not None:
         summary["heldout_accuracy_before"] = accuracy(trainer)
         logger.info("held-out greedy accuracy before training: %.3f", summary["heldout_accuracy_before"])
+        if hasattr(trainer, "heldout_episode_stats"):
+            summary["heldout_episodes_before"] = dict(trainer.heldout_episode_stats)
     if held_out is not None:
         before = trainer.evaluate()
         summary["eval_loss_before"] = before["eval_loss"]
@@ -286,7 +288,9 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
     # builtin:arithmetic is checked by its number; any other eval_dataset by the run's own reward functions
     # (GRPO and async GRPO; PPO's rewards include a reward model and are not replayed here)
     by_rewards = run.eval_dataset != "builtin:arithmetic"
-    if held_out is not None and run.report_accuracy and by_rewards and not run.reward_funcs and title != "PPO":
+    with_env = getattr(cfg, "environment", None) is not None  # episodes are scored by their environment
+    if held_out is not None and run.report_accuracy and by_rewards and not run.reward_funcs and title != "PPO" \
+            and not with_env:
         logger.info("%s: no held-out evaluation of a custom eval_dataset without reward functions to score it.", title)
         held_out = None
     if held_out is not None and run.report_accuracy and by_rewards and title == "PPO":
@@ -302,10 +306,14 @@ def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: 
         accuracy.trainer = trainer
         summary["heldout_accuracy_before"] = accuracy.measure(trainer, step=0)
         logger.info("held-out greedy accuracy before training: %.3f", summary["heldout_accuracy_before"])
+        if hasattr(trainer, "heldout_episode_stats"):
+            summary["heldout_episodes_before"] = dict(trainer.heldout_episode_stats)
     trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     if accuracy is not None:
         summary["heldout_accuracy_after"] = accuracy.measure(trainer, step=trainer.state.global_step)
         summary["accuracy_train_minutes"] = accuracy.train_minutes
+        if hasattr(trainer, "heldout_episode_stats"):
+            summary["heldout_episodes_after"] = dict(trainer.heldout_episode_stats)
         if accuracy.mean_rewards:
             summary["heldout_mean_reward_before"] = accuracy.mean_rewards[0][1]
             summary["heldout_mean_reward_after"] = accuracy.mean_rewards[-1][1]

@@ -144,7 +144,7 @@ def read_toml(path: str | Path, *, what: str = "file") -> dict[str, Any]:
 
 def load_run_file(path: str | Path) -> dict[str, Any]:
     data = read_toml(path)
-    nested = [k for k, v in data.items() if isinstance(v, dict) and k != "chat_template_kwargs"]
+    nested = [k for k, v in data.items() if isinstance(v, dict) and not k.endswith("_kwargs")]  # *_kwargs are tables
     if nested:
         raise ConfigError(f"--config: '{path}' has sections {nested}; run files are flat (key = value at the top).")
     return data

@@ -32,8 +32,9 @@ from .generation import Completion
 
 ENVIRONMENT_PROTOCOL_VERSION = 1
 
-__all__ = ["ENVIRONMENT_PROTOCOL_VERSION", "EnvResponse", "Environment", "Episode", "TOOL_CALL_FORMATS", "TemplateDelta",
-           "ToolBox", "ToolCall", "ToolEnvironment", "calc", "parse_tool_calls", "run_episode"]
+__all__ = ["CALCULATOR_SYSTEM_PROMPT", "ENVIRONMENT_PROTOCOL_VERSION", "EnvResponse", "Environment", "Episode",
+           "TOOL_CALL_FORMATS", "TemplateDelta", "ToolBox", "ToolCall", "ToolEnvironment", "calc",
+           "calculator_environment", "calculator_tool_call", "parse_tool_calls", "run_episode", "run_episodes"]
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Episode:
     turns: list[tuple[int, int]] = field(default_factory=list)
     rewards: list[float | None] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)
-    finish: str = "done"   # done | max_turns | max_tokens | length (a turn hit its token limit)
+    finish: str = "done"   # done | max_turns | max_tokens | length (a turn hit its token limit) | env_error
 
     @property
     def reward(self) -> float | None:
@@ -139,6 +140,8 @@ class TemplateDelta:
 
 # A sampler: prompt ids -> one Completion (ids, sampler log-probs, finish reason). GRPO's backends provide it.
 Sampler = Callable[[list[int]], Completion]
+# A batched sampler: one Completion per context, all contexts of a turn in one call (one batched generate).
+BatchSampler = Callable[[list[list[int]]], list[Completion]]
 
 
 def run_episode(env: Environment, row: dict[str, Any], sample: Sampler, delta: TemplateDelta, *,
@@ -148,43 +151,91 @@ def run_episode(env: Environment, row: dict[str, Any], sample: Sampler, delta: T
     ids after the prompt (sampled + environment) before a new turn starts (a turn may take the episode past it
     by its own token limit). `stop_token_ids`: ids that end a turn (default: the template's `end_text`; the
     sampled one is kept in the ids: it is what the policy produced)."""
+    return run_episodes([env], [row], lambda contexts: [sample(c) for c in contexts], delta, max_turns=max_turns,
+                        max_tokens=max_tokens, decode=decode, stop_token_ids=stop_token_ids, concurrency=1)[0]
+
+
+def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sample: BatchSampler,
+                 delta: TemplateDelta, *, max_turns: int = 8, max_tokens: int = 1024,
+                 decode: Callable[[list[int]], str] | None = None, stop_token_ids: Sequence[int] = (),
+                 concurrency: int = 32) -> list[Episode]:
+    """Run one episode per (environment, row) in lockstep, token-exact as `run_episode`.
+
+    Each turn, the contexts of all unfinished episodes go to `sample` together (one batched generate), then their
+    environments answer concurrently on up to `concurrency` threads, so environments that wait (tools, sandboxes,
+    remote judges) overlap each other instead of adding up. An environment whose `step` raises ends its episode
+    without a reward (`finish="env_error"`, the error in `info["env_error"]`): the run goes on, and a trainer
+    leaves the episode out of the loss.
+    """
     if max_turns < 1:
         raise ConfigError(f"max_turns: must be >= 1, got {max_turns}.")
+    if len(envs) != len(rows):
+        raise ValueError(f"run_episodes: {len(envs)} environments for {len(rows)} rows")
     tok = delta.tokenizer
     end_id = tok.convert_tokens_to_ids(delta.end_text)
     stops = set(stop_token_ids) if stop_token_ids else {end_id}
     # The text the environment reads keeps special tokens (tool-call markers such as [TOOL_CALLS] or
     # <|python_tag|> are special in their tokenizers) and drops only the stop token that ended the turn.
     decode = decode or (lambda ids: tok.decode(ids[:-1] if ids and ids[-1] in stops else ids))
-    ep = Episode(prompt_ids=delta.prompt_ids(env.reset(row)))
-    for turn in range(max_turns):
-        if len(ep.ids) >= max_tokens:
-            ep.finish = "max_tokens"
-            break
-        out = sample(ep.prompt_ids + ep.ids)
-        start = len(ep.ids)
-        ep.ids += list(out.token_ids)
-        ep.mask += [1] * len(out.token_ids)
-        ep.logprobs += [float(x) for x in out.logprobs]
-        ep.turns.append((start, len(ep.ids)))
-        ended = bool(out.token_ids) and out.token_ids[-1] in stops
-        response = env.step(decode(list(out.token_ids)))
-        ep.rewards.append(response.reward)
-        ep.infos.append(dict(response.info))
-        if response.done:
-            ep.finish = "done"
-            break
-        if not ended:  # cut at its token limit: there is no end of turn to append the environment's answer to
-            ep.finish = "length"
-            break
-        if turn == max_turns - 1:
-            ep.finish = "max_turns"
-            break
-        answer = delta.after_turn(response.messages)
-        ep.ids += answer
-        ep.mask += [0] * len(answer)
-        ep.logprobs += [0.0] * len(answer)
-    return ep
+    episodes = [Episode(prompt_ids=delta.prompt_ids(env.reset(row))) for env, row in zip(envs, rows)]
+    active = list(range(len(episodes)))
+    pool = None
+    if concurrency > 1 and len(episodes) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=min(concurrency, len(episodes)), thread_name_prefix="toolkit-env")
+    try:
+        for turn in range(max_turns):
+            for i in [i for i in active if len(episodes[i].ids) >= max_tokens]:
+                episodes[i].finish = "max_tokens"
+            active = [i for i in active if len(episodes[i].ids) < max_tokens]
+            if not active:
+                break
+            outs = sample([episodes[i].prompt_ids + episodes[i].ids for i in active])
+            if len(outs) != len(active):
+                raise ValueError(f"run_episodes: the sampler returned {len(outs)} completions for {len(active)} "
+                                 "contexts")
+            for i, out in zip(active, outs):
+                ep = episodes[i]
+                start = len(ep.ids)
+                ep.ids += list(out.token_ids)
+                ep.mask += [1] * len(out.token_ids)
+                ep.logprobs += [float(x) for x in out.logprobs]
+                ep.turns.append((start, len(ep.ids)))
+
+            def answer(i: int, out: Completion) -> EnvResponse:
+                try:
+                    return envs[i].step(decode(list(out.token_ids)))
+                except Exception as e:  # a broken environment costs its episode, not the run
+                    return EnvResponse(done=True, info={"env_error": f"{type(e).__name__}: {e}"[:500]})
+
+            responses = (list(pool.map(answer, active, outs)) if pool is not None
+                         else [answer(i, out) for i, out in zip(active, outs)])
+            still = []
+            for i, out, response in zip(active, outs, responses):
+                ep = episodes[i]
+                ep.rewards.append(response.reward)
+                ep.infos.append(dict(response.info))
+                if response.done:
+                    ep.finish = "env_error" if "env_error" in response.info else "done"
+                    continue
+                if not (out.token_ids and out.token_ids[-1] in stops):
+                    # cut at its token limit: there is no end of turn to append the environment's answer to
+                    ep.finish = "length"
+                    continue
+                if turn == max_turns - 1:
+                    ep.finish = "max_turns"
+                    continue
+                ids = delta.after_turn(response.messages)
+                ep.ids += ids
+                ep.mask += [0] * len(ids)
+                ep.logprobs += [0.0] * len(ids)
+                still.append(i)
+            active = still
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False)
+    return episodes
 
 
 # ----------------------------------------------------------------------------------------------- tools
@@ -403,3 +454,31 @@ def calc(expression: str) -> str:
         raise ValueError("expression longer than 200 characters")
     value = ev(ast.parse(expression.strip(), mode="eval"))
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+# The calculator environment (builtin "calculator"). Models whose chat template renders `tools` see the schema
+# there too; the embedded SmolLM2's template ignores `tools`, so the system prompt says how to call the tool.
+CALCULATOR_SYSTEM_PROMPT = (
+    'You have a calculator. To use it, reply with only <tool_call>{"name": "calc", "arguments": {"expression": '
+    '"12 * 7"}}</tool_call> and you will get the result. Then reply with just the final number.')
+
+
+def calculator_tool_call(expression: str) -> str:
+    """The Hermes-format call of `calc` on `expression`, as the system prompt shows it (warm-up demonstrations)."""
+    import json
+
+    return "<tool_call>" + json.dumps({"name": "calc", "arguments": {"expression": expression}}) + "</tool_call>"
+
+
+def calculator_environment(*, max_tool_turns: int = 2, system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT,
+                           fmt: str = "hermes", timeout: float = 5.0) -> ToolEnvironment:
+    """Multi-step arithmetic with a `calc` tool: the model may call it (up to `max_tool_turns` turns) and is
+    rewarded 1.0 when its final answer's number equals the row's `answer`, else 0.0 (builtin:calculator rows)."""
+    from .rewards import parse_number
+
+    def reward(text: str, row: dict[str, Any]) -> float:
+        got = parse_number(text)
+        return float(got is not None and got == parse_number(str(row["answer"])))
+
+    return ToolEnvironment(ToolBox([calc], timeout=timeout), reward, fmt=fmt, system_prompt=system_prompt,
+                           max_tool_turns=max_tool_turns)

@@ -184,6 +184,20 @@ class GRPOConfig(TrainingArguments):
     model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
 
+    environment: str | None = field(default=None, metadata={
+        "help": "Multi-turn episodes instead of single completions: a registered environment by name (calculator | "
+                "a plugin's; `toolkit plugins` lists them). Each of the G samples of a prompt is then an episode of "
+                "up to max_turns model turns, token-exact, the environment's tokens masked out of the loss; its "
+                "reward is the episode's (reward_funcs stay empty). docs/agents.md."})
+    environment_kwargs: dict | None = field(default=None, metadata={
+        "help": "Settings passed to the environment's factory (e.g. {max_tool_turns = 2} for calculator)."})
+    max_turns: int = field(default=4, metadata={"help": "Model turns per episode at most (with environment)."})
+    max_episode_tokens: int = field(default=512, metadata={
+        "help": "Ids per episode after the prompt (sampled + environment) before no new turn starts; each turn "
+                "samples at most max_completion_length."})
+    environment_concurrency: int = field(default=32, metadata={
+        "help": "Environments answering at once (threads): slow tools and sandboxes overlap each other."})
+
     no_signal_warn_steps: int = field(default=3, metadata={
         "help": "Warn when every group had equal rewards below solved_reward for this many steps in a row."})
     warn_every: int = field(default=10, metadata={"help": "Repeat a warning of the same cause at most every N steps."})
@@ -239,6 +253,21 @@ class GRPOConfig(TrainingArguments):
                               "per rank); leave it None or run one process.")
         SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
+        if self.environment is not None:
+            reg.get("environment", self.environment, field="environment")
+            if self.max_turns < 1:
+                raise ConfigError(f"max_turns: must be >= 1, got {self.max_turns}.")
+            if self.max_episode_tokens < 1:
+                raise ConfigError(f"max_episode_tokens: must be >= 1, got {self.max_episode_tokens}.")
+            if self.environment_concurrency < 1:
+                raise ConfigError(f"environment_concurrency: must be >= 1, got {self.environment_concurrency}.")
+            if env_world_size() > 1:
+                # ranks would run different numbers of generate calls (episodes end at different turns), which
+                # hangs a sharded (FSDP) decode; not built yet
+                raise ConfigError("environment: multi-turn episodes run in one process for now; launch one process.")
+        elif self.environment_kwargs:
+            raise ConfigError("environment_kwargs: set without environment; name the environment (e.g. "
+                              "environment = \"calculator\") or remove environment_kwargs.")
 
     def _check_objective(self) -> None:
         """Every loss/estimator setting, checked by the objects' own settings dataclasses before any model loads.
@@ -272,6 +301,9 @@ class Rollout:
     old_logps: list[torch.Tensor] | None = None   # per row [L] when num_iterations > 1
     ref_logps: list[torch.Tensor] | None = None   # per row [L] when beta > 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # per row [L]: 1 where the policy sampled the id (trained), 0 for an environment's ids (context only);
+    # None: every completion id was sampled (single-turn)
+    token_masks: list[list[int]] | None = None
 
 
 class GRPOTrainer(Trainer):
@@ -282,6 +314,7 @@ class GRPOTrainer(Trainer):
 
     _tag_names = ["toolkit", "grpo"]
     _needs_rewards = True  # a subclass whose loss reads no reward (GKD) may run without reward functions
+    _supports_environments = True  # a subclass whose rollouts are not GRPO's (async, online DPO, GKD) says False
 
     def __init__(
         self,
@@ -296,6 +329,7 @@ class GRPOTrainer(Trainer):
         optimizers: tuple = (None, None),
         model_init_kwargs: dict | None = None,
         ref_model: PreTrainedModel | None = None,
+        environment: Callable[[], Any] | None = None,
     ):
         args = args if args is not None else GRPOConfig()
         if not isinstance(args, GRPOConfig):
@@ -304,13 +338,21 @@ class GRPOTrainer(Trainer):
             raise ConfigError("train_dataset: GRPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
+        if (environment is not None or args.environment is not None) and not self._supports_environments:
+            raise ConfigError(f"environment: {type(self).__name__} does not run multi-turn episodes yet; use "
+                              "GRPOTrainer (docs/agents.md).")
+        self.environment_factory = self._environment_factory(environment, args)
+        if self.environment_factory is not None and list(reward_funcs):
+            raise ConfigError("reward_funcs: with an environment the episode's reward is the environment's (its "
+                              "step() returns it); give no reward functions, or score the final answer inside the "
+                              "environment.")
         self.reward_runner = RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout,
                                           max_consecutive_failures=args.reward_max_consecutive_failures,
-                                          allow_empty=not self._needs_rewards)
-        weights = args.reward_weights or [1.0] * len(self.reward_runner.funcs)
-        if len(weights) != len(self.reward_runner.funcs):
-            raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.reward_runner.funcs)} reward "
-                              f"functions ({', '.join(self.reward_runner.names)}); give one weight per function.")
+                                          allow_empty=not self._needs_rewards or self.environment_factory is not None)
+        weights = args.reward_weights or [1.0] * len(self.reward_names)
+        if len(weights) != len(self.reward_names):
+            raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.reward_names)} reward "
+                              f"functions ({', '.join(self.reward_names)}); give one weight per function.")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
 
         # 1. Data, before any model work.
@@ -352,6 +394,7 @@ class GRPOTrainer(Trainer):
             stop_token_ids=tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id]),
         )
         self._setup_objective(args)
+        self.episode_delta = self._episode_delta(tokenizer, args) if self.environment_factory is not None else None
         reg = registry()
         self.generation_backend = generation_backend if generation_backend is not None else reg.get(
             "generation_backend", args.generation_backend, field="generation_backend")(model, tokenizer, args)
@@ -390,11 +433,117 @@ class GRPOTrainer(Trainer):
         self.loss_aggregation = self.policy_loss.aggregation
         self.objective_settings = dataclasses.replace(
             resolve_settings(PolicyObjectiveSettings, args, kwargs=None, kwargs_field="", owner="GRPO"),
-            aggregation_constant=args.max_completion_length)
+            aggregation_constant=self._aggregation_constant(args))
         self.advantage_estimator = reg.get("advantage_estimator", args.advantage_estimator, field="advantage_estimator")
         self.advantage_settings = resolve_estimator_settings(self.advantage_estimator, args,
                                                              name=args.advantage_estimator)
         self._policy_term = _policy_term_of(self)
+
+    @staticmethod
+    def _aggregation_constant(args: GRPOConfig) -> int:
+        """Dr. GRPO's constant normaliser: the most tokens a sample can have (an episode's budget with environments)."""
+        if args.environment is not None:
+            return args.max_episode_tokens + args.max_completion_length
+        return args.max_completion_length
+
+    # ------------------------------------------------------------------------------ environments
+
+    @staticmethod
+    def _environment_factory(environment: Callable[[], Any] | None, args: GRPOConfig) -> Callable[[], Any] | None:
+        """A callable that builds one fresh environment per episode: the `environment` argument, or the registered
+        `args.environment` with `args.environment_kwargs`."""
+        if environment is not None:
+            if not callable(environment):
+                raise ConfigError("environment: pass a factory (a class or a function returning a fresh environment "
+                                  f"per episode), got {type(environment).__name__}.")
+            return environment
+        if args.environment is None:
+            return None
+        make = registry().get("environment", args.environment, field="environment")
+        kwargs = dict(args.environment_kwargs or {})
+        try:
+            inspect.signature(make).bind(**kwargs)
+        except TypeError as e:
+            raise ConfigError(f"environment_kwargs: {e} (environment '{args.environment}' takes "
+                              f"{inspect.signature(make)}).") from None
+        return lambda: make(**kwargs)
+
+    def _episode_delta(self, tokenizer: Any, args: GRPOConfig) -> Any:
+        """The template's ids between turns, for this tokenizer, stop token and the environment's tools; checked at
+        start-up (a template whose turns do not end with the stop token is refused before training starts)."""
+        from .environments import Environment, TemplateDelta
+
+        probe = self.environment_factory()
+        if not isinstance(probe, Environment):
+            raise ConfigError(f"environment: {type(probe).__name__} has no reset(row) / step(text) methods "
+                              "(toolkit.core.environments.Environment).")
+        end_text = tokenizer.convert_ids_to_tokens(self.sampling.stop_token_ids[0])
+        return TemplateDelta(tokenizer, end_text=end_text, tools=getattr(probe, "tools", None),
+                             chat_template_kwargs=args.chat_template_kwargs)
+
+    @property
+    def reward_names(self) -> list[str]:
+        """The reward columns: the reward functions', or the environment's one."""
+        return ["environment"] if self.environment_factory is not None else list(self.reward_runner.names)
+
+    def run_episodes(self, rows: Sequence[dict[str, Any]], sampling: SamplingParams, *, seed: int,
+                     group_size: int = 1) -> list[Any]:
+        """One episode per row with fresh environments (toolkit.core.environments.run_episodes). Rows come in
+        groups of `group_size` equal rows: their first turns share one prompt prefill (n=group_size)."""
+        from .environments import run_episodes
+
+        turn = [0]
+
+        def sample(contexts: list[list[int]]) -> list[Completion]:
+            k, turn[0] = turn[0], turn[0] + 1
+            s = (seed + 104_729 * k) % (2**63)
+            firsts = contexts[::group_size]
+            if group_size > 1 and len(contexts) == len(rows) and all(
+                    contexts[i] == firsts[i // group_size] for i in range(len(contexts))):
+                groups = self.generation_backend.generate(firsts, sampling, n=group_size, seed=s)
+                return [c for g in groups for c in g]
+            return [g[0] for g in self.generation_backend.generate(contexts, sampling, n=1, seed=s)]
+
+        args = self.args
+        return run_episodes([self.environment_factory() for _ in rows], list(rows), sample, self.episode_delta,
+                            max_turns=args.max_turns, max_tokens=args.max_episode_tokens,
+                            stop_token_ids=sampling.stop_token_ids, concurrency=args.environment_concurrency)
+
+    @torch.no_grad()
+    def generate_episodes(self, row_indices: Sequence[int]) -> Rollout:
+        """G episodes per prompt of the round, scored by their environments: a Rollout whose rows are episodes
+        (prompt = the rendered starting messages, completion = every id after it, `token_masks` = sampled)."""
+        t0 = time.perf_counter()
+        self.generation_backend.sync_weights(self.model)
+        G = self.args.num_generations
+        episodes = self.run_episodes([self.rows[i] for i in row_indices for _ in range(G)], self.sampling,
+                                     seed=generation_seed(self.args.seed, self.state.global_step,
+                                                          self.accelerator.process_index), group_size=G)
+        t_gen = time.perf_counter() - t0
+        for ep in episodes:
+            if "env_error" in (ep.infos[-1] if ep.infos else {}):
+                self._health._warn(self.state.global_step, "env_error",
+                                   f"an environment raised in step() (episodes without a reward, left out of the "
+                                   f"loss): {ep.infos[-1]['env_error']}")
+        groups = [[Completion(list(ep.ids), list(ep.logprobs), "length" if ep.finish == "length" else "stop")
+                   for ep in episodes[k * G:(k + 1) * G]] for k in range(len(row_indices))]
+        rewards = torch.tensor([[float("nan") if ep.reward is None else ep.reward for ep in episodes]],
+                               dtype=torch.float32)
+        self._reward_failures = {}
+        rollout = self.build_rollout(row_indices, groups, rewards, t_gen, 0.0,
+                                     prompt_ids=[ep.prompt_ids for ep in episodes[::G]],
+                                     token_masks=[list(ep.mask) for ep in episodes])
+        n = max(len(episodes), 1)
+        rollout.metrics.update({
+            "episodes/turns_mean": sum(len(ep.turns) for ep in episodes) / n,
+            "episodes/tool_calls_mean": sum(ep.count("tool_calls") for ep in episodes) / n,
+            "episodes/tool_errors_mean": sum(ep.count("tool_errors") for ep in episodes) / n,
+            "episodes/sampled_tokens_mean": sum(sum(ep.mask) for ep in episodes) / n,
+            "episodes/env_errors": float(sum(ep.finish == "env_error" for ep in episodes)),
+            **{f"episodes/finish_{k}": sum(ep.finish == k for ep in episodes) / n
+               for k in ("done", "max_turns", "max_tokens", "length")},
+        })
+        return rollout
 
     def _log_objective(self, args: GRPOConfig, weights: list[float]) -> None:
         logger.info(
@@ -404,7 +553,7 @@ class GRPOTrainer(Trainer):
             args.loss_type, self.loss_aggregation, self.loss_settings, args.beta,
             args.num_iterations, args.scale_rewards, args.importance_sampling_cap, args.zero_variance_filter,
             args.mask_truncated_completions, args.num_generations, self.prompts_per_round, args.num_generations,
-            self.reward_runner.names, weights,
+            self.reward_names, weights,
         )
 
     # ------------------------------------------------------------------------------ data plumbing
@@ -452,6 +601,8 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def generate_rollout(self, row_indices: Sequence[int]) -> Rollout:
         """Generate G completions for each prompt of the round and score them. Override to change the sampler."""
+        if self.environment_factory is not None:
+            return self.generate_episodes(row_indices)
         t0 = time.perf_counter()
         self.generation_backend.sync_weights(self.model)
         t_sync = time.perf_counter() - t0
@@ -464,14 +615,17 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def build_rollout(self, row_indices: Sequence[int], groups: list[list[Completion]], rewards_per_func: torch.Tensor,
-                      t_gen: float, t_score: float) -> Rollout:
-        """Scored generations -> a Rollout: total reward, advantages, the rows in the loss, old/reference log-probs."""
+                      t_gen: float, t_score: float, *, prompt_ids: list[list[int]] | None = None,
+                      token_masks: list[list[int]] | None = None) -> Rollout:
+        """Scored generations -> a Rollout: total reward, advantages, the rows in the loss, old/reference log-probs.
+        `prompt_ids` (per prompt; default: the rendered dataset prompts) and `token_masks` (per row) come from
+        multi-turn episodes (`generate_episodes`)."""
         args, G = self.args, self.args.num_generations
-        prompt_ids = [self.prompt_ids[i] for i in row_indices]
+        prompt_ids = prompt_ids if prompt_ids is not None else [self.prompt_ids[i] for i in row_indices]
         completion_ids = [c.token_ids for g in groups for c in g]
         sampler_logps = [c.logprobs for g in groups for c in g]
         truncated = torch.tensor([c.finish_reason == "length" for g in groups for c in g])
-        for name, values in zip(self.reward_runner.names, rewards_per_func):
+        for name, values in zip(self.reward_names, rewards_per_func):
             if torch.isinf(values).any():
                 raise TrainingHealthError(
                     f"GRPO step {self.state.global_step}: reward function '{name}' returned inf for "
@@ -487,7 +641,7 @@ class GRPOTrainer(Trainer):
         rollout = Rollout(
             prompt_ids=[p for p in prompt_ids for _ in range(G)], completion_ids=completion_ids,
             sampler_logps=sampler_logps, rewards=total, rewards_per_func=rewards_per_func, advantages=advantages,
-            included=included, group_ids=group_ids, truncated=truncated,
+            included=included, group_ids=group_ids, truncated=truncated, token_masks=token_masks,
         )
         t2 = time.perf_counter()
         if args.num_iterations > 1:
@@ -576,6 +730,12 @@ class GRPOTrainer(Trainer):
         mask = torch.arange(L)[None, :] < lengths[:, None]
         batch["completion_mask"] = mask
         batch["loss_mask"] = mask & rollout.included[list(rows)][:, None]
+        if rollout.token_masks is not None:
+            # an episode's environment ids are context, not actions: out of the loss and of the sampler
+            # correction (their "sampler log-prob" is a placeholder), so they get exactly zero gradient
+            sampled = _pad_rows([torch.tensor(rollout.token_masks[r]) for r in rows], L).bool()
+            batch["sampled_mask"] = sampled
+            batch["loss_mask"] = batch["loss_mask"] & sampled
         batch["advantages"] = rollout.advantages[list(rows)]
         batch["group_ids"] = rollout.group_ids[list(rows)]
         batch["sampler_logps"] = _pad_rows([torch.tensor(rollout.sampler_logps[r]) for r in rows], L)
@@ -589,8 +749,9 @@ class GRPOTrainer(Trainer):
 
     def _split(self, rollout: Rollout) -> list[dict[str, Any]]:
         B, GA = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
-        included_tokens = sum(len(rollout.completion_ids[r]) for r in range(len(rollout.completion_ids))
-                              if rollout.included[r])
+        included_tokens = sum((sum(rollout.token_masks[r]) if rollout.token_masks is not None
+                               else len(rollout.completion_ids[r]))
+                              for r in range(len(rollout.completion_ids)) if rollout.included[r])
         local = torch.tensor([included_tokens, int(rollout.included.sum()),
                               len(set(rollout.group_ids[rollout.included].tolist()))], dtype=torch.float64)
         n = self.accelerator.num_processes
@@ -648,8 +809,11 @@ class GRPOTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._last_hidden = None  # set by the default compute_token_logps; an override need not set it
         flat = self.compute_token_logps(model, inputs)
-        mask = inputs["completion_mask"]
-        logps = self._to_rows(flat, mask)
+        present = inputs["completion_mask"]
+        logps = self._to_rows(flat, present)
+        # the tokens the policy produced: all completion ids, or an episode's sampled ones
+        mask = present & inputs["sampled_mask"] if "sampled_mask" in inputs else present
+        self._present_mask = present
         old = inputs.get("old_logps")
         loss_inputs = PolicyLossInputs(
             logps=logps, old_logps=logps.detach() if old is None else old, advantages=inputs["advantages"],
@@ -660,7 +824,7 @@ class GRPOTrainer(Trainer):
         # beta, importance_sampling_cap, ... are read at every step (callbacks may schedule them).
         objective_settings = dataclasses.replace(
             resolve_settings(PolicyObjectiveSettings, self.args, kwargs=None, kwargs_field="", owner="GRPO"),
-            aggregation_constant=self.args.max_completion_length)
+            aggregation_constant=self._aggregation_constant(self.args))
         out = policy_objective(loss_inputs, self._policy_term, aggregation=self.loss_aggregation,
                                settings=objective_settings)
         self._health.check_finite(self.state.global_step, loss=out.loss, logps=flat, advantages=inputs["advantages"])
@@ -752,7 +916,7 @@ class GRPOTrainer(Trainer):
             "generation_tokens_per_s": float(lengths.sum()) / max(t_gen, 1e-9),
             "solved_prompts": float(len(self.solved)),
         }
-        for name, row in zip(self.reward_runner.names, r.rewards_per_func):
+        for name, row in zip(self.reward_names, r.rewards_per_func):
             m[f"rewards/{name}/mean"] = _nanmean(row)
             m[f"rewards/{name}/std"] = _nanstd(row)
             m[f"rewards/{name}/failures"] = float(self._reward_failures.get(name, 0))
@@ -789,11 +953,13 @@ class GRPOTrainer(Trainer):
         if kl is not None:
             s["kl"].append(float((kl.detach() * mask).sum() / max(int(mask.sum()), 1)))
         hidden = getattr(self, "_last_hidden", None)
-        if hidden is not None and hidden.shape[0] == int(inputs.completion_mask.sum()):
+        present = getattr(self, "_present_mask", inputs.completion_mask)
+        if hidden is not None and hidden.shape[0] == int(present.sum()):
             # entropy from the hidden states of this forward (a compute_token_logps override that does not call
-            # the default leaves none, and then no entropy is logged rather than a stale one)
+            # the default leaves none, and then no entropy is logged rather than a stale one), on sampled tokens
             ent = chunked_entropy(hidden, output_head(self.model)[0].detach(), temperature=self.args.temperature,
                                   chunk_size=self.args.logps_chunk_size)
+            ent = ent[inputs.completion_mask[present]]
             s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)
 
 

@@ -49,7 +49,8 @@ PROJECT_NAME = "toolkit"
 #: 1.1 (toolkit 0.2): losses and estimators are registered as objects on typed inputs (PolicyLoss,
 #: PreferenceLoss, AdvantageEstimator); the 1.0 callable form still works, with a ToolkitDeprecationWarning,
 #: until hooks 2.0 (toolkit 0.3).
-HOOKS_VERSION = "1.1"
+#: 1.2 (toolkit 0.2): `toolkit_register_environments` (multi-turn episodes for GRPO).
+HOOKS_VERSION = "1.2"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -162,6 +163,20 @@ def toolkit_register_generation_backends() -> Mapping[str, Callable[..., Any]]:
     """
 
 
+@hookspec
+def toolkit_register_environments() -> Mapping[str, Callable[..., Any]]:
+    """Environments for multi-turn episodes, by the name configs use in `environment`.
+
+    Added in hooks 1.2 (toolkit 0.2).
+
+    Returns:
+        {name: factory}. `factory(**environment_kwargs)` returns a fresh object implementing
+        `toolkit.core.environments.Environment` (`reset(row) -> messages`, `step(text) -> EnvResponse`,
+        optional `tools`); the trainer calls it once per episode, so an environment may keep per-episode
+        state. Environment protocol version: `ENVIRONMENT_PROTOCOL_VERSION` (docs/agents.md).
+    """
+
+
 # --------------------------------------------------------------------------------------------------
 # Observation hooks
 # --------------------------------------------------------------------------------------------------
@@ -200,4 +215,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "toolkit_register_advantage_estimators": "advantage_estimator",
     "toolkit_register_rewards": "reward",
     "toolkit_register_generation_backends": "generation_backend",
+    "toolkit_register_environments": "environment",
 }

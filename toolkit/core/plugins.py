@@ -67,6 +67,7 @@ KIND_TITLES = {
     "advantage_estimator": "advantage estimator (GRPO advantage_estimator)",
     "reward": "reward function (reward_funcs)",
     "generation_backend": "generation backend (generation_backend)",
+    "environment": "environment (environment)",
 }
 
 

@@ -92,11 +92,46 @@ def heldout_by_rewards(trainer: Any, dataset: Any, *, max_new_tokens: int, batch
     trainer's reward functions with its weights, prompt length, stop tokens and `solved_reward` (see
     `heldout_accuracy`)."""
     args = trainer.args
+    if getattr(trainer, "environment_factory", None) is not None:
+        return heldout_episodes(trainer, dataset, batch_size=batch_size)
     return heldout_accuracy(trainer.model, trainer.processing_class, dataset, trainer.reward_runner.funcs,
                             weights=trainer.reward_weights, solved_reward=args.solved_reward,
                             max_new_tokens=max_new_tokens, max_prompt_length=args.max_prompt_length,
                             chat_template_kwargs=args.chat_template_kwargs, stop_token_ids=args.stop_token_ids,
                             reward_timeout=args.reward_timeout, batch_size=batch_size)
+
+
+@torch.no_grad()
+def heldout_episodes(trainer: Any, dataset: Any, *, batch_size: int = 64) -> tuple[float, float]:
+    """(success rate, mean reward) of greedy episodes on the held-out rows with the trainer's environment (GRPO with
+    `environment`): success is an episode reward >= `solved_reward`; an episode without a reward counts as failed.
+    Turns, tool calls and tool errors per episode are kept in `trainer.heldout_episode_stats`."""
+    import dataclasses
+
+    from tqdm.auto import tqdm
+
+    from .data import prompt_rows
+
+    rows, _ = prompt_rows(dataset, trainer.processing_class, trainer="eval_dataset")
+    greedy = dataclasses.replace(trainer.sampling, top_k=1, temperature=1.0, top_p=1.0, min_p=0.0)
+    episodes: list[Any] = []
+    starts = range(0, len(rows), batch_size)
+    was = trainer.model.training
+    trainer.model.eval()
+    trainer.generation_backend.sync_weights(trainer.model)
+    try:
+        for start in tqdm(starts, desc="held-out episodes", disable=None if len(starts) > 1 else True, leave=False):
+            episodes += trainer.run_episodes(rows[start:start + batch_size], greedy, seed=0)
+    finally:
+        trainer.model.train(was)
+    n = max(len(episodes), 1)
+    rewards = [ep.reward if ep.reward is not None else 0.0 for ep in episodes]
+    trainer.heldout_episode_stats = {
+        "turns_mean": sum(len(ep.turns) for ep in episodes) / n,
+        "tool_calls_mean": sum(ep.count("tool_calls") for ep in episodes) / n,
+        "tool_errors_mean": sum(ep.count("tool_errors") for ep in episodes) / n}
+    success = sum(r >= trainer.args.solved_reward for r in rewards) / n
+    return success, sum(rewards) / n
 
 
 @torch.no_grad()

@@ -1,7 +1,9 @@
 """Small tasks the project generates itself, so examples and tests need no download.
 
 `arithmetic`: additions and subtractions of `task_max_terms` numbers with a verifiable integer answer.
-`multiplication`: a number times a one-digit number. `sorting`: a few numbers to put in increasing order
+`multiplication`: a number times a one-digit number. `calculator`: a two-digit number times a digit plus a
+number, for the calculator tool (its prompt-completion rows are a warm-up: half use the tool, half answer at
+once). `sorting`: a few numbers to put in increasing order
 (the answer is the list; `number_list_match` scores it). The same generators feed SFT (prompt-completion
 rows), RL (prompt-only rows with an `answer` column) and preference training (the answer against a near
 miss). Splits are disjoint by construction (different seeds, and held-out problems are removed from the
@@ -53,6 +55,13 @@ def _sorting(rng: random.Random, max_value: int, max_terms: int) -> tuple[str, l
     return "", rng.sample(range(1, max_value + 1), max_terms)
 
 
+def _calculator(rng: random.Random, max_value: int, max_terms: int) -> tuple[str, int]:
+    """Beyond the embedded model's head arithmetic, easy with a calculator: a two-digit number times a digit, plus
+    another number."""
+    a, b, c = rng.randint(11, max(11, max_value)), rng.randint(3, 9), rng.randint(10, max(10, max_value))
+    return f"{a} * {b} + {c}", a * b + c
+
+
 def _question(task: str, key: str, values: Any) -> str:
     if task == "sorting":
         return (f"Sort these numbers from smallest to largest: {', '.join(map(str, values))}. "
@@ -70,7 +79,7 @@ def _near_miss(task: str, rng: random.Random, value: Any) -> str:
 
 
 # name -> problem generator (rng, max_value, max_terms) -> (expression, value); sorting's "expression" is its list
-TASKS = {"arithmetic": _problem, "multiplication": _multiplication, "sorting": _sorting}
+TASKS = {"arithmetic": _problem, "multiplication": _multiplication, "sorting": _sorting, "calculator": _calculator}
 
 
 def _key(task: str, question: str, answer: str) -> str:
@@ -109,7 +118,18 @@ def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_term
         seen.add(key)
         prompt = [{"role": "user", "content": question}]
         row: dict[str, Any] = {"prompt": prompt, "answer": answer}
-        if kind == "prompt_completion":
+        if kind == "prompt_completion" and task == "calculator":
+            # the SFT warm-up of examples/tools_pipeline.toml, under the calculator environment's system prompt:
+            # half the rows use the tool (the call, its result, the answer), half answer at once with the right
+            # number. The warm-started model knows the call format but calls the tool only about half the time;
+            # answering a * b + c in its head mostly fails, so what RL has to learn is when to use the tool.
+            from .environments import CALCULATOR_SYSTEM_PROMPT, calculator_tool_call
+
+            turns = ([{"role": "assistant", "content": calculator_tool_call(expr)}, {"role": "tool", "content": answer}]
+                     if rng.random() < 0.15 else [])
+            row = {"messages": [{"role": "system", "content": CALCULATOR_SYSTEM_PROMPT}, *prompt, *turns,
+                                {"role": "assistant", "content": answer}], "answer": answer}
+        elif kind == "prompt_completion":
             row["completion"] = [{"role": "assistant", "content": answer}]
         elif kind == "preference":  # the right answer against an off-by-a-little one
             row["chosen"] = [{"role": "assistant", "content": answer}]
@@ -122,7 +142,8 @@ def task_splits(task: str, n_train: int, n_eval: int, *, seed: int = 0, **kwargs
                 ) -> tuple[list[dict], list[dict]]:
     """Disjoint train and held-out sets of a builtin task."""
     held_out = task_rows(task, n_eval, seed=seed + 1_000_003, **kwargs)
-    keys = {_key(task, r["prompt"][-1]["content"], r["answer"]) for r in held_out}
+    keys = {_key(task, (r["prompt"] if "prompt" in r else r["messages"][:2])[-1]["content"], r["answer"])
+            for r in held_out}
     return task_rows(task, n_train, seed=seed, exclude=keys, **kwargs), held_out
 
 

@@ -133,6 +133,8 @@ class GKDTrainer(GRPOTrainer):
     mode. `reward_funcs` are optional and only logged (the loss does not read them).
     """
 
+    _supports_environments = False  # multi-turn episodes: GRPOTrainer only, for now (docs/agents.md)
+
     _tag_names = ["toolkit", "gkd"]
     _method_card = ("Generalized Knowledge Distillation (GKD)", _CITATION)
     _needs_rewards = False

@@ -127,6 +127,8 @@ def select_pairs(rewards: torch.Tensor, group_size: int, *, keep_ties: bool = Fa
 class OnlineDPOTrainer(GRPOTrainer):
     """Online DPO on prompt data with reward functions (see the module docstring); GRPOTrainer's arguments."""
 
+    _supports_environments = False  # multi-turn episodes: GRPOTrainer only, for now (docs/agents.md)
+
     _tag_names = ["toolkit", "online-dpo"]
     _method_card = ("Online DPO", _CITATION)
 

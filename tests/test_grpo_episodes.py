@@ -1,0 +1,173 @@
+"""GRPO on multi-turn episodes (GRPOConfig.environment): token-exact rows, environment ids out of the loss, errors."""
+
+import logging
+import random
+
+import pytest
+import torch
+
+from toolkit import ConfigError
+from toolkit.core.environments import EnvResponse
+from toolkit.core.generation import TransformersBackend
+from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+
+def rows(n=8):
+    return [{"prompt": [{"role": "user", "content": f"Task {i}"}], "answer": str(i)} for i in range(n)]
+
+
+class Chatty:
+    """Answers every turn with a tool message of random text (whitespace and unicode included) for 3 turns; the
+    episode's reward is the number of characters the model wrote (varied within a group)."""
+
+    def __init__(self, fail_on: str | None = None):
+        self.rng, self.turn, self.written, self.fail_on = random.Random(0), 0, 0, fail_on
+
+    def reset(self, row):
+        self.turn, self.written, self.row = 0, 0, row
+        return list(row["prompt"])
+
+    def step(self, text):
+        if self.fail_on is not None and self.row["answer"] == self.fail_on:
+            raise RuntimeError("the environment broke")
+        self.turn += 1
+        self.written += len(text)
+        if self.turn == 3:
+            return EnvResponse(reward=float(self.written % 7), done=True)
+        noise = "".join(self.rng.choice(["a", " ", "\n", "é", "🙂", "  x"]) for _ in range(self.rng.randint(1, 6)))
+        return EnvResponse(messages=[{"role": "tool", "content": noise}], info={"tool_calls": 1, "tool_errors": 0})
+
+
+class Recording(TransformersBackend):
+    """Remembers every (context, sampled ids) it produced."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen: list[tuple[list[int], list[int]]] = []
+
+    def generate(self, prompts, params, *, n=1, seed=None):
+        groups = super().generate(prompts, params, n=n, seed=seed)
+        for p, g in zip(prompts, groups):
+            self.seen += [(list(p), list(c.token_ids)) for c in g]
+        return groups
+
+
+def config(tmp_path, **kw):
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    # a random tiny model rarely samples <|im_end|>: every id >= 200 also ends a turn, so episodes have several
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                max_completion_length=6, learning_rate=1e-2, logging_steps=1, save_strategy="no", seed=0,
+                disable_tqdm=True, report_to="none", max_turns=4, max_episode_tokens=200,
+                stop_token_ids=[end] + list(range(200, 384)))
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def trainer(tmp_path, environment=Chatty, backend=True, **kw):
+    tok = tiny_tokenizer()
+    model = tiny_model()
+    gen = Recording(model, pad_token_id=tok.pad_token_id) if backend else None
+    return GRPOTrainer(model, [], config(tmp_path, **kw), train_dataset=rows(), processing_class=tok,
+                       environment=environment, generation_backend=gen)
+
+
+def test_episode_rows_are_the_sampled_ids_and_only_they_are_trained(tmp_path):
+    t = trainer(tmp_path)
+    t.train()
+    r = t._rollout
+    assert r.token_masks is not None and len(r.token_masks) == 8
+    full = [p + c for p, c in zip(r.prompt_ids, r.completion_ids)]
+    # every turn the backend sampled sits in a row right after the context it was sampled from
+    assert len(t.generation_backend.seen) > 8  # several turns
+    for context, ids in t.generation_backend.seen:
+        hits = [k for k, f in enumerate(full) if f[:len(context) + len(ids)] == context + ids]
+        assert hits, "a sampled turn is not in any trained row"
+        k = hits[0]
+        start = len(context) - len(r.prompt_ids[k])
+        assert r.token_masks[k][start:start + len(ids)] == [1] * len(ids)
+    # mask 1 exactly on sampled ids: the sampled ids counted by the mask equal the ids the backend returned
+    sampled_total = sum(len(ids) for _, ids in t.generation_backend.seen)
+    assert sum(sum(m) for m in r.token_masks) == sampled_total
+    assert any(0 in m for m in r.token_masks)  # tool messages are in the rows, masked
+    logs = {k: v for h in t.state.log_history for k, v in h.items()}
+    assert logs["episodes/turns_mean"] > 1 and "episodes/tool_calls_mean" in logs and "entropy" in logs
+
+
+def test_environment_ids_do_not_reach_the_loss(tmp_path):
+    t = trainer(tmp_path, max_steps=1)
+    t.train()
+    rollout = t._rollout
+    rollout.included[:] = True  # every row in the loss, whatever its group's rewards
+    rollout.advantages = torch.linspace(-1, 1, len(rollout.advantages))
+    batch = t._split(rollout)[0]
+    env = batch["completion_mask"] & ~batch["sampled_mask"]
+    assert bool(env.any()) and not bool((batch["loss_mask"] & env).any())
+    t.model.zero_grad()
+    loss = t.compute_loss(t.model, batch)
+    loss.backward()
+    grads = [p.grad.clone() for p in t.model.parameters() if p.grad is not None]
+    # the environment positions' placeholder sampler log-probs: anything there must not change loss or gradient
+    poked = dict(batch, sampler_logps=batch["sampler_logps"].masked_fill(env, -7.0))
+    t.model.zero_grad()
+    loss2 = t.compute_loss(t.model, poked)
+    loss2.backward()
+    assert torch.equal(loss, loss2)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, [p for p in t.model.parameters() if p.grad is not None]))
+    # and the step's token count is the sampled tokens only
+    sampled = sum(sum(m) for m, inc in zip(rollout.token_masks, rollout.included) if inc)
+    assert float(batch["step_tokens"]) == pytest.approx(sampled)
+
+
+def test_a_broken_environment_costs_its_episodes_not_the_run(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        t = trainer(tmp_path, environment=lambda: Chatty(fail_on="3"), max_steps=2)
+        t.train()
+    errors = [h["episodes/env_errors"] for h in t.state.log_history if "episodes/env_errors" in h]
+    assert len(errors) == 2
+    # the rows of prompt 3 (if drawn) have no reward and are out of the loss; the warning names the error
+    drawn = any(e > 0 for e in errors)
+    assert not drawn or "the environment broke" in caplog.text
+
+
+def test_bad_environment_settings_fail_before_training(tmp_path):
+    tok = tiny_tokenizer()
+    with pytest.raises(ConfigError, match="reward_funcs: with an environment"):
+        GRPOTrainer(tiny_model(), ["numeric_match"], config(tmp_path), train_dataset=rows(), processing_class=tok,
+                    environment=Chatty)
+    with pytest.raises(ConfigError, match="environment: 'nope' is not a registered environment"):
+        config(tmp_path, environment="nope")
+    with pytest.raises(ConfigError, match="environment_kwargs: set without environment"):
+        config(tmp_path, environment_kwargs={"max_tool_turns": 1})
+    with pytest.raises(ConfigError, match="environment_kwargs: .*unexpected keyword"):
+        GRPOTrainer(tiny_model(), [], config(tmp_path, environment="calculator", environment_kwargs={"colour": 1}),
+                    train_dataset=rows(), processing_class=tok)
+    with pytest.raises(ConfigError, match="max_turns"):
+        config(tmp_path, environment="calculator", max_turns=0)
+    with pytest.raises(ConfigError, match="no reset"):
+        GRPOTrainer(tiny_model(), [], config(tmp_path), train_dataset=rows(), processing_class=tok,
+                    environment=lambda: object())
+    from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    with pytest.raises(ConfigError, match="does not run multi-turn episodes yet"):
+        AsyncGRPOTrainer(tiny_model(), [], AsyncGRPOConfig(output_dir=str(tmp_path / "a"), environment="calculator",
+                                                            per_device_train_batch_size=8, num_generations=4),
+                         train_dataset=rows(), processing_class=tok)
+
+
+def test_the_calculator_environment_by_name_with_held_out_episodes(tmp_path):
+    from toolkit.core.report import heldout_episodes
+    from toolkit.core.tasks import task_rows
+
+    tok = tiny_tokenizer()
+    data = task_rows("calculator", 8, max_value=99, kind="prompt_only")
+    t = GRPOTrainer(tiny_model(), [], config(tmp_path, environment="calculator",
+                                             environment_kwargs={"max_tool_turns": 1}),
+                    train_dataset=data, processing_class=tok)
+    t.train()
+    success, mean = heldout_episodes(t, task_rows("calculator", 4, seed=9, max_value=99, kind="prompt_only"))
+    assert success == 0.0 and mean == 0.0  # a random model does not do arithmetic
+    assert t.heldout_episode_stats["turns_mean"] >= 1
+    prompt = tok.decode(t._rollout.prompt_ids[0])
+    assert "calculator" in prompt and "<tool_call>" in prompt  # the environment's system prompt
