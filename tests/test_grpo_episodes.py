@@ -2,6 +2,7 @@
 
 import logging
 import random
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ def rows(n=8):
 
 class Chatty:
     """Answers every turn with a tool message of random text (whitespace and unicode included) for 3 turns; the
-    episode's reward is the number of characters the model wrote (varied within a group)."""
+    episode's reward is the number of characters the model wrote, mod 7 (varied within a group)."""
 
     def __init__(self, fail_on: str | None = None):
         self.rng, self.turn, self.written, self.fail_on = random.Random(0), 0, 0, fail_on
@@ -95,8 +96,12 @@ def test_episode_rows_are_the_sampled_ids_and_only_they_are_trained(tmp_path):
     assert logs["episodes/turns_mean"] > 1 and "episodes/tool_calls_mean" in logs and "entropy" in logs
 
 
-def test_environment_ids_do_not_reach_the_loss(tmp_path):
-    t = trainer(tmp_path, max_steps=1)
+@pytest.mark.parametrize("settings", [
+    {}, {"importance_sampling_level": "sequence"}, {"importance_sampling_mode": "mask", "importance_sampling_min": 0.5},
+    {"off_policy_mask_threshold": 0.0}, {"loss_type": "gspo", "epsilon": 3e-4, "epsilon_high": 4e-4},
+    {"beta": 0.1}, {"num_iterations": 2}, {"loss_type": "dr_grpo"}])
+def test_environment_ids_do_not_reach_the_loss(tmp_path, settings):
+    t = trainer(tmp_path, max_steps=1, **settings)
     t.train()
     rollout = t._rollout
     rollout.included[:] = True  # every row in the loss, whatever its group's rewards
@@ -104,31 +109,99 @@ def test_environment_ids_do_not_reach_the_loss(tmp_path):
     batch = t._split(rollout)[0]
     env = batch["completion_mask"] & ~batch["sampled_mask"]
     assert bool(env.any()) and not bool((batch["loss_mask"] & env).any())
-    t.model.zero_grad()
-    loss = t.compute_loss(t.model, batch)
-    loss.backward()
-    grads = [p.grad.clone() for p in t.model.parameters() if p.grad is not None]
-    # the environment positions' placeholder sampler log-probs: anything there must not change loss or gradient
-    poked = dict(batch, sampler_logps=batch["sampler_logps"].masked_fill(env, -7.0))
-    t.model.zero_grad()
-    loss2 = t.compute_loss(t.model, poked)
-    loss2.backward()
+
+    def loss_and_grads(b):
+        t.model.zero_grad()
+        loss = t.compute_loss(t.model, b)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in t.model.parameters() if p.grad is not None]
+
+    loss, grads = loss_and_grads(batch)
+    # every per-token input a loss may read at the environment positions (the sampler's placeholder log-probs,
+    # pi_old's, the reference's): changing them must change neither the loss nor any gradient
+    poked = dict(batch)
+    for key in ("sampler_logps", "old_logps", "ref_logps"):
+        if key in poked:
+            poked[key] = poked[key].masked_fill(env, -7.0)
+    loss2, grads2 = loss_and_grads(poked)
     assert torch.equal(loss, loss2)
-    assert all(torch.equal(a, p.grad) for a, p in zip(grads, [p for p in t.model.parameters() if p.grad is not None]))
-    # and the step's token count is the sampled tokens only
-    sampled = sum(sum(m) for m, inc in zip(rollout.token_masks, rollout.included) if inc)
-    assert float(batch["step_tokens"]) == pytest.approx(sampled)
+    assert len(grads) == len(grads2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    # the control: the same change at sampled positions does change the loss, so the check above can fail
+    sampled = batch["loss_mask"]
+    moved = {k: (v.masked_fill(sampled, -7.0) if k in ("sampler_logps", "old_logps", "ref_logps") else v)
+             for k, v in batch.items()}
+    assert not torch.equal(loss_and_grads(moved)[0], loss)
+    # the step's token count is the sampled tokens only
+    count = sum(sum(m) for m, inc in zip(rollout.token_masks, rollout.included) if inc)
+    assert float(batch["step_tokens"]) == pytest.approx(count)
+
+
+def test_dr_grpo_normalises_by_the_episode_budget(tmp_path):
+    t = trainer(tmp_path, loss_type="dr_grpo", max_turns=3, max_completion_length=6)
+    assert t._aggregation_constant(t.args) == 18 and t.objective_settings.aggregation_constant == 18
+
+
+class Salted(Chatty):
+    """A different start for every episode (a counter in the opening message): a group's prompts differ."""
+
+    count = 0
+
+    def reset(self, row):
+        Salted.count += 1
+        messages = super().reset(row)
+        return [{"role": "user", "content": messages[0]["content"] + f" #{Salted.count}"}]
+
+
+def test_episodes_whose_starts_differ_keep_their_own_prompts(tmp_path):
+    t = trainer(tmp_path, environment=Salted)
+    t.train()
+    r = t._rollout
+    assert len({tuple(p) for p in r.prompt_ids}) == len(r.prompt_ids)  # every row its own start
+    full = [p + c for p, c in zip(r.prompt_ids, r.completion_ids)]
+    for context, ids in t.generation_backend.seen:
+        assert any(f[:len(context) + len(ids)] == context + ids for f in full)
+
+
+def test_unfinished_episodes_count_as_failed_or_are_left_out(tmp_path):
+    class Endless(Chatty):
+        def step(self, text):
+            return EnvResponse(messages=[{"role": "tool", "content": "go on"}])  # never a reward, never done
+
+    t = trainer(tmp_path, environment=Endless, max_turns=2)
+    t.train()
+    assert t._rollout.rewards.tolist() == [0.0] * 8 and not bool(t._rollout.included.any())  # tied at 0
+    t = trainer(tmp_path / "b", environment=Endless, max_turns=2, unfinished_episode_reward=None)
+    t.train()
+    assert torch.isnan(t._rollout.rewards).all()
 
 
 def test_a_broken_environment_costs_its_episodes_not_the_run(tmp_path, caplog):
+    class Broken(Chatty):
+        made = 0
+
+        def __init__(self):
+            super().__init__()
+            Broken.made += 1
+            self.breaks = Broken.made % 2 == 0  # every second episode
+
+        def step(self, text):
+            if self.turn == 0:  # a first turn rewarded 0.0, so the episode has a reward before it breaks
+                self.turn += 1
+                return EnvResponse(messages=[{"role": "tool", "content": "ok"}], reward=0.0)
+            if self.breaks:
+                raise RuntimeError("the environment broke")
+            return super().step(text)
+
     with caplog.at_level(logging.WARNING):
-        t = trainer(tmp_path, environment=lambda: Chatty(fail_on="3"), max_steps=2)
+        t = trainer(tmp_path, environment=Broken, max_steps=2)
         t.train()
     errors = [h["episodes/env_errors"] for h in t.state.log_history if "episodes/env_errors" in h]
-    assert len(errors) == 2
-    # the rows of prompt 3 (if drawn) have no reward and are out of the loss; the warning names the error
-    drawn = any(e > 0 for e in errors)
-    assert not drawn or "the environment broke" in caplog.text
+    assert len(errors) == 2 and sum(errors) > 0
+    assert "the environment broke" in caplog.text
+    r = t._rollout
+    broken = torch.isnan(r.rewards)
+    # the broken episodes (which had given no reward yet) are out of the loss, whatever their earlier turns
+    assert bool(broken.any()) and not bool(r.included[broken].any())
 
 
 def test_bad_environment_settings_fail_before_training(tmp_path):
@@ -145,6 +218,9 @@ def test_bad_environment_settings_fail_before_training(tmp_path):
                     train_dataset=rows(), processing_class=tok)
     with pytest.raises(ConfigError, match="max_turns"):
         config(tmp_path, environment="calculator", max_turns=0)
+    with pytest.raises(ConfigError, match="max_episode_tokens"):  # an environment= factory is checked the same
+        GRPOTrainer(tiny_model(), [], config(tmp_path, max_episode_tokens=0), train_dataset=rows(),
+                    processing_class=tok, environment=Chatty)
     with pytest.raises(ConfigError, match="no reset"):
         GRPOTrainer(tiny_model(), [], config(tmp_path), train_dataset=rows(), processing_class=tok,
                     environment=lambda: object())
@@ -171,3 +247,47 @@ def test_the_calculator_environment_by_name_with_held_out_episodes(tmp_path):
     assert t.heldout_episode_stats["turns_mean"] >= 1
     prompt = tok.decode(t._rollout.prompt_ids[0])
     assert "calculator" in prompt and "<tool_call>" in prompt  # the environment's system prompt
+
+
+def test_slow_failing_and_cut_environments_at_the_episode_level():
+    from toolkit.core.environments import TemplateDelta, run_episodes
+    from toolkit.core.generation import Completion
+
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    class Script:
+        def __init__(self, mode):
+            self.mode = mode
+
+        def reset(self, row):
+            if self.mode == "reset":
+                raise ValueError("no such game")
+            return [{"role": "user", "content": "go"}]
+
+        def step(self, text):
+            if self.mode == "slow":
+                time.sleep(3)
+            if self.mode == "role":
+                return EnvResponse(messages=[{"content": "a message without a role"}])
+            return EnvResponse(reward=1.0, done=True)
+
+    stopped = lambda contexts: [Completion([65, end], [-0.1, -0.1], "stop") for _ in contexts]  # noqa: E731
+    started = time.monotonic()
+    eps = run_episodes([Script(m) for m in ("slow", "reset", "role", "ok")], [{}] * 4, stopped, TemplateDelta(tok),
+                       max_turns=3, step_timeout=0.5)
+    assert time.monotonic() - started < 2.5  # the slow step was given up on, not waited for
+    assert [ep.finish for ep in eps] == ["env_error", "env_error", "env_error", "done"]
+    assert "environment_step_timeout" in eps[0].infos[-1]["env_error"]
+    assert "no such game" in eps[1].infos[-1]["env_error"] and eps[1].ids == []
+    assert "chat template refused" in eps[2].infos[-1]["env_error"]
+    assert eps[3].reward == 1.0 and not eps[3].truncated
+
+    class Judge(Script):
+        def step(self, text):
+            return EnvResponse(reward=0.5, done=True)
+
+    cut = lambda contexts: [Completion([65, 66], [-0.1, -0.1], "length") for _ in contexts]  # noqa: E731
+    eps = run_episodes([Judge("ok")], [{}], cut, TemplateDelta(tok), max_turns=3)
+    # scored by the environment although cut: done, and marked truncated (mask_truncated_completions sees it)
+    assert eps[0].finish == "done" and eps[0].truncated and eps[0].reward == 0.5

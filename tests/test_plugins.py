@@ -368,6 +368,45 @@ def test_a_backend_registered_by_name_generates(fresh, tmp_path):
     assert calls == [(2, 4)]
 
 
+def test_an_environment_registered_by_name_runs_episodes(fresh, tmp_path):
+    from toolkit.core.environments import EnvResponse
+
+    made = []
+
+    class Countdown:
+        def __init__(self, turns=2):
+            self.turns = turns
+            made.append(self)
+
+        def reset(self, row):
+            self.left = self.turns
+            return [{"role": "user", "content": row["prompt"]}]
+
+        def step(self, text):
+            self.left -= 1
+            if self.left == 0:
+                return EnvResponse(reward=float(len(text) % 3), done=True)
+            return EnvResponse(messages=[{"role": "user", "content": f"{self.left} to go"}])
+
+    class EnvPlugin:
+        @hookimpl
+        def toolkit_register_environments(self):
+            return {"countdown": Countdown}
+
+    fresh.register(EnvPlugin(), "env-plugin")
+    assert "countdown" in fresh.names("environment") and "calculator" in fresh.names("environment")
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, learning_rate=1e-2, save_strategy="no", seed=0, report_to="none",
+                      disable_tqdm=True, environment="countdown", environment_kwargs={"turns": 3},
+                      stop_token_ids=[end] + list(range(200, 384)))
+    t = GRPOTrainer(tiny_model(), [], args, train_dataset=prompts(), processing_class=tok)
+    t.train()
+    assert all(env.turns == 3 for env in made) and len(made) >= 9  # the probe + a fresh one per episode
+    assert max(h.get("episodes/turns_mean", 0) for h in t.state.log_history) > 1
+
+
 def test_observers_see_metrics_and_complete_checkpoints_and_cannot_break_training(fresh, tmp_path, caplog):
     seen = {"metrics": [], "checkpoints": []}
 

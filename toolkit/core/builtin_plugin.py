@@ -79,6 +79,6 @@ def toolkit_register_generation_backends():
 
 @hookimpl
 def toolkit_register_environments():
-    from .environments import calculator_environment
+    from .environments import GymnasiumEnvironment, TextArenaEnvironment, calculator_environment
 
-    return {"calculator": calculator_environment}
+    return {"calculator": calculator_environment, "gymnasium": GymnasiumEnvironment, "textarena": TextArenaEnvironment}

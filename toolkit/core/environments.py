@@ -34,7 +34,8 @@ ENVIRONMENT_PROTOCOL_VERSION = 1
 
 __all__ = ["CALCULATOR_SYSTEM_PROMPT", "ENVIRONMENT_PROTOCOL_VERSION", "EnvResponse", "Environment", "Episode",
            "TOOL_CALL_FORMATS", "TemplateDelta", "ToolBox", "ToolCall", "ToolEnvironment", "calc",
-           "calculator_environment", "calculator_tool_call", "parse_tool_calls", "run_episode", "run_episodes"]
+           "GymnasiumEnvironment", "TextArenaEnvironment", "calculator_environment", "calculator_tool_call",
+           "parse_tool_calls", "run_episode", "run_episodes"]
 
 
 @dataclass
@@ -53,7 +54,8 @@ class EnvResponse:
 @runtime_checkable
 class Environment(Protocol):
     """One episode's environment. `reset(row)` gets the dataset row and returns the starting messages (the prompt
-    conversation); `step(text)` gets the model's turn (decoded, special tokens skipped) and answers it. `tools`
+    conversation); `step(text)` gets the model's turn (decoded; special tokens such as tool-call markers kept, the
+    stop token that ended the turn dropped) and answers it. `tools`
     (optional attribute): tool schemas or functions passed to `apply_chat_template(tools=...)`."""
 
     def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]: ...
@@ -76,6 +78,7 @@ class Episode:
     rewards: list[float | None] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)
     finish: str = "done"   # done | max_turns | max_tokens | length (a turn hit its token limit) | env_error
+    truncated: bool = False  # the last sampled turn was cut at its token limit (no stop token)
 
     @property
     def reward(self) -> float | None:
@@ -158,17 +161,21 @@ def run_episode(env: Environment, row: dict[str, Any], sample: Sampler, delta: T
 def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sample: BatchSampler,
                  delta: TemplateDelta, *, max_turns: int = 8, max_tokens: int = 1024,
                  decode: Callable[[list[int]], str] | None = None, stop_token_ids: Sequence[int] = (),
-                 concurrency: int = 32) -> list[Episode]:
+                 concurrency: int = 32, step_timeout: float | None = None) -> list[Episode]:
     """Run one episode per (environment, row) in lockstep, token-exact as `run_episode`.
 
     Each turn, the contexts of all unfinished episodes go to `sample` together (one batched generate), then their
     environments answer concurrently on up to `concurrency` threads, so environments that wait (tools, sandboxes,
-    remote judges) overlap each other instead of adding up. An environment whose `step` raises ends its episode
-    without a reward (`finish="env_error"`, the error in `info["env_error"]`): the run goes on, and a trainer
-    leaves the episode out of the loss.
+    remote judges) overlap each other instead of adding up. An environment whose `reset` or `step` raises, whose
+    answer the chat template refuses, or (with `step_timeout`) that does not answer in time, ends its episode
+    (`finish="env_error"`, the error in the last `infos` entry's "env_error"): the run goes on, and a trainer
+    leaves the episode out of the loss. A step that timed out keeps its thread (Python cannot stop one) until it
+    returns; its answer is ignored.
     """
     if max_turns < 1:
         raise ConfigError(f"max_turns: must be >= 1, got {max_turns}.")
+    import time
+
     if len(envs) != len(rows):
         raise ValueError(f"run_episodes: {len(envs)} environments for {len(rows)} rows")
     tok = delta.tokenizer
@@ -177,13 +184,39 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
     # The text the environment reads keeps special tokens (tool-call markers such as [TOOL_CALLS] or
     # <|python_tag|> are special in their tokenizers) and drops only the stop token that ended the turn.
     decode = decode or (lambda ids: tok.decode(ids[:-1] if ids and ids[-1] in stops else ids))
-    episodes = [Episode(prompt_ids=delta.prompt_ids(env.reset(row))) for env, row in zip(envs, rows)]
-    active = list(range(len(episodes)))
-    pool = None
-    if concurrency > 1 and len(episodes) > 1:
-        from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as FutureTimeout
 
-        pool = ThreadPoolExecutor(max_workers=min(concurrency, len(episodes)), thread_name_prefix="toolkit-env")
+    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(envs))), thread_name_prefix="toolkit-env")
+
+    def outcome(future: Any, deadline: float | None) -> tuple[Any, str | None]:
+        """(result, None) or (None, what went wrong) of an environment call, waiting at most until `deadline`."""
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return future.result(timeout=left), None
+        except FutureTimeout:
+            return None, f"no answer within environment_step_timeout={step_timeout:g} s"
+        except Exception as e:  # a broken environment costs its episode, not the run
+            return None, f"{type(e).__name__}: {e}"[:500]
+
+    def rendered(messages: list[dict[str, Any]]) -> tuple[list[int] | None, str | None]:
+        try:
+            return delta.after_turn(messages), None
+        except Exception as e:  # messages the chat template refuses (an unknown role, a missing field)
+            return None, f"the chat template refused the environment's messages: {type(e).__name__}: {e}"[:500]
+
+    def deadline() -> float | None:
+        return None if step_timeout is None else time.monotonic() + step_timeout
+
+    resets = [pool.submit(lambda e=env, r=row: delta.prompt_ids(e.reset(r))) for env, row in zip(envs, rows)]
+    until = deadline()
+    episodes = []
+    for future in resets:
+        ids, error = outcome(future, until)
+        # a failed reset leaves no prompt to sample from: an empty episode, out of the loss
+        episodes.append(Episode(prompt_ids=ids) if error is None else
+                        Episode(prompt_ids=[], infos=[{"env_error": f"reset: {error}"}], finish="env_error"))
+    active = [i for i, ep in enumerate(episodes) if ep.finish != "env_error"]
     try:
         for turn in range(max_turns):
             for i in [i for i in active if len(episodes[i].ids) >= max_tokens]:
@@ -202,39 +235,46 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
                 ep.mask += [1] * len(out.token_ids)
                 ep.logprobs += [float(x) for x in out.logprobs]
                 ep.turns.append((start, len(ep.ids)))
+                ep.truncated = not (out.token_ids and out.token_ids[-1] in stops)
 
-            def answer(i: int, out: Completion) -> EnvResponse:
-                try:
-                    return envs[i].step(decode(list(out.token_ids)))
-                except Exception as e:  # a broken environment costs its episode, not the run
-                    return EnvResponse(done=True, info={"env_error": f"{type(e).__name__}: {e}"[:500]})
-
-            responses = (list(pool.map(answer, active, outs)) if pool is not None
-                         else [answer(i, out) for i, out in zip(active, outs)])
+            futures = [pool.submit(envs[i].step, decode(list(out.token_ids))) for i, out in zip(active, outs)]
+            until = deadline()  # one deadline for the turn: the steps run together
             still = []
-            for i, out, response in zip(active, outs, responses):
+            for i, out, future in zip(active, outs, futures):
                 ep = episodes[i]
-                ep.rewards.append(response.reward)
-                ep.infos.append(dict(response.info))
-                if response.done:
-                    ep.finish = "env_error" if "env_error" in response.info else "done"
+                response, error = outcome(future, until)
+                if error is None and response.done:
+                    ep.rewards.append(response.reward)
+                    ep.infos.append(dict(response.info))
+                    ep.finish = "done"
                     continue
-                if not (out.token_ids and out.token_ids[-1] in stops):
+                if error is None and ep.truncated:
                     # cut at its token limit: there is no end of turn to append the environment's answer to
+                    ep.rewards.append(response.reward)
+                    ep.infos.append(dict(response.info))
                     ep.finish = "length"
                     continue
-                if turn == max_turns - 1:
+                if error is None and turn == max_turns - 1:
+                    ep.rewards.append(response.reward)
+                    ep.infos.append(dict(response.info))
                     ep.finish = "max_turns"
                     continue
-                ids = delta.after_turn(response.messages)
+                if error is None:
+                    ids, error = rendered(response.messages)
+                if error is not None:
+                    ep.rewards.append(None)
+                    ep.infos.append({"env_error": error})
+                    ep.finish = "env_error"
+                    continue
+                ep.rewards.append(response.reward)
+                ep.infos.append(dict(response.info))
                 ep.ids += ids
                 ep.mask += [0] * len(ids)
                 ep.logprobs += [0.0] * len(ids)
                 still.append(i)
             active = still
     finally:
-        if pool is not None:
-            pool.shutdown(wait=False)
+        pool.shutdown(wait=False)
     return episodes
 
 
@@ -482,3 +522,92 @@ def calculator_environment(*, max_tool_turns: int = 2, system_prompt: str | None
 
     return ToolEnvironment(ToolBox([calc], timeout=timeout), reward, fmt=fmt, system_prompt=system_prompt,
                            max_tool_turns=max_tool_turns)
+
+
+# ------------------------------------------------------------------------------------------- adapters
+
+class GymnasiumEnvironment:
+    """A Gymnasium text environment as an `Environment`, unmodified: `env.reset(seed=..., options=row)` returns the
+    first observation (a string: the user's opening message), `env.step(text)` returns (observation, reward,
+    terminated, truncated, info); each turn's reward adds to the episode's, and the next observation is a `role`
+    message. `env` is a `gymnasium.Env` (or an id for `gymnasium.make(env, **make_kwargs)`, so registered
+    environments run by name: builtin environment "gymnasium"). The row's `seed` column seeds `reset`."""
+
+    def __init__(self, env: Any, *, role: str = "user", system_prompt: str | None = None, **make_kwargs: Any):
+        if isinstance(env, str):
+            try:
+                import gymnasium
+            except ImportError as e:
+                raise ConfigError("environment 'gymnasium' needs the gymnasium package: pip install 'toolkit[agents]'"
+                                  ) from e
+            try:
+                env = gymnasium.make(env, **make_kwargs)
+            except gymnasium.error.Error as e:
+                raise ConfigError(f"environment_kwargs: gymnasium cannot make {env!r}: {e}") from None
+        self.env, self.role, self.system_prompt = env, role, system_prompt
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        seed = row.get("seed")
+        observation, _ = self.env.reset(seed=None if seed is None else int(seed), options=dict(row))
+        messages = [{"role": "user", "content": _observation_text(observation, "reset")}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def step(self, text: str) -> EnvResponse:
+        observation, reward, terminated, truncated, info = self.env.step(text)
+        done = bool(terminated or truncated)
+        counters = {k: info[k] for k in ("tool_calls", "tool_errors") if isinstance(info, dict) and k in info}
+        return EnvResponse(messages=[] if done else [{"role": self.role, "content": _observation_text(observation,
+                                                                                                    "step")}],
+                           reward=float(reward), done=done, info=counters)
+
+
+class TextArenaEnvironment:
+    """A single-player TextArena game (`textarena.make(env_id)`, e.g. "GuessTheNumber-v0-raw"), unmodified: the
+    game's observations since the model's last move become one user message; the episode's reward is the game's
+    reward for player 0 when it ends (`env.close()`). The row's `seed` column seeds the game (builtin environment
+    "textarena", environment_kwargs = {env_id = ...}). Use the "-raw" ids: TextArena's default wrappers re-send
+    the whole history as each observation, which an episode that extends its ids would hold twice."""
+
+    def __init__(self, env_id: str, **make_kwargs: Any):
+        try:
+            import textarena
+        except ImportError as e:
+            raise ConfigError("environment 'textarena' needs the textarena package: pip install 'toolkit[agents]'"
+                              ) from e
+        try:
+            self.env = textarena.make(env_id, **make_kwargs)
+        except (ValueError, ImportError, TypeError) as e:
+            raise ConfigError(f"environment_kwargs: textarena cannot make {env_id!r}: {e}") from None
+        self.env_id = env_id
+
+    def _observation(self) -> str:
+        import textarena
+
+        _, observation = self.env.get_observation()
+        if isinstance(observation, str):
+            return observation
+        # raw observations: (from_id, message, type) since the last call; the model's own moves are already in
+        # its context (as the ids it sampled), so they are not repeated
+        return "\n".join(str(message) for from_id, message, kind in observation
+                         if kind != textarena.ObservationType.PLAYER_ACTION)
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        seed = row.get("seed")
+        self.env.reset(num_players=1, seed=None if seed is None else int(seed))
+        return [{"role": "user", "content": self._observation()}]
+
+    def step(self, text: str) -> EnvResponse:
+        done, _ = self.env.step(text)
+        if done:
+            rewards, _ = self.env.close()
+            return EnvResponse(reward=float(rewards[0]), done=True)
+        return EnvResponse(messages=[{"role": "user", "content": self._observation() or "(no change)"}])
+
+
+def _observation_text(observation: Any, where: str) -> str:
+    if not isinstance(observation, str):
+        raise TypeError(f"a Gymnasium text environment returns string observations; {where}() returned "
+                        f"{type(observation).__name__}")
+    return observation

@@ -191,12 +191,21 @@ class GRPOConfig(TrainingArguments):
                 "reward is the episode's (reward_funcs stay empty). docs/agents.md."})
     environment_kwargs: dict | None = field(default=None, metadata={
         "help": "Settings passed to the environment's factory (e.g. {max_tool_turns = 2} for calculator)."})
-    max_turns: int = field(default=4, metadata={"help": "Model turns per episode at most (with environment)."})
+    max_turns: int = field(default=4, metadata={"help": "Model turns per episode at most (with environment). The "
+                                                          "episode's prompt is the environment's reset() messages; "
+                                                          "max_prompt_length does not apply to it."})
     max_episode_tokens: int = field(default=512, metadata={
         "help": "Ids per episode after the prompt (sampled + environment) before no new turn starts; each turn "
                 "samples at most max_completion_length."})
     environment_concurrency: int = field(default=32, metadata={
         "help": "Environments answering at once (threads): slow tools and sandboxes overlap each other."})
+    environment_step_timeout: float = field(default=300.0, metadata={
+        "help": "Seconds an environment's reset/step may take; past it the episode ends without a reward "
+                "(finish env_error) and the run goes on."})
+    unfinished_episode_reward: float | None = field(default=0.0, metadata={
+        "help": "Reward of an episode that ran out of turns or tokens (or had a turn cut at max_completion_length) "
+                "before the environment gave any reward: 0 counts it as failed, as held-out evaluation does. "
+                "None leaves such episodes out of the loss."})
 
     no_signal_warn_steps: int = field(default=3, metadata={
         "help": "Warn when every group had equal rewards below solved_reward for this many steps in a row."})
@@ -255,19 +264,25 @@ class GRPOConfig(TrainingArguments):
                        top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
         if self.environment is not None:
             reg.get("environment", self.environment, field="environment")
-            if self.max_turns < 1:
-                raise ConfigError(f"max_turns: must be >= 1, got {self.max_turns}.")
-            if self.max_episode_tokens < 1:
-                raise ConfigError(f"max_episode_tokens: must be >= 1, got {self.max_episode_tokens}.")
-            if self.environment_concurrency < 1:
-                raise ConfigError(f"environment_concurrency: must be >= 1, got {self.environment_concurrency}.")
-            if env_world_size() > 1:
-                # ranks would run different numbers of generate calls (episodes end at different turns), which
-                # hangs a sharded (FSDP) decode; not built yet
-                raise ConfigError("environment: multi-turn episodes run in one process for now; launch one process.")
+            self.check_episode_settings()
         elif self.environment_kwargs:
             raise ConfigError("environment_kwargs: set without environment; name the environment (e.g. "
                               "environment = \"calculator\") or remove environment_kwargs.")
+
+    def check_episode_settings(self) -> None:
+        """The multi-turn settings; called for `environment` here and by GRPOTrainer for an `environment=` factory."""
+        if self.max_turns < 1:
+            raise ConfigError(f"max_turns: must be >= 1, got {self.max_turns}.")
+        if self.max_episode_tokens < 1:
+            raise ConfigError(f"max_episode_tokens: must be >= 1, got {self.max_episode_tokens}.")
+        if self.environment_concurrency < 1:
+            raise ConfigError(f"environment_concurrency: must be >= 1, got {self.environment_concurrency}.")
+        if not self.environment_step_timeout > 0:
+            raise ConfigError(f"environment_step_timeout: must be > 0 seconds, got {self.environment_step_timeout}.")
+        if env_world_size() > 1:
+            # ranks would run different numbers of generate calls (episodes end at different turns), which
+            # hangs a sharded (FSDP) decode; not built yet
+            raise ConfigError("environment: multi-turn episodes run in one process for now; launch one process.")
 
     def _check_objective(self) -> None:
         """Every loss/estimator setting, checked by the objects' own settings dataclasses before any model loads.
@@ -342,6 +357,8 @@ class GRPOTrainer(Trainer):
             raise ConfigError(f"environment: {type(self).__name__} does not run multi-turn episodes yet; use "
                               "GRPOTrainer (docs/agents.md).")
         self.environment_factory = self._environment_factory(environment, args)
+        if self.environment_factory is not None:
+            args.check_episode_settings()
         if self.environment_factory is not None and list(reward_funcs):
             raise ConfigError("reward_funcs: with an environment the episode's reward is the environment's (its "
                               "step() returns it); give no reward functions, or score the final answer inside the "
@@ -439,11 +456,11 @@ class GRPOTrainer(Trainer):
                                                              name=args.advantage_estimator)
         self._policy_term = _policy_term_of(self)
 
-    @staticmethod
-    def _aggregation_constant(args: GRPOConfig) -> int:
-        """Dr. GRPO's constant normaliser: the most tokens a sample can have (an episode's budget with environments)."""
-        if args.environment is not None:
-            return args.max_episode_tokens + args.max_completion_length
+    def _aggregation_constant(self, args: GRPOConfig) -> int:
+        """Dr. GRPO's constant normaliser: the most sampled tokens a sample can hold (an episode's: every turn at
+        max_completion_length)."""
+        if getattr(self, "environment_factory", None) is not None:
+            return args.max_turns * args.max_completion_length
         return args.max_completion_length
 
     # ------------------------------------------------------------------------------ environments
@@ -507,7 +524,8 @@ class GRPOTrainer(Trainer):
         args = self.args
         return run_episodes([self.environment_factory() for _ in rows], list(rows), sample, self.episode_delta,
                             max_turns=args.max_turns, max_tokens=args.max_episode_tokens,
-                            stop_token_ids=sampling.stop_token_ids, concurrency=args.environment_concurrency)
+                            stop_token_ids=sampling.stop_token_ids, concurrency=args.environment_concurrency,
+                            step_timeout=args.environment_step_timeout)
 
     @torch.no_grad()
     def generate_episodes(self, row_indices: Sequence[int]) -> Rollout:
@@ -525,13 +543,13 @@ class GRPOTrainer(Trainer):
                 self._health._warn(self.state.global_step, "env_error",
                                    f"an environment raised in step() (episodes without a reward, left out of the "
                                    f"loss): {ep.infos[-1]['env_error']}")
-        groups = [[Completion(list(ep.ids), list(ep.logprobs), "length" if ep.finish == "length" else "stop")
+        groups = [[Completion(list(ep.ids), list(ep.logprobs), "length" if ep.truncated else "stop")
                    for ep in episodes[k * G:(k + 1) * G]] for k in range(len(row_indices))]
-        rewards = torch.tensor([[float("nan") if ep.reward is None else ep.reward for ep in episodes]],
-                               dtype=torch.float32)
+        rewards = torch.tensor([[self._episode_reward(ep) for ep in episodes]], dtype=torch.float32)
         self._reward_failures = {}
+        # per row: an environment whose reset() varies (a random start) gives each episode of a group its own prompt
         rollout = self.build_rollout(row_indices, groups, rewards, t_gen, 0.0,
-                                     prompt_ids=[ep.prompt_ids for ep in episodes[::G]],
+                                     row_prompt_ids=[ep.prompt_ids for ep in episodes],
                                      token_masks=[list(ep.mask) for ep in episodes])
         n = max(len(episodes), 1)
         rollout.metrics.update({
@@ -544,6 +562,16 @@ class GRPOTrainer(Trainer):
                for k in ("done", "max_turns", "max_tokens", "length")},
         })
         return rollout
+
+    def _episode_reward(self, ep: Any) -> float:
+        """The reward an episode trains with: NaN (out of the loss) when its environment failed, whatever it had
+        given before; `unfinished_episode_reward` when it ran out of turns or tokens before any reward."""
+        if ep.finish == "env_error":
+            return float("nan")
+        if ep.reward is not None:
+            return ep.reward
+        unfinished = self.args.unfinished_episode_reward
+        return float("nan") if unfinished is None else float(unfinished)
 
     def _log_objective(self, args: GRPOConfig, weights: list[float]) -> None:
         logger.info(
@@ -615,13 +643,13 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def build_rollout(self, row_indices: Sequence[int], groups: list[list[Completion]], rewards_per_func: torch.Tensor,
-                      t_gen: float, t_score: float, *, prompt_ids: list[list[int]] | None = None,
+                      t_gen: float, t_score: float, *, row_prompt_ids: list[list[int]] | None = None,
                       token_masks: list[list[int]] | None = None) -> Rollout:
         """Scored generations -> a Rollout: total reward, advantages, the rows in the loss, old/reference log-probs.
-        `prompt_ids` (per prompt; default: the rendered dataset prompts) and `token_masks` (per row) come from
-        multi-turn episodes (`generate_episodes`)."""
+        `row_prompt_ids` (per row; default: each group's rendered dataset prompt) and `token_masks` (per row) come
+        from multi-turn episodes (`generate_episodes`)."""
         args, G = self.args, self.args.num_generations
-        prompt_ids = prompt_ids if prompt_ids is not None else [self.prompt_ids[i] for i in row_indices]
+        prompt_ids = [self.prompt_ids[i] for i in row_indices]
         completion_ids = [c.token_ids for g in groups for c in g]
         sampler_logps = [c.logprobs for g in groups for c in g]
         truncated = torch.tensor([c.finish_reason == "length" for g in groups for c in g])
@@ -639,7 +667,8 @@ class GRPOTrainer(Trainer):
             included &= ~truncated
         group_ids = torch.arange(len(row_indices)).repeat_interleave(G)
         rollout = Rollout(
-            prompt_ids=[p for p in prompt_ids for _ in range(G)], completion_ids=completion_ids,
+            prompt_ids=row_prompt_ids if row_prompt_ids is not None else [p for p in prompt_ids for _ in range(G)],
+            completion_ids=completion_ids,
             sampler_logps=sampler_logps, rewards=total, rewards_per_func=rewards_per_func, advantages=advantages,
             included=included, group_ids=group_ids, truncated=truncated, token_masks=token_masks,
         )
@@ -905,7 +934,9 @@ class GRPOTrainer(Trainer):
 
     def _rollout_metrics(self, r: Rollout, zero_std: torch.Tensor, t_gen: float, t_score: float,
                          t_extra: float) -> dict[str, float]:
-        lengths = torch.tensor([len(c) for c in r.completion_ids], dtype=torch.float32)
+        # generated tokens: an episode's sampled ids (its environment ids are not generated)
+        lengths = torch.tensor([sum(m) for m in r.token_masks] if r.token_masks is not None
+                               else [len(c) for c in r.completion_ids], dtype=torch.float32)
         m: dict[str, float] = {
             "reward": _nanmean(r.rewards), "reward_std": _nanstd(r.rewards),
             "frac_reward_zero_std": float(zero_std.view(-1, self.args.num_generations)[:, 0].float().mean()),

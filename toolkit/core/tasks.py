@@ -2,7 +2,7 @@
 
 `arithmetic`: additions and subtractions of `task_max_terms` numbers with a verifiable integer answer.
 `multiplication`: a number times a one-digit number. `calculator`: a two-digit number times a digit plus a
-number, for the calculator tool (its prompt-completion rows are a warm-up: half use the tool, half answer at
+number, for the calculator tool (its prompt-completion rows are a warm-up: 15% use the tool, the rest answer at
 once). `sorting`: a few numbers to put in increasing order
 (the answer is the list; `number_list_match` scores it). The same generators feed SFT (prompt-completion
 rows), RL (prompt-only rows with an `answer` column) and preference training (the answer against a near
@@ -99,6 +99,7 @@ def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_term
     if kind not in ("prompt_completion", "prompt_only", "preference"):
         raise ConfigError(f"kind must be 'prompt_completion', 'prompt_only' or 'preference', got {kind!r}")
     rng = random.Random(seed)
+    coin = random.Random(seed + 7_919)
     rows, seen = [], set(exclude or ())
     attempts = 0
     while len(rows) < n:
@@ -120,13 +121,14 @@ def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_term
         row: dict[str, Any] = {"prompt": prompt, "answer": answer}
         if kind == "prompt_completion" and task == "calculator":
             # the SFT warm-up of examples/tools_pipeline.toml, under the calculator environment's system prompt:
-            # half the rows use the tool (the call, its result, the answer), half answer at once with the right
-            # number. The warm-started model knows the call format but calls the tool only about half the time;
-            # answering a * b + c in its head mostly fails, so what RL has to learn is when to use the tool.
+            # 15% of the rows use the tool (the call, its result, the answer), the rest answer at once with the
+            # right number. The warm-started model knows the call format but rarely calls the tool; answering
+            # a * b + c in its head mostly fails, so what RL has to learn is to use the tool. The coin has its own
+            # generator, so the problems drawn (and the held-out split) are those of the prompt-only rows.
             from .environments import CALCULATOR_SYSTEM_PROMPT, calculator_tool_call
 
             turns = ([{"role": "assistant", "content": calculator_tool_call(expr)}, {"role": "tool", "content": answer}]
-                     if rng.random() < 0.15 else [])
+                     if coin.random() < 0.15 else [])
             row = {"messages": [{"role": "system", "content": CALCULATOR_SYSTEM_PROMPT}, *prompt, *turns,
                                 {"role": "assistant", "content": answer}], "answer": answer}
         elif kind == "prompt_completion":

@@ -66,7 +66,7 @@ class PolicyLossInputs:
     old_logps: torch.Tensor                      # [B, T] pi_old: the ratio's denominator (= logps.detach() on-policy)
     advantages: torch.Tensor                     # [B] per completion (GRPO) or [B, T] per token (PPO)
     loss_mask: torch.Tensor                      # [B, T] bool: tokens that count in the loss
-    completion_mask: torch.Tensor | None = None  # [B, T] bool: tokens that exist (default: loss_mask)
+    completion_mask: torch.Tensor | None = None  # [B, T] bool: tokens the policy sampled (default: loss_mask)
     sampler_logps: torch.Tensor | None = None    # [B, T] the behaviour policy, as the generation engine reported it
     ref_logps: torch.Tensor | None = None        # [B, T] the reference policy (when beta > 0)
     group_ids: torch.Tensor | None = None        # [B] index of each row's prompt within the step
