@@ -1,20 +1,25 @@
 """Benchmark: multi-turn episodes per second when the environment waits (tools, sandboxes, judges).
 
-    python bench/agent_rollouts.py                 # about 3 minutes on 2 CPU cores
-    python bench/agent_rollouts.py --prompts 8     # 8 prompts x 8 episodes per round
+    python bench/agent_rollouts.py                   # about 15 minutes on 2 CPU cores
+    python bench/agent_rollouts.py --steps 6         # more GRPO steps per training row
 
-The embedded SmolLM2-135M-Instruct plays the calculator environment (examples/grpo_tools.toml: the system prompt,
-the `calc` tool, up to 3 turns), with every environment step taking a uniformly drawn 0.2-1.0 s (a latency-bound
-tool, as a sandbox or a remote judge is; the draw is seeded, so both rows wait the same). One round is what a GRPO
-step generates: `--prompts` prompts x 8 episodes, through `toolkit.core.environments.run_episodes`, the function
-GRPOTrainer calls. Rows:
+The environment is the calculator of examples/grpo_tools.toml ("What is 47 * 8 + 19?", a `calc` tool, up to 3
+turns) with every step waiting a uniformly drawn 0.2-1.0 s first (`environment_kwargs.latency`): a latency-bound
+tool, as a sandbox or a remote judge is. Two parts, each row in its own process, one after the other:
 
-- `sequential`: environment_concurrency = 1: each episode's step waits for the previous one's.
-- `concurrent`: environment_concurrency = 32 (the default): the steps of one turn wait together on threads.
+Rollouts only (the embedded SmolLM2-135M-Instruct, 2 rounds of 4 prompts x 8 episodes, through
+`toolkit.core.environments.run_episodes`, the function GRPO calls): `sequential` (environment_concurrency 1, each
+step waits for the previous one) against `concurrent` (32 threads, the default). Both sample the same ids (seeded
+generation, deterministic environment), so their success rates are equal by construction.
 
-Both rows sample the same ids (generation is seeded per turn and the environment is deterministic), so their
-success rates are equal by construction; the table shows them. What this does NOT measure: async GRPO (rollouts
-overlapping training in a worker process) on episodes, which is not built yet (docs/agents.md).
+Training (GRPO on episodes from the tool-use pipeline's SFT warm-up, `outputs/tools/0-sft/final`, written by
+`toolkit pipeline --config examples/tools_pipeline.toml`; when it is missing this script runs that SFT stage
+first, about 3 minutes): `--steps` steps of 4 prompts x 8 episodes, learning rate 1e-5, then held-out success
+(64 greedy episodes, the same latency). Rows: `sync-sequential` (GRPOTrainer, environment_concurrency 1: each
+environment step after the previous one, as a plain loop over episodes does), `sync` (GRPOTrainer, 32 threads),
+`async` (AsyncGRPOTrainer, max_staleness 1, 32 threads: the worker's rollouts, waits included, overlap training).
+Episodes/s counts trained episodes over training wall time (held-out evaluations excluded). The async worker and
+the trainer split the 2 cores (1 thread each).
 Writes bench/results/agent_rollouts.{json,txt}.
 """
 
@@ -23,29 +28,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import provenance  # noqa: E402
+from _common import provenance, run_in_subprocess  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LATENCY = [0.2, 1.0]
+WARMUP = os.path.join(ROOT, "outputs", "tools", "0-sft", "final")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--latency", type=float, nargs=2, default=(0.2, 1.0))
-    args = parser.parse_args()
-
+def rollouts(kind: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.core.environments import TemplateDelta, ToolEnvironment, calculator_environment, run_episodes
+    from toolkit.core.environments import TemplateDelta, calculator_environment, run_episodes
     from toolkit.core.generation import SamplingParams, TransformersBackend
     from toolkit.core.models import embedded_model_path
     from toolkit.core.tasks import task_rows
@@ -57,70 +56,123 @@ def main() -> None:
     backend = TransformersBackend(model, pad_token_id=tok.pad_token_id)
     stop = tok.convert_tokens_to_ids("<|im_end|>")
     params = SamplingParams(max_tokens=40, temperature=1.0, stop_token_ids=(stop,))
-    rows = task_rows("calculator", args.prompts * args.rounds, max_value=99, kind="prompt_only")
-    lo, hi = args.latency
-
-    class Slow(ToolEnvironment):
-        """The calculator environment, each step waiting a seeded 0.2-1.0 s first."""
-
-        lock = threading.Lock()
-        draws = random.Random(0)
-
-        def step(self, text):
-            time.sleep(self.delay)
-            return super().step(text)
-
-        def reset(self, row):
-            with self.lock:
-                self.delay = self.draws.uniform(lo, hi)
-            return super().reset(row)
-
-    def make() -> ToolEnvironment:
-        base = calculator_environment(max_tool_turns=2)
-        return Slow(base.toolbox, base.reward_fn, fmt=base.fmt, system_prompt=base.system_prompt,
-                    max_tool_turns=base.max_tool_turns)
-
+    prompts, generations, rounds = 4, 8, 2
+    rows = task_rows("calculator", prompts * rounds, max_value=99, kind="prompt_only")
     delta = TemplateDelta(tok, end_text="<|im_end|>")
+    episodes, started = [], time.perf_counter()
+    for r in range(rounds):
+        batch = [row for row in rows[r * prompts:(r + 1) * prompts] for _ in range(generations)]
+        turn = [0]
+
+        def sample(contexts):
+            turn[0] += 1
+            return [g[0] for g in backend.generate(contexts, params, n=1, seed=1000 * r + turn[0])]
+
+        envs = [calculator_environment(max_tool_turns=2, latency=LATENCY) for _ in batch]
+        episodes += run_episodes(envs, batch, sample, delta, max_turns=3, max_tokens=160,
+                                 concurrency=1 if kind == "sequential" else 32)
+    seconds = time.perf_counter() - started
+    return {"kind": kind, "episodes": len(episodes), "seconds": round(seconds, 2),
+            "episodes_per_s": round(len(episodes) / seconds, 3),
+            "success": round(sum((ep.reward or 0.0) >= 1.0 for ep in episodes) / len(episodes), 4),
+            "turns_mean": round(sum(len(ep.turns) for ep in episodes) / len(episodes), 3),
+            "ids_hash": hash(tuple(tuple(ep.ids) for ep in episodes))}
+
+
+def training(kind: str, steps: int) -> dict:
+    from transformers import TrainerCallback
+
+    from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+    from toolkit.core.report import heldout_episodes
+    from toolkit.core.tasks import task_splits
+
+    train, held_out = task_splits("calculator", 512, 64, max_value=99, max_terms=2, kind="prompt_only")
+    settings = dict(output_dir=f"/tmp/agent-rollouts-{kind}", max_steps=steps, per_device_train_batch_size=32,
+                    num_generations=8, max_completion_length=40, temperature=1.0, learning_rate=1e-5,
+                    lr_scheduler_type="constant", loss_type="dapo", logging_steps=1, save_strategy="no", seed=0,
+                    report_to="none", disable_tqdm=True, environment="calculator",
+                    environment_kwargs={"max_tool_turns": 2, "latency": LATENCY}, max_turns=3,
+                    max_episode_tokens=160, environment_concurrency=1 if kind == "sync-sequential" else 32)
+
+    class Clock(TrainerCallback):
+        """Training time: from the start of training to the end of its last step (the async worker's start-up
+        counts, its shutdown does not)."""
+
+        started = ended = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.ended = time.perf_counter()
+
+    clock = Clock()
+    if kind == "async":
+        t = AsyncGRPOTrainer(WARMUP, [], AsyncGRPOConfig(**settings, max_staleness=1, worker_threads=1,
+                                                         trainer_threads=1), train_dataset=train,
+                             callbacks=[clock])
+    else:
+        t = GRPOTrainer(WARMUP, [], GRPOConfig(**settings), train_dataset=train, callbacks=[clock])
+    t.train()
+    seconds = clock.ended - clock.started
+    success, mean = heldout_episodes(t, held_out)
+    episodes = steps * 32
+    return {"kind": kind, "episodes": episodes, "seconds": round(seconds, 2),
+            "episodes_per_s": round(episodes / seconds, 3), "heldout_success": round(success, 4),
+            "reward_per_step": [round(h["reward"], 3) for h in t.state.log_history if "reward" in h],
+            "turns_per_step": [round(h["episodes/turns_mean"], 2) for h in t.state.log_history
+                               if "episodes/turns_mean" in h]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--worker", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        out = rollouts(args.worker) if args.worker in ("sequential", "concurrent") else training(args.worker,
+                                                                                                 args.steps)
+        print("RESULT " + json.dumps(out), flush=True)
+        return
+    if not os.path.exists(os.path.join(WARMUP, "config.json")):
+        print("running the tool-use SFT warm-up (examples/tools_warmup_sft.toml) first", flush=True)
+        subprocess.run([sys.executable, "-m", "toolkit.core.cli", "sft", "--config",
+                        os.path.join(ROOT, "examples", "tools_warmup_sft.toml"), "--output_dir",
+                        os.path.dirname(WARMUP)], check=True, cwd=ROOT)
+    script = os.path.abspath(__file__)
     results = {}
-    for name, concurrency in (("sequential", 1), ("concurrent", 32)):
-        Slow.draws = random.Random(0)
-        episodes, started, waited = [], time.perf_counter(), 0.0
-        for r in range(args.rounds):
-            batch = [row for row in rows[r * args.prompts:(r + 1) * args.prompts] for _ in range(args.generations)]
-            turn = [0]
-
-            def sample(contexts):
-                turn[0] += 1
-                return [g[0] for g in backend.generate(contexts, params, n=1, seed=1000 * r + turn[0])]
-
-            envs = [make() for _ in batch]
-            done = run_episodes(envs, batch, sample, delta, max_turns=3, max_tokens=160, concurrency=concurrency)
-            waited += sum(e.delay * len(ep.turns) for e, ep in zip(envs, done))
-            episodes += done
-        seconds = time.perf_counter() - started
-        success = sum((ep.reward or 0.0) >= 1.0 for ep in episodes) / len(episodes)
-        results[name] = {"episodes": len(episodes), "seconds": round(seconds, 2),
-                         "episodes_per_s": round(len(episodes) / seconds, 3), "success": round(success, 4),
-                         "environment_wait_s": round(waited, 1),
-                         "turns_mean": round(sum(len(ep.turns) for ep in episodes) / len(episodes), 3),
-                         "ids": [ep.ids for ep in episodes]}
-        print(f"{name}: {results[name]['episodes_per_s']} episodes/s ({seconds:.1f} s, success {success:.3f})",
-              flush=True)
-    same = results["sequential"].pop("ids") == results["concurrent"].pop("ids")
-    ratio = results["concurrent"]["episodes_per_s"] / results["sequential"]["episodes_per_s"]
-    out = {"settings": vars(args) | {"latency": list(args.latency), "model": "smollm2-135m-instruct",
-                                     "environment": "calculator (each step waits the latency first)"},
-           "results": results, "concurrent_over_sequential": round(ratio, 3), "same_episodes": same,
+    for kind in ("sequential", "concurrent", "sync-sequential", "sync", "async"):
+        print(f"{kind} ...", flush=True)
+        results[kind] = run_in_subprocess(script, ["--worker", kind, "--steps", str(args.steps)],
+                                          env={"HF_HUB_OFFLINE": "1"})
+        print(f"  {results[kind]}", flush=True)
+    same = results["sequential"].pop("ids_hash") == results["concurrent"].pop("ids_hash")
+    ratio = lambda a, b: results[a]["episodes_per_s"] / results[b]["episodes_per_s"]  # noqa: E731
+    out = {"settings": {"latency_s": LATENCY, "steps": args.steps, "model": "smollm2-135m-instruct",
+                        "training_start": "outputs/tools/0-sft/final", "episodes_per_step": 32},
+           "results": results, "same_episodes_sequential_concurrent": same,
+           "ratios": {"concurrent/sequential": round(ratio("concurrent", "sequential"), 3),
+                      "sync/sync-sequential": round(ratio("sync", "sync-sequential"), 3),
+                      "async/sync": round(ratio("async", "sync"), 3),
+                      "async/sync-sequential": round(ratio("async", "sync-sequential"), 3)},
            "provenance": provenance()}
-    lines = [f"# bench/agent_rollouts.py at {out['provenance']['commit'][:10]} ({out['provenance']['date']}, "
-             f"{out['provenance']['cpu_cores']} cores): {args.prompts} prompts x {args.generations} episodes x "
-             f"{args.rounds} rounds, environment steps waiting {lo}-{hi} s",
-             "| row | episodes/s | seconds | success | turns/episode | environment wait (s, summed) |",
-             "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['episodes_per_s']} | {r['seconds']} | {r['success']} | {r['turns_mean']} | "
-                     f"{r['environment_wait_s']} |")
-    lines.append(f"concurrent / sequential: {ratio:.2f}x; the same episodes (ids) in both rows: {same}")
+    p = out["provenance"]
+    lines = [f"# bench/agent_rollouts.py at {p['commit'][:10]}{' (tree changed)' if p['tree_changed'] else ''} "
+             f"({p['date']}, {p['cpu_cores']} cores): environment steps wait {LATENCY[0]}-{LATENCY[1]} s", "",
+             "Rollouts only (2 rounds x 32 episodes, embedded model):", "",
+             "| row | episodes/s | seconds | success | turns/episode |", "|---|---|---|---|---|"]
+    for k in ("sequential", "concurrent"):
+        r = results[k]
+        lines.append(f"| {k} | {r['episodes_per_s']} | {r['seconds']} | {r['success']} | {r['turns_mean']} |")
+    lines += ["", f"same episodes (ids) in both rows: {same}", "",
+              f"GRPO training ({args.steps} steps x 32 episodes from the SFT warm-up; held-out: 64 greedy episodes):",
+              "", "| row | episodes/s | training seconds | held-out success | reward per step |", "|---|---|---|---|---|"]
+    for k in ("sync-sequential", "sync", "async"):
+        r = results[k]
+        lines.append(f"| {k} | {r['episodes_per_s']} | {r['seconds']} | {r['heldout_success']} | "
+                     f"{r['reward_per_step']} |")
+    lines += [""] + [f"{k}: {v:.2f}x" for k, v in out["ratios"].items()]
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)

@@ -284,3 +284,26 @@ def test_the_workers_round_view_equals_the_samplers_per_rank_order():
         rounds = [flat[k:k + processes] for k in range(0, len(flat), processes)]
         view = RoundSampler(23, 3, 1, seed=5, num_processes=processes)
         assert [[view.round(r, rank) for rank in range(processes)] for r in range(len(rounds))] == rounds
+
+
+def test_episodes_at_max_staleness_zero_reproduce_synchronous_grpo(tmp_path):
+    """Multi-turn episodes in the worker process (a Gymnasium environment made by name there) train exactly what
+    synchronous GRPO's episodes train."""
+    pytest.importorskip("gymnasium")
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    episodes = dict(environment="gymnasium", environment_kwargs={"env": "episode_envs:Turns-v0"}, max_turns=3,
+                    max_episode_tokens=200, stop_token_ids=[end] + list(range(200, 384)))
+    rows = [{"prompt": "play", "seed": i} for i in range(16)]
+    sync = GRPOTrainer(tiny_model(), [], GRPOConfig(output_dir=str(tmp_path / "sync"), **COMMON, **episodes),
+                       train_dataset=rows, processing_class=tok)
+    sync.train()
+    t = AsyncGRPOTrainer(tiny_model(), [], async_cfg(tmp_path, max_staleness=0, **episodes), train_dataset=rows,
+                         processing_class=tiny_tokenizer())
+    t.train()
+    assert max(logged(sync, "episodes/turns_mean")) > 1
+    assert logged(t, "episodes/turns_mean") == logged(sync, "episodes/turns_mean")
+    assert logged(t, "reward") == pytest.approx(logged(sync, "reward"), abs=1e-6)
+    assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=1e-6)
+    for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
+        torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)

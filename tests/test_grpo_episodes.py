@@ -224,11 +224,11 @@ def test_bad_environment_settings_fail_before_training(tmp_path):
     with pytest.raises(ConfigError, match="no reset"):
         GRPOTrainer(tiny_model(), [], config(tmp_path), train_dataset=rows(), processing_class=tok,
                     environment=lambda: object())
-    from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     with pytest.raises(ConfigError, match="does not run multi-turn episodes yet"):
-        AsyncGRPOTrainer(tiny_model(), [], AsyncGRPOConfig(output_dir=str(tmp_path / "a"), environment="calculator",
-                                                            per_device_train_batch_size=8, num_generations=4),
+        OnlineDPOTrainer(tiny_model(), [], OnlineDPOConfig(output_dir=str(tmp_path / "a"), environment="calculator",
+                                                           per_device_train_batch_size=8, num_generations=4),
                          train_dataset=rows(), processing_class=tok)
 
 
@@ -291,3 +291,32 @@ def test_slow_failing_and_cut_environments_at_the_episode_level():
     eps = run_episodes([Judge("ok")], [{}], cut, TemplateDelta(tok), max_turns=3)
     # scored by the environment although cut: done, and marked truncated (mask_truncated_completions sees it)
     assert eps[0].finish == "done" and eps[0].truncated and eps[0].reward == 0.5
+
+
+def test_failed_resets_train_as_placeholders_and_async_evaluates_in_process(tmp_path):
+    class BadStart(Chatty):
+        made = 0
+
+        def reset(self, row):
+            BadStart.made += 1
+            if BadStart.made % 3 == 0:
+                raise ValueError("no start today")
+            return super().reset(row)
+
+    t = trainer(tmp_path, environment=BadStart, max_steps=2)
+    t.train()  # the failed episodes' placeholder rows pack and go through forward like any other row
+    assert sum(h["episodes/env_errors"] for h in t.state.log_history if "episodes/env_errors" in h) > 0
+
+    from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.core.report import heldout_episodes
+    from toolkit.core.tasks import task_rows
+
+    tok = tiny_tokenizer()
+    a = AsyncGRPOTrainer(tiny_model(), [], AsyncGRPOConfig(output_dir=str(tmp_path / "a"), environment="calculator",
+                                                           per_device_train_batch_size=8, num_generations=4,
+                                                           max_completion_length=6, report_to="none"),
+                         train_dataset=task_rows("calculator", 8, max_value=99, kind="prompt_only"),
+                         processing_class=tok)
+    # no worker is started for it: the trainer process evaluates with its own model
+    assert heldout_episodes(a, task_rows("calculator", 4, seed=5, max_value=99, kind="prompt_only")) == (0.0, 0.0)
+    assert a._proc is None

@@ -20,6 +20,7 @@ vllm = pytest.importorskip("vllm")
 
 from toolkit import ToolkitError, embedded_model_path, load_model, load_tokenizer  # noqa: E402
 from toolkit.core.generation import SamplingParams, TransformersBackend  # noqa: E402
+from toolkit.core.environments import EnvResponse  # noqa: E402
 from toolkit.core.vllm_backend import VLLMBackend, VLLMServerBackend, engine_weights  # noqa: E402
 
 PROMPTS = ["What is 12 + 7?", "Name a colour.", "Write the number after 41."]
@@ -276,3 +277,74 @@ def test_async_grpo_worker_generates_with_vllm(tmp_path, path):
     # staleness 0: every round came from a worker engine that had loaded that step's weights
     assert all(h["async/staleness_max"] == 0 for h in logs)
     assert all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs)
+
+
+class Chat:
+    """Three turns: after each answer the user asks for another; the episode's reward is the last answer's length
+    mod 3 (varied within a group)."""
+
+    def reset(self, row):
+        self.turn = 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 3:
+            return EnvResponse(reward=float(len(text) % 3), done=True)
+        return EnvResponse(messages=[{"role": "user", "content": f"Another one, please ({self.turn})."}])
+
+
+def _recording(backend):
+    seen = []
+    generate = backend.generate
+
+    def recorded(prompts, params, *, n=1, seed=None):
+        groups = generate(prompts, params, n=n, seed=seed)
+        seen.extend((list(p), list(c.token_ids)) for p, g in zip(prompts, groups) for c in g)
+        return groups
+
+    backend.generate = recorded  # an instance attribute: the test's own recording, the class is untouched
+    return seen
+
+
+def test_grpo_episodes_through_the_colocated_engine_are_token_exact(tmp_path, path):
+    from toolkit import GRPOConfig, GRPOTrainer
+
+    rows = [{"prompt": f"Name a number above {i}."} for i in range(8)]
+    cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                     max_completion_length=32, temperature=1.0, learning_rate=1e-5, save_strategy="no",
+                     report_to="none", disable_tqdm=True, generation_backend="vllm",
+                     max_turns=3, max_episode_tokens=200)  # the default max_model_len covers the episode
+    t = GRPOTrainer(path, [], cfg, train_dataset=rows, environment=Chat)
+    seen = _recording(t.generation_backend)
+    t.train()
+    r = t._rollout
+    full = [p + c for p, c in zip(r.prompt_ids, r.completion_ids)]
+    assert len(seen) > 8 and any(0 in m for m in r.token_masks)
+    for context, ids in seen:
+        assert any(f[:len(context) + len(ids)] == context + ids for f in full)
+    # the engine's log-probs of the sampled ids match the trainer's: the rows are the sampled ids, and the
+    # environment ids (placeholder log-prob 0) are not among the compared tokens
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert logs[0]["sampler/logp_abs_diff_mean"] < 1e-2 and logs[0]["episodes/turns_mean"] > 1
+
+
+def test_episodes_through_the_server_are_token_exact(own_server, path, tok):
+    from toolkit.core.environments import TemplateDelta, run_episodes
+
+    _, url = own_server
+    client = VLLMServerBackend(url, startup_timeout=180)
+    seen = _recording(client)
+    params = SamplingParams(max_tokens=32, temperature=1.0, stop_token_ids=(tok.eos_token_id,))
+    turn = [0]
+
+    def sample(contexts):
+        turn[0] += 1
+        return [g[0] for g in client.generate(contexts, params, n=1, seed=turn[0])]
+
+    rows = [{"prompt": f"Name a colour, {i}."} for i in range(4)]
+    eps = run_episodes([Chat() for _ in rows], rows, sample, TemplateDelta(tok), max_turns=3, max_tokens=120)
+    assert sum(len(ep.turns) for ep in eps) > 4
+    for context, ids in seen:
+        assert any((ep.prompt_ids + ep.ids)[:len(context) + len(ids)] == context + ids for ep in eps)
+    assert all(len(ep.logprobs) == len(ep.ids) for ep in eps)

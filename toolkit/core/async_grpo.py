@@ -111,7 +111,8 @@ class AsyncGRPOConfig(GRPOConfig):
 class AsyncGRPOTrainer(GRPOTrainer):
     """GRPO with generation in a separate worker process; see the module docstring and docs/async_grpo.md."""
 
-    _supports_environments = False  # multi-turn episodes: GRPOTrainer only, for now (docs/agents.md)
+    # multi-turn episodes by a registered environment's name (the worker process builds it from the registry)
+    _supports_environments = True
 
     _tag_names = ["toolkit", "grpo", "async-grpo"]  # noqa: RUF012
 
@@ -212,6 +213,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "extra_columns": list(self.dataset_format.extra_columns), "varlen": self.padding_free,
             "backend": args.generation_backend, "backend_kwargs": self._worker_backend_kwargs(),
             "rank": self.accelerator.process_index, "num_processes": self.accelerator.num_processes,
+            "episodes": None if args.environment is None else {
+                "name": args.environment, "kwargs": dict(args.environment_kwargs or {}),
+                "max_turns": args.max_turns, "max_tokens": args.max_episode_tokens,
+                "concurrency": args.environment_concurrency, "step_timeout": args.environment_step_timeout,
+                "end_text": self.episode_delta.end_text, "chat_template_kwargs": args.chat_template_kwargs},
         }
         self._proc = self._ctx.Process(
             target=worker_main, name="toolkit-rollout-worker", daemon=True,
@@ -222,13 +228,23 @@ class AsyncGRPOTrainer(GRPOTrainer):
         logger.info("async GRPO: rollout worker pid %d started at round %d (max_staleness=%d, queue_size=%d).",
                     self._proc.pid, self._next_round, args.max_staleness, args.queue_size)
 
+    def evaluation_backend(self):
+        """Held-out evaluation generates in this process with the training model (the worker owns the real
+        backend and generates rounds)."""
+        from .generation import TransformersBackend
+
+        return TransformersBackend(self.model, pad_token_id=self.processing_class.pad_token_id,
+                                   max_batch_size=self.args.generation_batch_size)
+
     def _worker_backend_kwargs(self) -> dict[str, Any]:
         args = self.args
         kwargs = dict(args.generation_backend_kwargs or {})
         if args.generation_backend == "vllm":
             base = self.model.get_base_model() if hasattr(self.model, "peft_config") else unwrap_model(self.model)
             kwargs.setdefault("model_path", base.config._name_or_path)
-            kwargs.setdefault("max_model_len", (args.max_prompt_length or 512) + args.max_completion_length + 8)
+            from .vllm_backend import vllm_context_length
+
+            kwargs.setdefault("max_model_len", vllm_context_length(args))
             kwargs.setdefault("seed", args.seed)
         return kwargs
 
@@ -345,10 +361,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def generate_rollout(self, row_indices) -> Rollout:
         """The next scored round from the worker (the dataloader's indices are the same rounds; unused)."""
         item = self._next_scored_round()
-        groups = [[Completion(list(ids), list(lp), reason) for ids, lp, reason in g] for g in item.completions]
-        self._reward_failures = item.failures
-        rollout = self.build_rollout(item.row_indices, groups, torch.tensor(item.rewards_per_func), item.gen_s,
-                                     item.score_s)
+        if item.episodes is not None:
+            rollout = self.rollout_from_episodes(item.row_indices, item.episodes, item.gen_s)
+        else:
+            groups = [[Completion(list(ids), list(lp), reason) for ids, lp, reason in g] for g in item.completions]
+            self._reward_failures = item.failures
+            rollout = self.build_rollout(item.row_indices, groups, torch.tensor(item.rewards_per_func), item.gen_s,
+                                         item.score_s)
         now = time.perf_counter()
         cycle = now - self._last_get if self._last_get is not None else float("nan")
         self._last_get = now

@@ -59,12 +59,12 @@ def toolkit_register_generation_backends():
         """A vLLM engine in the training process; weights pushed in place (kwargs: model_path, sync_every,
         max_model_len, kv_cache_gib, ...)."""
         from .models import unwrap_model
-        from .vllm_backend import VLLMBackend, require_vllm
+        from .vllm_backend import VLLMBackend, require_vllm, vllm_context_length
 
         require_vllm()
         kwargs = dict(config.generation_backend_kwargs or {})
         path = kwargs.pop("model_path", None) or unwrap_model(model).config._name_or_path
-        kwargs.setdefault("max_model_len", (config.max_prompt_length or 512) + config.max_completion_length + 8)
+        kwargs.setdefault("max_model_len", vllm_context_length(config))
         kwargs.setdefault("seed", config.seed)
         return VLLMBackend(path, **kwargs)
 

@@ -23,6 +23,7 @@ re-renders computes the loss on ids the policy never produced (TRL issues #2712,
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -35,7 +36,7 @@ ENVIRONMENT_PROTOCOL_VERSION = 1
 __all__ = ["CALCULATOR_SYSTEM_PROMPT", "ENVIRONMENT_PROTOCOL_VERSION", "EnvResponse", "Environment", "Episode",
            "TOOL_CALL_FORMATS", "TemplateDelta", "ToolBox", "ToolCall", "ToolEnvironment", "calc",
            "GymnasiumEnvironment", "TextArenaEnvironment", "calculator_environment", "calculator_tool_call",
-           "parse_tool_calls", "run_episode", "run_episodes"]
+           "episode_metrics", "episode_reward", "group_sampler", "parse_tool_calls", "run_episode", "run_episodes"]
 
 
 @dataclass
@@ -161,21 +162,23 @@ def run_episode(env: Environment, row: dict[str, Any], sample: Sampler, delta: T
 def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sample: BatchSampler,
                  delta: TemplateDelta, *, max_turns: int = 8, max_tokens: int = 1024,
                  decode: Callable[[list[int]], str] | None = None, stop_token_ids: Sequence[int] = (),
-                 concurrency: int = 32, step_timeout: float | None = None) -> list[Episode]:
+                 concurrency: int = 32, step_timeout: float | None = None,
+                 on_wait: Callable[[], None] | None = None) -> list[Episode]:
     """Run one episode per (environment, row) in lockstep, token-exact as `run_episode`.
 
     Each turn, the contexts of all unfinished episodes go to `sample` together (one batched generate), then their
-    environments answer concurrently on up to `concurrency` threads, so environments that wait (tools, sandboxes,
-    remote judges) overlap each other instead of adding up. An environment whose `reset` or `step` raises, whose
-    answer the chat template refuses, or (with `step_timeout`) that does not answer in time, ends its episode
+    environments answer concurrently, at most `concurrency` at a time, so environments that wait (tools,
+    sandboxes, remote judges) overlap each other instead of adding up; resets run the same way. A `step` must
+    therefore not rely on process-wide state such as the global random generator (TextArenaEnvironment guards
+    its games' own). An environment whose `reset` or `step` raises, whose answer the chat template refuses, or
+    that takes longer than `step_timeout` seconds (counted from when its call starts) ends its episode
     (`finish="env_error"`, the error in the last `infos` entry's "env_error"): the run goes on, and a trainer
-    leaves the episode out of the loss. A step that timed out keeps its thread (Python cannot stop one) until it
-    returns; its answer is ignored.
+    leaves the episode out of the loss. A call that timed out is abandoned on a daemon thread (Python cannot stop
+    one; it neither holds a slot nor keeps the process alive). `on_wait` is called about every 0.1 s while
+    environments are being waited for (async GRPO's worker reports its progress with it).
     """
     if max_turns < 1:
         raise ConfigError(f"max_turns: must be >= 1, got {max_turns}.")
-    import time
-
     if len(envs) != len(rows):
         raise ValueError(f"run_episodes: {len(envs)} environments for {len(rows)} rows")
     tok = delta.tokenizer
@@ -184,20 +187,7 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
     # The text the environment reads keeps special tokens (tool-call markers such as [TOOL_CALLS] or
     # <|python_tag|> are special in their tokenizers) and drops only the stop token that ended the turn.
     decode = decode or (lambda ids: tok.decode(ids[:-1] if ids and ids[-1] in stops else ids))
-    from concurrent.futures import ThreadPoolExecutor
-    from concurrent.futures import TimeoutError as FutureTimeout
-
-    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(envs))), thread_name_prefix="toolkit-env")
-
-    def outcome(future: Any, deadline: float | None) -> tuple[Any, str | None]:
-        """(result, None) or (None, what went wrong) of an environment call, waiting at most until `deadline`."""
-        try:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return future.result(timeout=left), None
-        except FutureTimeout:
-            return None, f"no answer within environment_step_timeout={step_timeout:g} s"
-        except Exception as e:  # a broken environment costs its episode, not the run
-            return None, f"{type(e).__name__}: {e}"[:500]
+    calls = _Calls(concurrency, step_timeout, on_wait)
 
     def rendered(messages: list[dict[str, Any]]) -> tuple[list[int] | None, str | None]:
         try:
@@ -205,77 +195,144 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
         except Exception as e:  # messages the chat template refuses (an unknown role, a missing field)
             return None, f"the chat template refused the environment's messages: {type(e).__name__}: {e}"[:500]
 
-    def deadline() -> float | None:
-        return None if step_timeout is None else time.monotonic() + step_timeout
-
-    resets = [pool.submit(lambda e=env, r=row: delta.prompt_ids(e.reset(r))) for env, row in zip(envs, rows)]
-    until = deadline()
     episodes = []
-    for future in resets:
-        ids, error = outcome(future, until)
+    for (ids, error) in calls.run([lambda e=env, r=row: delta.prompt_ids(e.reset(r)) for env, row in zip(envs, rows)]):
         # a failed reset leaves no prompt to sample from: an empty episode, out of the loss
         episodes.append(Episode(prompt_ids=ids) if error is None else
                         Episode(prompt_ids=[], infos=[{"env_error": f"reset: {error}"}], finish="env_error"))
     active = [i for i, ep in enumerate(episodes) if ep.finish != "env_error"]
-    try:
-        for turn in range(max_turns):
-            for i in [i for i in active if len(episodes[i].ids) >= max_tokens]:
-                episodes[i].finish = "max_tokens"
-            active = [i for i in active if len(episodes[i].ids) < max_tokens]
-            if not active:
-                break
-            outs = sample([episodes[i].prompt_ids + episodes[i].ids for i in active])
-            if len(outs) != len(active):
-                raise ValueError(f"run_episodes: the sampler returned {len(outs)} completions for {len(active)} "
-                                 "contexts")
-            for i, out in zip(active, outs):
-                ep = episodes[i]
-                start = len(ep.ids)
-                ep.ids += list(out.token_ids)
-                ep.mask += [1] * len(out.token_ids)
-                ep.logprobs += [float(x) for x in out.logprobs]
-                ep.turns.append((start, len(ep.ids)))
-                ep.truncated = not (out.token_ids and out.token_ids[-1] in stops)
-
-            futures = [pool.submit(envs[i].step, decode(list(out.token_ids))) for i, out in zip(active, outs)]
-            until = deadline()  # one deadline for the turn: the steps run together
-            still = []
-            for i, out, future in zip(active, outs, futures):
-                ep = episodes[i]
-                response, error = outcome(future, until)
-                if error is None and response.done:
-                    ep.rewards.append(response.reward)
-                    ep.infos.append(dict(response.info))
-                    ep.finish = "done"
-                    continue
-                if error is None and ep.truncated:
-                    # cut at its token limit: there is no end of turn to append the environment's answer to
-                    ep.rewards.append(response.reward)
-                    ep.infos.append(dict(response.info))
-                    ep.finish = "length"
-                    continue
-                if error is None and turn == max_turns - 1:
-                    ep.rewards.append(response.reward)
-                    ep.infos.append(dict(response.info))
-                    ep.finish = "max_turns"
-                    continue
-                if error is None:
-                    ids, error = rendered(response.messages)
-                if error is not None:
-                    ep.rewards.append(None)
-                    ep.infos.append({"env_error": error})
-                    ep.finish = "env_error"
-                    continue
-                ep.rewards.append(response.reward)
-                ep.infos.append(dict(response.info))
-                ep.ids += ids
-                ep.mask += [0] * len(ids)
-                ep.logprobs += [0.0] * len(ids)
-                still.append(i)
-            active = still
-    finally:
-        pool.shutdown(wait=False)
+    for turn in range(max_turns):
+        for i in [i for i in active if len(episodes[i].ids) >= max_tokens]:
+            episodes[i].finish = "max_tokens"
+        active = [i for i in active if len(episodes[i].ids) < max_tokens]
+        if not active:
+            break
+        outs = sample([episodes[i].prompt_ids + episodes[i].ids for i in active])
+        if len(outs) != len(active):
+            raise ValueError(f"run_episodes: the sampler returned {len(outs)} completions for {len(active)} contexts")
+        for i, out in zip(active, outs):
+            ep = episodes[i]
+            start = len(ep.ids)
+            ep.ids += list(out.token_ids)
+            ep.mask += [1] * len(out.token_ids)
+            ep.logprobs += [float(x) for x in out.logprobs]
+            ep.turns.append((start, len(ep.ids)))
+            ep.truncated = not (out.token_ids and out.token_ids[-1] in stops)
+        texts = [decode(list(out.token_ids)) for out in outs]
+        answers = calls.run([lambda e=envs[i], t=text: e.step(t) for i, text in zip(active, texts)])
+        still = []
+        for i, (response, error) in zip(active, answers):
+            ep = episodes[i]
+            ids: list[int] | None = None
+            ends = error is None and (response.done or ep.truncated or turn == max_turns - 1)
+            if error is None and not ends:
+                ids, error = rendered(response.messages)
+            if error is not None:
+                ep.rewards.append(None)
+                ep.infos.append({"env_error": error})
+                ep.finish = "env_error"
+                continue
+            ep.rewards.append(response.reward)
+            ep.infos.append(dict(response.info))
+            if ends:
+                # done; or cut at its token limit (no end of turn to append an answer to); or out of turns
+                ep.finish = "done" if response.done else ("length" if ep.truncated else "max_turns")
+                continue
+            ep.ids += ids
+            ep.mask += [0] * len(ids)
+            ep.logprobs += [0.0] * len(ids)
+            still.append(i)
+        active = still
     return episodes
+
+
+class _Calls:
+    """Environment calls, at most `concurrency` running at once on daemon threads, each within `timeout` seconds
+    of its own start. A call that times out is abandoned: its slot goes to the next call, and its thread (a daemon)
+    neither blocks later calls nor the interpreter's exit."""
+
+    def __init__(self, concurrency: int, timeout: float | None, on_wait: Callable[[], None] | None):
+        self.concurrency, self.timeout, self.on_wait = max(1, concurrency), timeout, on_wait
+
+    def run(self, fns: Sequence[Callable[[], Any]]) -> list[tuple[Any, str | None]]:
+        import time
+
+        results: list[tuple[Any, str | None] | None] = [None] * len(fns)
+        finished = threading.Condition()
+        pending = list(range(len(fns)))[::-1]
+        running: dict[int, float] = {}  # call -> start time
+
+        def work(k: int) -> None:
+            try:
+                outcome: tuple[Any, str | None] = (fns[k](), None)
+            except BaseException as e:  # a broken environment costs its episode, not the run
+                outcome = (None, f"{type(e).__name__}: {e}"[:500])
+            with finished:
+                if results[k] is None:  # not given up on meanwhile
+                    results[k] = outcome
+                finished.notify_all()
+
+        with finished:
+            while pending or running:
+                while pending and len(running) < self.concurrency:
+                    k = pending.pop()
+                    running[k] = time.monotonic()
+                    threading.Thread(target=work, args=(k,), name="toolkit-env", daemon=True).start()
+                finished.wait(timeout=0.1)
+                now = time.monotonic()
+                for k, began in list(running.items()):
+                    if results[k] is not None:
+                        del running[k]
+                    elif self.timeout is not None and now - began > self.timeout:
+                        results[k] = (None, f"no answer within environment_step_timeout={self.timeout:g} s")
+                        del running[k]
+                if self.on_wait is not None:
+                    self.on_wait()
+        return [r if r is not None else (None, "lost") for r in results]
+
+
+def group_sampler(backend: Any, sampling: Any, *, seed: int, n_rows: int, group_size: int = 1) -> BatchSampler:
+    """The batched sampler GRPO's episodes use (in the trainer and in async GRPO's worker): each turn one
+    `backend.generate` call seeded by (seed, turn). Rows come in groups of `group_size`; when a turn's contexts
+    are all the rows and a group's contexts are equal (the first turn of a deterministic reset), the group is one
+    prompt with `n = group_size` (one prefill)."""
+    turn = [0]
+
+    def sample(contexts: list[list[int]]) -> list[Completion]:
+        k, turn[0] = turn[0], turn[0] + 1
+        s = (seed + 104_729 * k) % (2**63)
+        firsts = contexts[::group_size]
+        if group_size > 1 and len(contexts) == n_rows and all(
+                contexts[i] == firsts[i // group_size] for i in range(len(contexts))):
+            groups = backend.generate(firsts, sampling, n=group_size, seed=s)
+            return [c for g in groups for c in g]
+        return [g[0] for g in backend.generate(contexts, sampling, n=1, seed=s)]
+
+    return sample
+
+
+def episode_reward(ep: Episode, unfinished: float | None) -> float:
+    """The reward an episode trains with: NaN (out of the loss) when its environment failed, whatever it had given
+    before; its reward otherwise; `unfinished` (NaN when None) when it ran out of turns or tokens before any."""
+    if ep.finish == "env_error":
+        return float("nan")
+    if ep.reward is not None:
+        return ep.reward
+    return float("nan") if unfinished is None else float(unfinished)
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """What a round of episodes logs: turns, tool calls and errors per episode, sampled ids, how they ended."""
+    n = max(len(episodes), 1)
+    return {
+        "episodes/turns_mean": sum(len(ep.turns) for ep in episodes) / n,
+        "episodes/tool_calls_mean": sum(ep.count("tool_calls") for ep in episodes) / n,
+        "episodes/tool_errors_mean": sum(ep.count("tool_errors") for ep in episodes) / n,
+        "episodes/sampled_tokens_mean": sum(sum(ep.mask) for ep in episodes) / n,
+        "episodes/env_errors": float(sum(ep.finish == "env_error" for ep in episodes)),
+        **{f"episodes/finish_{k}": sum(ep.finish == k for ep in episodes) / n
+           for k in ("done", "max_turns", "max_tokens", "length")},
+    }
 
 
 # ----------------------------------------------------------------------------------------------- tools
@@ -511,17 +568,42 @@ def calculator_tool_call(expression: str) -> str:
 
 
 def calculator_environment(*, max_tool_turns: int = 2, system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT,
-                           fmt: str = "hermes", timeout: float = 5.0) -> ToolEnvironment:
+                           fmt: str = "hermes", timeout: float = 5.0,
+                           latency: Sequence[float] | None = None) -> ToolEnvironment:
     """Multi-step arithmetic with a `calc` tool: the model may call it (up to `max_tool_turns` turns) and is
-    rewarded 1.0 when its final answer's number equals the row's `answer`, else 0.0 (builtin:calculator rows)."""
+    rewarded 1.0 when its final answer's number equals the row's `answer`, else 0.0 (builtin:calculator rows).
+    `latency` = (low, high): every step first waits a time drawn uniformly from that range, as a remote tool, a
+    sandbox or a judge does (bench/agent_rollouts.py)."""
     from .rewards import parse_number
 
     def reward(text: str, row: dict[str, Any]) -> float:
         got = parse_number(text)
         return float(got is not None and got == parse_number(str(row["answer"])))
 
+    if latency is not None:
+        if len(latency) != 2 or not 0 <= latency[0] <= latency[1]:
+            raise ConfigError(f"environment_kwargs: latency must be [low, high] seconds with 0 <= low <= high, got "
+                              f"{list(latency)}.")
+        return _SlowToolEnvironment(tuple(latency), ToolBox([calc], timeout=timeout), reward, fmt=fmt,
+                                    system_prompt=system_prompt, max_tool_turns=max_tool_turns)
     return ToolEnvironment(ToolBox([calc], timeout=timeout), reward, fmt=fmt, system_prompt=system_prompt,
                            max_tool_turns=max_tool_turns)
+
+
+class _SlowToolEnvironment(ToolEnvironment):
+    """A ToolEnvironment whose every step waits first (calculator_environment(latency=...))."""
+
+    def __init__(self, latency: tuple[float, float], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        import random
+
+        self.latency, self.draws = latency, random.Random()
+
+    def step(self, text: str) -> EnvResponse:
+        import time
+
+        time.sleep(self.draws.uniform(*self.latency))
+        return super().step(text)
 
 
 # ------------------------------------------------------------------------------------------- adapters
@@ -568,7 +650,11 @@ class TextArenaEnvironment:
     game's observations since the model's last move become one user message; the episode's reward is the game's
     reward for player 0 when it ends (`env.close()`). The row's `seed` column seeds the game (builtin environment
     "textarena", environment_kwargs = {env_id = ...}). Use the "-raw" ids: TextArena's default wrappers re-send
-    the whole history as each observation, which an episode that extends its ids would hold twice."""
+    the whole history as each observation, which an episode that extends its ids would hold twice.
+
+    TextArena games draw from Python's global random generator (and seed it in reset). Episodes run on threads,
+    so every call into a game holds one lock and runs with that game's own generator state (saved and restored
+    around the call): each game sees the draws it would see alone, whatever the threads' order."""
 
     def __init__(self, env_id: str, **make_kwargs: Any):
         try:
@@ -581,6 +667,20 @@ class TextArenaEnvironment:
         except (ValueError, ImportError, TypeError) as e:
             raise ConfigError(f"environment_kwargs: textarena cannot make {env_id!r}: {e}") from None
         self.env_id = env_id
+        self._random_state: Any = None
+
+    def _in_own_random(self, fn: Callable[[], Any]) -> Any:
+        import random
+
+        with _TEXTARENA_LOCK:
+            outer = random.getstate()
+            if self._random_state is not None:
+                random.setstate(self._random_state)
+            try:
+                return fn()
+            finally:
+                self._random_state = random.getstate()
+                random.setstate(outer)
 
     def _observation(self) -> str:
         import textarena
@@ -595,15 +695,26 @@ class TextArenaEnvironment:
 
     def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         seed = row.get("seed")
-        self.env.reset(num_players=1, seed=None if seed is None else int(seed))
-        return [{"role": "user", "content": self._observation()}]
+        self._random_state = None
+
+        def reset() -> str:
+            self.env.reset(num_players=1, seed=None if seed is None else int(seed))
+            return self._observation()
+
+        return [{"role": "user", "content": self._in_own_random(reset)}]
 
     def step(self, text: str) -> EnvResponse:
+        return self._in_own_random(lambda: self._step(text))
+
+    def _step(self, text: str) -> EnvResponse:
         done, _ = self.env.step(text)
         if done:
             rewards, _ = self.env.close()
             return EnvResponse(reward=float(rewards[0]), done=True)
         return EnvResponse(messages=[{"role": "user", "content": self._observation() or "(no change)"}])
+
+
+_TEXTARENA_LOCK = threading.Lock()
 
 
 def _observation_text(observation: Any, where: str) -> str:

@@ -503,25 +503,19 @@ class GRPOTrainer(Trainer):
         """The reward columns: the reward functions', or the environment's one."""
         return ["environment"] if self.environment_factory is not None else list(self.reward_runner.names)
 
+    def evaluation_backend(self) -> GenerationBackend:
+        """The backend held-out evaluation generates with (async GRPO's trainer process has none of its own)."""
+        return self.generation_backend
+
     def run_episodes(self, rows: Sequence[dict[str, Any]], sampling: SamplingParams, *, seed: int,
-                     group_size: int = 1) -> list[Any]:
+                     group_size: int = 1, backend: GenerationBackend | None = None) -> list[Any]:
         """One episode per row with fresh environments (toolkit.core.environments.run_episodes). Rows come in
         groups of `group_size` equal rows: their first turns share one prompt prefill (n=group_size)."""
-        from .environments import run_episodes
-
-        turn = [0]
-
-        def sample(contexts: list[list[int]]) -> list[Completion]:
-            k, turn[0] = turn[0], turn[0] + 1
-            s = (seed + 104_729 * k) % (2**63)
-            firsts = contexts[::group_size]
-            if group_size > 1 and len(contexts) == len(rows) and all(
-                    contexts[i] == firsts[i // group_size] for i in range(len(contexts))):
-                groups = self.generation_backend.generate(firsts, sampling, n=group_size, seed=s)
-                return [c for g in groups for c in g]
-            return [g[0] for g in self.generation_backend.generate(contexts, sampling, n=1, seed=s)]
+        from .environments import group_sampler, run_episodes
 
         args = self.args
+        backend = backend if backend is not None else self.generation_backend
+        sample = group_sampler(backend, sampling, seed=seed, n_rows=len(rows), group_size=group_size)
         return run_episodes([self.environment_factory() for _ in rows], list(rows), sample, self.episode_delta,
                             max_turns=args.max_turns, max_tokens=args.max_episode_tokens,
                             stop_token_ids=sampling.stop_token_ids, concurrency=args.environment_concurrency,
@@ -537,41 +531,33 @@ class GRPOTrainer(Trainer):
         episodes = self.run_episodes([self.rows[i] for i in row_indices for _ in range(G)], self.sampling,
                                      seed=generation_seed(self.args.seed, self.state.global_step,
                                                           self.accelerator.process_index), group_size=G)
-        t_gen = time.perf_counter() - t0
+        return self.rollout_from_episodes(row_indices, episodes, time.perf_counter() - t0)
+
+    def rollout_from_episodes(self, row_indices: Sequence[int], episodes: Sequence[Any], t_gen: float) -> Rollout:
+        """Finished episodes (G per prompt, prompt-major) -> a Rollout (also async GRPO's, from its worker)."""
+        from .environments import episode_metrics, episode_reward
+
+        G = self.args.num_generations
         for ep in episodes:
             if "env_error" in (ep.infos[-1] if ep.infos else {}):
                 self._health._warn(self.state.global_step, "env_error",
-                                   f"an environment raised in step() (episodes without a reward, left out of the "
-                                   f"loss): {ep.infos[-1]['env_error']}")
+                                   f"an environment failed (episodes without a reward, left out of the loss): "
+                                   f"{ep.infos[-1]['env_error']}")
+        for k, ep in enumerate(episodes):
+            if not ep.prompt_ids:  # its reset failed: a placeholder row (out of the loss) that packs like any other
+                ep.prompt_ids = list(self.prompt_ids[row_indices[k // G]])
+                ep.ids, ep.mask, ep.logprobs = [self.processing_class.eos_token_id], [0], [0.0]
         groups = [[Completion(list(ep.ids), list(ep.logprobs), "length" if ep.truncated else "stop")
                    for ep in episodes[k * G:(k + 1) * G]] for k in range(len(row_indices))]
-        rewards = torch.tensor([[self._episode_reward(ep) for ep in episodes]], dtype=torch.float32)
+        rewards = torch.tensor([[episode_reward(ep, self.args.unfinished_episode_reward) for ep in episodes]],
+                               dtype=torch.float32)
         self._reward_failures = {}
         # per row: an environment whose reset() varies (a random start) gives each episode of a group its own prompt
         rollout = self.build_rollout(row_indices, groups, rewards, t_gen, 0.0,
                                      row_prompt_ids=[ep.prompt_ids for ep in episodes],
                                      token_masks=[list(ep.mask) for ep in episodes])
-        n = max(len(episodes), 1)
-        rollout.metrics.update({
-            "episodes/turns_mean": sum(len(ep.turns) for ep in episodes) / n,
-            "episodes/tool_calls_mean": sum(ep.count("tool_calls") for ep in episodes) / n,
-            "episodes/tool_errors_mean": sum(ep.count("tool_errors") for ep in episodes) / n,
-            "episodes/sampled_tokens_mean": sum(sum(ep.mask) for ep in episodes) / n,
-            "episodes/env_errors": float(sum(ep.finish == "env_error" for ep in episodes)),
-            **{f"episodes/finish_{k}": sum(ep.finish == k for ep in episodes) / n
-               for k in ("done", "max_turns", "max_tokens", "length")},
-        })
+        rollout.metrics.update(episode_metrics(episodes))
         return rollout
-
-    def _episode_reward(self, ep: Any) -> float:
-        """The reward an episode trains with: NaN (out of the loss) when its environment failed, whatever it had
-        given before; `unfinished_episode_reward` when it ran out of turns or tokens before any reward."""
-        if ep.finish == "env_error":
-            return float("nan")
-        if ep.reward is not None:
-            return ep.reward
-        unfinished = self.args.unfinished_episode_reward
-        return float("nan") if unfinished is None else float(unfinished)
 
     def _log_objective(self, args: GRPOConfig, weights: list[float]) -> None:
         logger.info(

@@ -118,10 +118,11 @@ def heldout_episodes(trainer: Any, dataset: Any, *, batch_size: int = 64) -> tup
     starts = range(0, len(rows), batch_size)
     was = trainer.model.training
     trainer.model.eval()
-    trainer.generation_backend.sync_weights(trainer.model)
+    backend = trainer.evaluation_backend()
+    backend.sync_weights(trainer.model)
     try:
         for start in tqdm(starts, desc="held-out episodes", disable=None if len(starts) > 1 else True, leave=False):
-            episodes += trainer.run_episodes(rows[start:start + batch_size], greedy, seed=0)
+            episodes += trainer.run_episodes(rows[start:start + batch_size], greedy, seed=0, backend=backend)
     finally:
         trainer.model.train(was)
     n = max(len(episodes), 1)
@@ -222,7 +223,19 @@ def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summ
     else:
         steps = [h["step"] for h in trainer.state.log_history if reward_key in h]
         rewards = [h[reward_key] for h in trainer.state.log_history if reward_key in h]
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        episodes = [h for h in trainer.state.log_history if "episodes/turns_mean" in h]
+        if episodes:  # multi-turn runs: a second panel with what the episodes did
+            fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=[3, 2])
+            at = [h["step"] for h in episodes]
+            for key, label, color in (("episodes/turns_mean", "turns per episode", "tab:green"),
+                                      ("episodes/tool_calls_mean", "tool calls per episode", "tab:purple"),
+                                      ("episodes/tool_errors_mean", "tool errors per episode", "tab:orange")):
+                ax2.plot(at, [h.get(key, float("nan")) for h in episodes], ".-", color=color, label=label)
+            ax2.set_xlabel(step_name)
+            ax2.grid(alpha=0.3)
+            ax2.legend(loc="upper left")
+        else:
+            fig, ax = plt.subplots(figsize=(8, 4.5))
         ax.plot(steps, rewards, color="tab:blue", alpha=0.35, label="mean reward (per step)")
         if len(rewards) >= 5:
             k = max(3, len(rewards) // 10)
@@ -232,7 +245,8 @@ def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summ
         if accuracy:
             ax.plot([s for s, _ in accuracy], [a for _, a in accuracy], "o-", color="tab:red",
                     label="held-out greedy accuracy")
-        ax.set_xlabel(step_name)
+        if not episodes:
+            ax.set_xlabel(step_name)
         ax.set_ylim(min([-0.02, *rewards]), max([1.02, *rewards]))
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left")

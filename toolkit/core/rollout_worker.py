@@ -43,6 +43,7 @@ class ScoredRound:
     score_s: float
     wait_s: float
     tokens: int
+    episodes: list[Any] | None = None  # multi-turn rounds: the finished Episodes (completions/rewards then unused)
 
 
 def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -115,7 +116,8 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
         from transformers import AutoModelForCausalLM
 
         runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"],
-                              max_consecutive_failures=spec["reward_max_failures"])
+                              max_consecutive_failures=spec["reward_max_failures"],
+                              allow_empty=spec.get("episodes") is not None)
         if spec["backend"] == "transformers":
             model = AutoModelForCausalLM.from_config(spec["config"]).eval()
             if spec["varlen"]:
@@ -152,6 +154,33 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
             score.failures = dict(outcome.failures)
             return torch.tensor(outcome.rewards, dtype=torch.float32)
 
+        episodes_spec = spec.get("episodes")
+        if episodes_spec is not None:
+            # Multi-turn episodes: the environment by its registered name (this process builds its own registry,
+            # plugins included), the template delta for the trainer's tokenizer and stop token.
+            from .environments import TemplateDelta, group_sampler, run_episodes
+            from .plugins import registry
+
+            make_env = registry().get("environment", episodes_spec["name"], field="environment")
+            env_kwargs = dict(episodes_spec["kwargs"])
+            delta = TemplateDelta(spec["tokenizer"], end_text=episodes_spec["end_text"],
+                                  tools=getattr(make_env(**env_kwargs), "tools", None),
+                                  chat_template_kwargs=episodes_spec["chat_template_kwargs"])
+
+            def generate_episodes(idx: list[int], seed: int) -> tuple[list[Any], float]:
+                G = spec["num_generations"]
+                rows_ = [rows[i] for i in idx for _ in range(G)]
+                started = time.perf_counter()
+                sample = group_sampler(backend, spec["sampling"], seed=seed, n_rows=len(rows_), group_size=G)
+                # decode steps tick (transformers backend), and so does the wait for environments (every ~0.1 s,
+                # while the main loop is in that wait): a main loop stuck anywhere else goes silent
+                eps = run_episodes([make_env(**env_kwargs) for _ in rows_], rows_, sample, delta,
+                                   max_turns=episodes_spec["max_turns"], max_tokens=episodes_spec["max_tokens"],
+                                   stop_token_ids=spec["sampling"].stop_token_ids,
+                                   concurrency=episodes_spec["concurrency"], step_timeout=episodes_spec["step_timeout"],
+                                   on_wait=progress.tick)
+                return eps, time.perf_counter() - started
+
         rows = spec["rows"]
         # With several trainer processes each rank has its own worker, which generates that rank's share of
         # every round with that rank's seed: the rows and samples synchronous GRPO's rank would draw.
@@ -178,16 +207,24 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
             # counts as bounded by worker_start_timeout (a long reasoning round can exceed heartbeat_timeout).
             generating = (progress.bounded(spec["start_timeout"]) if spec["backend"] != "transformers"
                           else contextlib.nullcontext())
-            with generating:
-                scored = generate_and_score(backend, [spec["prompt_ids"][i] for i in idx], [rows[i] for i in idx],
-                                            sampling=spec["sampling"], n=spec["num_generations"],
-                                            seed=generation_seed(spec["seed"], r, rank), score=score)
-            item = ScoredRound(round=r, version=local_version, row_indices=idx,
-                               completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g]
-                                            for g in scored.groups],
-                               rewards_per_func=scored.rewards_per_func.tolist(), failures=score.failures,
-                               gen_s=scored.generation_s, score_s=scored.scoring_s, wait_s=wait_s,
-                               tokens=sum(len(i) for i in scored.completion_ids))
+            if episodes_spec is not None:
+                with generating:
+                    eps, gen_s = generate_episodes(idx, generation_seed(spec["seed"], r, rank))
+                item = ScoredRound(round=r, version=local_version, row_indices=idx, completions=[],
+                                   rewards_per_func=[], failures={}, gen_s=gen_s, score_s=0.0, wait_s=wait_s,
+                                   tokens=sum(sum(ep.mask) for ep in eps), episodes=eps)
+            else:
+                with generating:
+                    scored = generate_and_score(backend, [spec["prompt_ids"][i] for i in idx],
+                                                [rows[i] for i in idx], sampling=spec["sampling"],
+                                                n=spec["num_generations"], seed=generation_seed(spec["seed"], r, rank),
+                                                score=score)
+                item = ScoredRound(round=r, version=local_version, row_indices=idx,
+                                   completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g]
+                                                for g in scored.groups],
+                                   rewards_per_func=scored.rewards_per_func.tolist(), failures=score.failures,
+                                   gen_s=scored.generation_s, score_s=scored.scoring_s, wait_s=wait_s,
+                                   tokens=sum(len(i) for i in scored.completion_ids))
             while not stop.is_set():
                 progress.tick()
                 try:

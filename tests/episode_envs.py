@@ -1,0 +1,32 @@
+"""A Gymnasium text environment importable by name from any process (async GRPO's worker makes it with
+`gymnasium.make("episode_envs:Turns-v0")`, which imports this module and so registers it)."""
+
+import string
+
+import gymnasium
+
+
+class Turns(gymnasium.Env):
+    """Three turns; each answer is followed by an observation with whitespace and unicode; the reward, given at the
+    end, is the number of characters written, mod 7 (varied within a group)."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self):
+        self.observation_space = gymnasium.spaces.Text(max_length=400, charset=string.printable + "é🙂")
+        self.action_space = gymnasium.spaces.Text(max_length=400, charset=string.printable)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.turn, self.written = 0, 0
+        return f"Start {int(self.np_random.integers(100))}", {}
+
+    def step(self, action):
+        self.turn += 1
+        self.written += len(action)
+        done = self.turn == 3
+        reward = float(self.written % 7) if done else 0.0
+        return f"  turn {self.turn} é\n🙂 ", reward, done, False, {}
+
+
+gymnasium.register(id="Turns-v0", entry_point=Turns)
