@@ -319,6 +319,8 @@ class Rollout:
     # per row [L]: 1 where the policy sampled the id (trained), 0 for an environment's ids (context only);
     # None: every completion id was sampled (single-turn)
     token_masks: list[list[int]] | None = None
+    # per row [L]: the policy version (optimizer step) whose weights sampled each id; None: not reported
+    sampler_versions: list[list[int]] | None = None
 
 
 class GRPOTrainer(Trainer):
@@ -754,6 +756,9 @@ class GRPOTrainer(Trainer):
         batch["advantages"] = rollout.advantages[list(rows)]
         batch["group_ids"] = rollout.group_ids[list(rows)]
         batch["sampler_logps"] = _pad_rows([torch.tensor(rollout.sampler_logps[r]) for r in rows], L)
+        if rollout.sampler_versions is not None:
+            batch["sampler_versions"] = _pad_rows([torch.tensor(rollout.sampler_versions[r], dtype=torch.long)
+                                                   for r in rows], L).long()
         if rollout.old_logps is not None:
             batch["old_logps"] = _pad_rows([rollout.old_logps[r] for r in rows], L)
         if rollout.ref_logps is not None:
@@ -835,13 +840,14 @@ class GRPOTrainer(Trainer):
             loss_mask=inputs["loss_mask"], completion_mask=mask, sampler_logps=inputs["sampler_logps"],
             ref_logps=inputs.get("ref_logps"), group_ids=inputs["group_ids"], step_tokens=inputs["step_tokens"],
             step_sequences=inputs["step_sequences"], step_prompts=inputs["step_prompts"],
-            num_micro_batches=self.current_gradient_accumulation_steps if model.training else 1)
+            num_micro_batches=self.current_gradient_accumulation_steps if model.training else 1,
+            sampler_versions=inputs.get("sampler_versions"), policy_version=self.state.global_step)
         # beta, importance_sampling_cap, ... are read at every step (callbacks may schedule them).
         objective_settings = dataclasses.replace(
             resolve_settings(PolicyObjectiveSettings, self.args, kwargs=None, kwargs_field="", owner="GRPO"),
             aggregation_constant=self._aggregation_constant(self.args))
         out = policy_objective(loss_inputs, self._policy_term, aggregation=self.loss_aggregation,
-                               settings=objective_settings)
+                               settings=objective_settings, corrects_behaviour=self.policy_loss.corrects_behaviour)
         self._health.check_finite(self.state.global_step, loss=out.loss, logps=flat, advantages=inputs["advantages"])
         self._record_loss_metrics(loss_inputs, out)
         return (out.loss, {"logps": flat.detach()}) if return_outputs else out.loss
@@ -956,6 +962,13 @@ class GRPOTrainer(Trainer):
             s["clip_ratio/low_mean"].append(float((info["clipped_low"] & lm).sum()) / denom)
             s["clip_ratio/high_mean"].append(float((info["clipped_high"] & lm).sum()) / denom)
             s["clip_ratio/region_mean"].append(float(((info["clipped_low"] | info["clipped_high"]) & lm).sum()) / denom)
+        for name, value in info.items():  # a loss's own diagnostics: masks as a share, weights as a mean
+            if name in ("ratio", "clipped_low", "clipped_high") or value.shape != lm.shape:
+                continue
+            if value.dtype == torch.bool:
+                s[f"loss/{name}_frac"].append(float((value & lm).sum()) / denom)
+            else:
+                s[f"loss/{name}_mean"].append(float(value.detach()[lm].float().mean()))
         if out.off_policy_mask is not None:  # share of the completions in the loss that the mask left out
             in_loss = lm.any(-1)
             kept = out.off_policy_mask.squeeze(-1)[in_loss]

@@ -31,12 +31,14 @@ __all__ = [
     "gspo_surrogate",
     "importance_weights",
     "kl_estimate",
+    "loglinear_proximal_logps",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
     "off_policy_sequence_mask",
     "preference_loss",
     "rloo_advantages",
+    "second_moment_mask",
     "truncated_importance_weights",
 ]
 
@@ -430,6 +432,44 @@ def importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
             outside |= ratio < floor
         return ratio.masked_fill(outside, 0.0)
     raise ValueError(f"importance sampling mode must be 'truncate' or 'mask', got {mode!r}")
+
+
+def loglinear_proximal_logps(behaviour_logps: torch.Tensor, current_logps: torch.Tensor,
+                             behaviour_versions: torch.Tensor, *, proximal_version: int,
+                             current_version: int) -> torch.Tensor:
+    """AReaL's cheap proximal policy for decoupled PPO, [B, T], no gradient: log-linear interpolation between
+    the behaviour policy and the current one by policy version, instead of a forward pass of the proximal
+    weights. Per token, alpha = (v_prox - v_behaviour) / (v_current - v_behaviour), clamped to [0, 1], and
+    log pi_prox = log pi_behaviour + alpha (log pi_current - log pi_behaviour). A token sampled by the
+    proximal weights themselves gets alpha = 0 (its behaviour log-prob, exactly right)."""
+    v = behaviour_versions.to(torch.float64)
+    span = (current_version - v).clamp(min=1e-9)
+    alpha = ((proximal_version - v) / span).clamp(0.0, 1.0).to(behaviour_logps.dtype)
+    b = behaviour_logps.detach()
+    return b + alpha * (current_logps.detach() - b)
+
+
+def second_moment_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's second-moment trust region (Zheng et al. 2025), [B, T] bool, no gradient: the tokens kept.
+
+    M2 = mean over kept tokens of (log pi / pi_behaviour)^2. Tokens with the largest squared log-ratio are
+    dropped, fewest first, until M2 <= threshold: the smallest set of outliers whose removal bounds the
+    batch's second moment (which, unlike a per-token clip, leaves the many moderately off-policy tokens in).
+    Ties at the boundary are broken by position, so the result is deterministic.
+    """
+    keep = mask.clone().bool()
+    sq = (log_ratio.detach().to(torch.float64) ** 2)[keep]
+    n = sq.numel()
+    if n == 0 or float(sq.mean()) <= threshold:
+        return keep
+    order = torch.argsort(sq, stable=True)               # ascending
+    prefix_mean = torch.cumsum(sq[order], 0) / torch.arange(1, n + 1, dtype=torch.float64)
+    # prefix means never decrease (each added value is >= the ones before it): keep the longest prefix within
+    m = int((prefix_mean <= threshold).sum())
+    kept_flat = torch.zeros(n, dtype=torch.bool)
+    kept_flat[order[:m].cpu()] = True
+    keep[keep.clone()] = kept_flat.to(keep.device)
+    return keep
 
 
 def off_policy_sequence_mask(logps: torch.Tensor, behaviour_logps: torch.Tensor, advantages: torch.Tensor,

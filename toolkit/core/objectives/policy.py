@@ -34,7 +34,9 @@ from ..numerics import (
     gspo_surrogate,
     importance_weights,
     kl_estimate,
+    loglinear_proximal_logps,
     off_policy_sequence_mask,
+    second_moment_mask,
 )
 from .settings import NoSettings, _LegacyConfigSettings, SettingsError, resolve_settings
 
@@ -42,10 +44,13 @@ __all__ = [
     "BUILTIN_POLICY_LOSSES",
     "POLICY_AGGREGATIONS",
     "ClipSettings",
+    "DecoupledPPOSettings",
+    "M2POSettings",
     "PolicyLoss",
     "PolicyLossInputs",
     "PolicyLossOutput",
     "PolicyObjectiveSettings",
+    "SeqMISSettings",
     "clipped_surrogate_term",
     "policy_objective",
     "resolve_policy_loss_settings",
@@ -74,6 +79,8 @@ class PolicyLossInputs:
     step_sequences: float | torch.Tensor | None = None  # completions in the loss over the whole step
     step_prompts: float | torch.Tensor | None = None    # prompts with a completion in the loss over the step
     num_micro_batches: int = 1                   # gradient accumulation steps of this optimizer step
+    sampler_versions: torch.Tensor | None = None  # [B, T] long: the policy version that sampled each token
+    policy_version: int | None = None             # the version being trained (= optimizer steps taken so far)
 
     def __post_init__(self):
         if self.completion_mask is None:
@@ -93,6 +100,9 @@ class PolicyLoss:
     settings: type = NoSettings
     aggregation: str = "token"
     description: str = ""
+    # True: the loss weighs tokens by pi / pi_behaviour itself (the off-policy objectives), so
+    # `policy_objective` must not apply its own sampler correction on top (that would correct twice).
+    corrects_behaviour: bool = False
 
     def __post_init__(self):
         if self.aggregation not in POLICY_AGGREGATIONS:
@@ -163,6 +173,134 @@ BUILTIN_POLICY_LOSSES: dict[str, PolicyLoss] = {
 }
 
 
+# ------------------------------------------------------------------------------------------------
+# Off-policy objectives: samples drawn by older weights (async GRPO's staleness, in-flight updates). Each
+# weighs tokens by the behaviour policy itself (`corrects_behaviour`), so the generic sampler correction is
+# not applied on top. "Behaviour" is the engine's log-prob of each token as sampled (per token, so a rollout
+# whose tokens came from two weight versions carries the right one for each); without sampler log-probs
+# (nothing reported) the behaviour policy is pi_old.
+# ------------------------------------------------------------------------------------------------
+
+
+def _behaviour(inputs: PolicyLossInputs) -> torch.Tensor:
+    return (inputs.sampler_logps if inputs.sampler_logps is not None else inputs.old_logps).detach()
+
+
+@dataclass(frozen=True)
+class DecoupledPPOSettings:
+    """Decoupled PPO (Hilton et al. 2021; AReaL, Fu et al. 2025): trust region around the proximal policy,
+    importance weight pi_prox / pi_behaviour for the sampling."""
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None   # None: epsilon
+    behaviour_cap: float | None = 5.0   # cap of pi_prox / pi_behaviour (None: uncapped, as in AReaL's paper)
+    proximal: str = "exact"             # exact: pi_old (the step's own weights) | loglinear: AReaL's approximation
+
+    def __post_init__(self):
+        ClipSettings(self.epsilon, self.epsilon_high)  # the same checks
+        if self.behaviour_cap is not None and self.behaviour_cap <= 0:
+            raise SettingsError("behaviour_cap", f"must be > 0 or None, got {self.behaviour_cap}.")
+        if self.proximal not in ("exact", "loglinear"):
+            raise SettingsError("proximal", f"'{self.proximal}' is not exact | loglinear.")
+
+
+def decoupled_ppo_term(inputs: PolicyLossInputs, settings: DecoupledPPOSettings) -> tuple[torch.Tensor, dict]:
+    """-w * min(r A, clip(r) A) with r = pi / pi_prox and w = min(pi_prox / pi_behaviour, behaviour_cap).
+
+    The clip bounds the update around the proximal policy (recent weights), not around the stale sampler, so
+    staleness does not shrink the trust region; w corrects for who sampled. "exact": pi_prox = pi_old (with one
+    pass per round, the weights of this very step: free, no extra forward). "loglinear": pi_prox interpolated
+    from pi_behaviour and pi by policy version (numerics.loglinear_proximal_logps, with the proximal policy the
+    step's weights and the current one a step ahead), which needs `sampler_versions` and `policy_version`.
+    """
+    behaviour = _behaviour(inputs)
+    if settings.proximal == "exact":
+        proximal = inputs.old_logps.detach()
+    else:
+        if inputs.sampler_versions is None or inputs.policy_version is None:
+            raise ValueError("decoupled_ppo with proximal='loglinear' needs sampler_versions and policy_version (the "
+                             "async trainer fills them); use proximal='exact'.")
+        proximal = loglinear_proximal_logps(behaviour, inputs.logps, inputs.sampler_versions,
+                                            proximal_version=inputs.policy_version,
+                                            current_version=inputs.policy_version + 1)
+    high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
+    surrogate, info = clipped_surrogate(inputs.logps, proximal, inputs.advantages, epsilon_low=settings.epsilon,
+                                        epsilon_high=high)
+    weight = torch.exp(proximal - behaviour)
+    if settings.behaviour_cap is not None:
+        weight = weight.clamp(max=settings.behaviour_cap)
+    info["behaviour_weight"] = weight
+    return surrogate * weight, info
+
+
+@dataclass(frozen=True)
+class M2POSettings:
+    """M2PO (Zheng et al. 2025, "Prosperity before collapse"): a bound on the second moment of the log-ratio."""
+
+    threshold: float = 0.04   # tau_M2: mean (log pi / pi_behaviour)^2 over the kept tokens
+
+    def __post_init__(self):
+        if not self.threshold > 0:
+            raise SettingsError("threshold", f"must be > 0 (e.g. 0.04), got {self.threshold}.")
+
+
+def m2po_term(inputs: PolicyLossInputs, settings: M2POSettings) -> tuple[torch.Tensor, dict]:
+    """-r A on the tokens `second_moment_mask` keeps, r = pi / pi_behaviour, no clip.
+
+    The M2 bound is over this micro-batch's tokens in the loss (the paper takes it over the training batch).
+    Stable with samples far more stale than a per-token clip tolerates: the tokens that carry the drift are
+    dropped as a set, the rest keep their full ratio."""
+    log_ratio = inputs.logps - _behaviour(inputs)
+    keep = second_moment_mask(log_ratio, inputs.loss_mask & inputs.completion_mask, settings.threshold)
+    ratio = torch.exp(log_ratio)
+    adv = inputs.advantages[:, None] if inputs.advantages.dim() == 1 else inputs.advantages
+    per_token = -(ratio * adv) * keep
+    return per_token, {"ratio": ratio.detach(), "m2_masked": inputs.completion_mask & ~keep}
+
+
+@dataclass(frozen=True)
+class SeqMISSettings:
+    """Sequence-level masked importance sampling around PPO's clipped surrogate."""
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    cap: float = 2.0   # C: a completion whose sequence ratio pi_old / pi_behaviour exceeds it drops out
+
+    def __post_init__(self):
+        ClipSettings(self.epsilon, self.epsilon_high)
+        if not self.cap > 0:
+            raise SettingsError("cap", f"must be > 0, got {self.cap}.")
+
+
+def seq_mis_term(inputs: PolicyLossInputs, settings: SeqMISSettings) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate times rho(y) = prod_t pi_old / pi_behaviour when rho(y) <= cap, else 0 (the completion
+    drops out entirely): an unbiased-where-kept sequence correction, without the token level's bias and without
+    letting one far-off completion dominate (Yao et al. 2025, "When speed kills stability")."""
+    high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
+    surrogate, info = clipped_surrogate(inputs.logps, inputs.old_logps, inputs.advantages,
+                                        epsilon_low=settings.epsilon, epsilon_high=high)
+    weight = importance_weights(inputs.old_logps, _behaviour(inputs), cap=settings.cap, level="sequence",
+                                mode="mask", mask=inputs.completion_mask)
+    info["seq_masked"] = (weight == 0) & inputs.completion_mask
+    return surrogate * weight, info
+
+
+#: The off-policy objectives (async GRPO with stale or mixed-version samples); registered like the others.
+OFF_POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "decoupled_ppo": PolicyLoss(decoupled_ppo_term, DecoupledPPOSettings, "token",
+                                "decoupled PPO (AReaL): clip around the proximal policy, weight pi_prox / "
+                                "pi_behaviour; proximal='loglinear' for AReaL's approximation",
+                                corrects_behaviour=True),
+    "m2po": PolicyLoss(m2po_term, M2POSettings, "token",
+                       "M2PO: ratio to the behaviour policy, tokens dropped until the second moment of the "
+                       "log-ratio is <= threshold", corrects_behaviour=True),
+    "seq_mis": PolicyLoss(seq_mis_term, SeqMISSettings, "token",
+                          "clipped surrogate with sequence-level masked importance sampling (completions whose "
+                          "sequence ratio exceeds cap drop out)", corrects_behaviour=True),
+}
+BUILTIN_POLICY_LOSSES.update(OFF_POLICY_LOSSES)
+
+
 @dataclass(frozen=True)
 class PolicyObjectiveSettings:
     """What `policy_objective` adds around the loss's term; the GRPO config fields of the same names."""
@@ -218,10 +356,13 @@ def policy_objective(
     *,
     aggregation: str,
     settings: PolicyObjectiveSettings,
+    corrects_behaviour: bool = False,
 ) -> PolicyLossOutput:
     """The policy loss of one micro-batch: the per-token `term`, sampler correction, KL, aggregation.
 
     `term` is usually `lambda i: loss(i, loss_settings)`; trainers pass their `compute_policy_loss` seam.
+    `corrects_behaviour` (the loss's own flag): the term already weighs by the behaviour policy, so the
+    sampler correction of step 2 is skipped.
     """
     per_token, info = term(inputs)
     keep = None
@@ -233,7 +374,7 @@ def policy_objective(
         per_token = per_token * keep
     weights = None
     bounded = settings.importance_sampling_cap is not None or settings.importance_sampling_min is not None
-    if bounded and inputs.sampler_logps is not None:
+    if bounded and inputs.sampler_logps is not None and not corrects_behaviour:
         weights = importance_weights(inputs.old_logps, inputs.sampler_logps, cap=settings.importance_sampling_cap,
                                      floor=settings.importance_sampling_min, level=settings.importance_sampling_level,
                                      mode=settings.importance_sampling_mode, mask=inputs.completion_mask)
