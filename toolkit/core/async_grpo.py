@@ -15,7 +15,8 @@ Every sample carries the version of the weights that generated it. With `max_sta
 worker generates round r only with the weights of step r, so the updates equal synchronous GRPO's
 (tests/test_async_grpo.py checks it); with k > 0 generation of round r+1..r+k overlaps training on
 round r. Weights reach the worker through shared memory (no copy through a pipe); the worker
-loads them between rounds (in-flight updates mid-generation are not implemented).
+loads them between rounds, and with `inflight_weight_updates` also between decode steps of the round
+in progress (PipelineRL; each token then records the version that sampled it).
 
 Robustness: the worker's heartbeat comes from progress of its main loop (each decode step with the
 transformers backend, each wait-loop turn; reward scoring counts as bounded by reward_timeout, and a
@@ -77,6 +78,11 @@ class AsyncGRPOConfig(GRPOConfig):
         "help": "torch threads of the trainer (None: unchanged). On 2 cores: 1 and 1."})
     worker_restarts: int = field(default=0, metadata={
         "help": "Restart a dead worker this many times before stopping the run (with a checkpoint)."})
+    inflight_weight_updates: bool = field(default=False, metadata={
+        "help": "Load newly published weights between decode steps of the rollouts in progress (PipelineRL), "
+                "not only between rounds: the rollouts continue under the new weights, each token records the "
+                "version that sampled it, and the loss's behaviour log-prob is each token's own. transformers "
+                "backend only."})
     heartbeat_timeout: float = field(default=60.0, metadata={
         "help": "Seconds without progress of the worker's main loop after which it counts as hung (a vLLM "
                 "generate call or weight upload may take up to worker_start_timeout)."})
@@ -102,6 +108,11 @@ class AsyncGRPOConfig(GRPOConfig):
         if self.generation_backend not in ("transformers", "vllm", "vllm-server"):
             raise ConfigError(f"generation_backend: the async worker runs transformers, vllm or vllm-server, got "
                               f"'{self.generation_backend}'.")
+        if self.inflight_weight_updates and self.generation_backend != "transformers":
+            raise ConfigError(f"inflight_weight_updates: needs generation_backend 'transformers' (its decode loop "
+                              f"loads new weights between steps); a '{self.generation_backend}' generate call is one "
+                              "engine call with no point to swap weights in. Set it False to load weights between "
+                              "rounds.")
         if self.heartbeat_timeout <= 0 or self.worker_start_timeout <= 0:
             raise ConfigError("heartbeat_timeout, worker_start_timeout: must be > 0.")
         if self.worker_restarts < 0:
@@ -213,6 +224,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "extra_columns": list(self.dataset_format.extra_columns), "varlen": self.padding_free,
             "backend": args.generation_backend, "backend_kwargs": self._worker_backend_kwargs(),
             "rank": self.accelerator.process_index, "num_processes": self.accelerator.num_processes,
+            "inflight": args.inflight_weight_updates,
             "episodes": None if args.environment is None else {
                 "name": args.environment, "kwargs": dict(args.environment_kwargs or {}),
                 "max_turns": args.max_turns, "max_tokens": args.max_episode_tokens,
@@ -364,7 +376,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if item.episodes is not None:
             rollout = self.rollout_from_episodes(item.row_indices, item.episodes, item.gen_s)
         else:
-            groups = [[Completion(list(ids), list(lp), reason) for ids, lp, reason in g] for g in item.completions]
+            versions = item.token_versions or [[None] * len(g) for g in item.completions]
+            groups = [[Completion(list(ids), list(lp), reason, v) for (ids, lp, reason), v in zip(g, vg)]
+                      for g, vg in zip(item.completions, versions)]
             self._reward_failures = item.failures
             rollout = self.build_rollout(item.row_indices, groups, torch.tensor(item.rewards_per_func), item.gen_s,
                                          item.score_s)
@@ -386,6 +400,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
         m["async/generator_idle_fraction"] = item.wait_s / max(item.wait_s + busy, 1e-9)
         m["async/generation_tokens_per_s"] = item.tokens / max(item.gen_s, 1e-9)
         m["async/worker_restarts"] = float(self._restarts)
+        if rollout.sampler_versions is not None:
+            # in-flight updates: how many weight versions sampled this round, and the share of tokens sampled by
+            # weights newer than the round's first
+            seen = {v for row in rollout.sampler_versions for v in row}
+            n_tok = sum(len(row) for row in rollout.sampler_versions)
+            m["async/round_versions"] = float(len(seen) or 1)
+            m["async/inflight_token_fraction"] = (sum(v > item.version for row in rollout.sampler_versions
+                                                      for v in row) / max(n_tok, 1))
         return rollout
 
     # ------------------------------------------------------------------------------- lifecycle

@@ -67,6 +67,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token was sampled) or "length" (max_tokens reached)
+    # versions[i]: the policy version whose weights sampled token_ids[i] (in-flight weight updates can change
+    # it mid-completion); None when the backend does not track versions
+    versions: list[int] | None = None
 
 
 @dataclass
@@ -188,12 +191,18 @@ class TransformersBackend:
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, max_batch_size: int = 256,
-                 on_decode_step: Callable[[], None] | None = None):
+                 on_decode_step: Callable[[], None] | None = None,
+                 refresh_weights: Callable[[], int | None] | None = None, version: int = 0):
         self.model = model
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         # Called once per forward (prefill and every decode step): a supervisor's proof that decoding moves.
         self.on_decode_step = on_decode_step
+        # In-flight weight updates (PipelineRL): called between decode steps; it loads newer weights into
+        # `model` in place and returns their version, or returns None (nothing new). Each token records the
+        # version that sampled it (Completion.versions); `version` is the weights' version at the start.
+        self.refresh_weights = refresh_weights
+        self.version = version
         self.last_stats = GenerationStats()
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -251,6 +260,7 @@ class TransformersBackend:
             tokens_out = torch.full((total, params.max_tokens), self.pad_token_id, dtype=torch.long)
             logps_out = torch.zeros((total, params.max_tokens), dtype=torch.float32)
             lengths = torch.zeros(total, dtype=torch.long)
+            versions_out = torch.zeros((total, params.max_tokens), dtype=torch.long)
             lockstep = _decodes_in_lockstep(model)
             for step in range(params.max_tokens):
                 tok, lp = sample_tokens(logits, params, generator)
@@ -258,6 +268,7 @@ class TransformersBackend:
                 active = ~done
                 tokens_out[:, step] = tok.cpu()
                 logps_out[:, step] = torch.where(active, lp, torch.zeros_like(lp)).cpu()
+                versions_out[:, step] = self.version
                 lengths += active.long().cpu()
                 if stop.numel():
                     done = done | (active & torch.isin(tok, stop))
@@ -269,8 +280,23 @@ class TransformersBackend:
                 # the token just sampled is real for every row that was active at this step
                 mask = torch.cat([mask, active.long()[:, None]], dim=1)
                 last_pos = last_pos + 1
-                out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                            use_cache=True, **{_cache_kwarg(model): cache})
+                new_version = self.refresh_weights() if self.refresh_weights is not None else None
+                if new_version is not None:
+                    # New weights mid-generation: the rows continue under them (partial rollouts, nothing is
+                    # dropped or restarted). The KV cache of the prefix was computed by the old weights, so it is
+                    # rebuilt with the new ones (one prefill of prompt + tokens so far): the next token's log-prob
+                    # is then exactly the new policy's, as the loss's behaviour term assumes. PipelineRL keeps the
+                    # stale cache instead; at 135M on CPU the refill costs about one prefill.
+                    self.version = new_version
+                    sofar = torch.cat([ids.repeat_interleave(n, dim=0), tokens_out[:, :step + 1].to(device)], dim=1)
+                    full_pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                    cache = DynamicCache(config=model.config)
+                    out = model(input_ids=sofar, attention_mask=mask, position_ids=full_pos, use_cache=True,
+                                logits_to_keep=1, **{_cache_kwarg(model): cache})
+                    last_pos = torch.where(active, full_pos[:, -1], last_pos)
+                else:
+                    out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                                use_cache=True, **{_cache_kwarg(model): cache})
                 if self.on_decode_step is not None:
                     self.on_decode_step()
                 logits = out.logits[:, -1]
@@ -285,6 +311,8 @@ class TransformersBackend:
                 k = int(lengths[r])
                 toks = tokens_out[r, :k].tolist()
                 reason = "stop" if toks and toks[-1] in stop_set else "length"
-                group.append(Completion(token_ids=toks, logprobs=logps_out[r, :k].tolist(), finish_reason=reason))
+                group.append(Completion(token_ids=toks, logprobs=logps_out[r, :k].tolist(), finish_reason=reason,
+                                        versions=(versions_out[r, :k].tolist() if self.refresh_weights is not None
+                                                  else None)))
             results.append(group)
         return results

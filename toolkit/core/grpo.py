@@ -659,6 +659,8 @@ class GRPOTrainer(Trainer):
             completion_ids=completion_ids,
             sampler_logps=sampler_logps, rewards=total, rewards_per_func=rewards_per_func, advantages=advantages,
             included=included, group_ids=group_ids, truncated=truncated, token_masks=token_masks,
+            sampler_versions=([c.versions for g in groups for c in g]
+                              if all(c.versions is not None for g in groups for c in g) else None),
         )
         t2 = time.perf_counter()
         if args.num_iterations > 1:

@@ -44,6 +44,8 @@ class ScoredRound:
     wait_s: float
     tokens: int
     episodes: list[Any] | None = None  # multi-turn rounds: the finished Episodes (completions/rewards then unused)
+    # per group, per completion: the policy version of each token (in-flight weight updates); None: all `version`
+    token_versions: list[list[list[int]]] | None = None
 
 
 def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -115,6 +117,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                          daemon=True).start()
         from transformers import AutoModelForCausalLM
 
+        held = [-1]  # the version of the weights the backend holds (a list: refresh_weights updates it)
         runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"],
                               max_consecutive_failures=spec["reward_max_failures"],
                               allow_empty=spec.get("episodes") is not None)
@@ -124,8 +127,22 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 from .attention import use_varlen_attention
 
                 use_varlen_attention(model)  # the trainer's attention, so both sides compute the same numbers
+            def refresh_weights() -> int | None:
+                """Between decode steps (in-flight updates): newer weights if published and the lock is free now
+                (the trainer is not mid-copy); never waits, so decoding is not held up by a publish."""
+                if version.value == held[0] or not lock.acquire(block=False):
+                    return None
+                try:
+                    load_weights()
+                    held[0] = version.value
+                finally:
+                    lock.release()
+                progress.tick()
+                return held[0]
+
             backend = TransformersBackend(model, pad_token_id=spec["pad_token_id"],
-                                          max_batch_size=spec["max_batch_size"], on_decode_step=progress.tick)
+                                          max_batch_size=spec["max_batch_size"], on_decode_step=progress.tick,
+                                          refresh_weights=refresh_weights if spec.get("inflight") else None)
 
             def load_weights():
                 _load_strict(model, shared)
@@ -187,7 +204,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
         rank = spec.get("rank", 0)
         sampler = RoundSampler(len(rows), spec["per_round"], 1, seed=spec["seed"],
                                num_processes=spec.get("num_processes", 1))
-        local_version, r = -1, start_round
+        r = start_round
         while not stop.is_set():
             progress.tick()
             t_wait = time.perf_counter()
@@ -196,11 +213,14 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 time.sleep(0.002)
             if stop.is_set():
                 break
-            if version.value != local_version:
+            if version.value != held[0]:
                 with lock:
                     load_weights()
-                    local_version = version.value
+                    held[0] = version.value
                 progress.tick()
+            local_version = held[0]
+            if spec["backend"] == "transformers":
+                backend.version = local_version
             wait_s = time.perf_counter() - t_wait
             idx = sampler.round(r, rank)
             # The transformers backend ticks every decode step; a vLLM generate call is one opaque call, which
@@ -219,7 +239,8 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                                                 [rows[i] for i in idx], sampling=spec["sampling"],
                                                 n=spec["num_generations"], seed=generation_seed(spec["seed"], r, rank),
                                                 score=score)
-                item = ScoredRound(round=r, version=local_version, row_indices=idx,
+                inflight = [[c.versions for c in g] for g in scored.groups] if spec.get("inflight") else None
+                item = ScoredRound(round=r, version=local_version, row_indices=idx, token_versions=inflight,
                                    completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g]
                                                 for g in scored.groups],
                                    rewards_per_func=scored.rewards_per_func.tolist(), failures=score.failures,

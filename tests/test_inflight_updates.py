@@ -1,0 +1,101 @@
+"""In-flight weight updates (PipelineRL): new weights between decode steps, partial rollouts continued under
+them, each token's version recorded, and the behaviour log-prob of each token being its own version's."""
+
+import pytest
+import torch
+from test_async_grpo import async_cfg, low_ids, prompts
+
+from toolkit import ConfigError
+from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from toolkit.core.generation import SamplingParams, TransformersBackend
+from toolkit.testing import tiny_model, tiny_tokenizer
+
+
+def _token_logps(model, prompt, completion):
+    """log pi(completion_t | prompt, completion_<t) by one plain forward of the whole sequence (temperature 1)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+    return lp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_a_completion_continues_under_new_weights_and_each_token_carries_its_versions_logprob():
+    old, new = tiny_model(seed=0), tiny_model(seed=1)
+    model = tiny_model(seed=0).eval()
+    calls = []
+
+    def refresh():
+        calls.append(1)
+        if len(calls) == 3:  # after the third sampled token: publish version 7
+            model.load_state_dict(new.state_dict())
+            return 7
+        return None
+
+    backend = TransformersBackend(model, pad_token_id=2, refresh_weights=refresh, version=6)
+    prompts_ = [[5, 9, 11, 4], [7, 8]]
+    groups = backend.generate(prompts_, SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=()), n=2,
+                              seed=0)
+    for prompt, group in zip(prompts_, groups):
+        for c in group:
+            assert c.versions == [6, 6, 6] + [7] * 7  # one rollout, two policy versions, nothing restarted
+            want = torch.cat([_token_logps(old, prompt, c.token_ids)[:3], _token_logps(new, prompt, c.token_ids)[3:]])
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=2e-4, rtol=1e-4)
+    assert backend.version == 7
+
+
+def test_without_refresh_no_versions_are_reported():
+    backend = TransformersBackend(tiny_model(), pad_token_id=2)
+    (group,) = backend.generate([[5, 6]], SamplingParams(max_tokens=4, temperature=1.0), n=1, seed=0)
+    assert group[0].versions is None
+
+
+class _Recording(AsyncGRPOTrainer):
+    """Keeps each rollout and the weights of every version, to check the trained batch afterwards."""
+
+    def generate_rollout(self, row_indices):
+        rollout = super().generate_rollout(row_indices)
+        self.rollouts.append((self.state.global_step, rollout))
+        return rollout
+
+
+@pytest.mark.slow
+def test_async_rounds_mix_versions_and_the_loss_gets_each_tokens_behaviour_logprob(tmp_path):
+    from transformers import TrainerCallback
+
+    snapshots = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            snapshots[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    # Long completions, cheap training: a round is still decoding when the next weights are published.
+    t = _Recording(tiny_model(), [low_ids],
+                   async_cfg(tmp_path, max_steps=4, max_staleness=1, max_completion_length=160, temperature=1.0,
+                             inflight_weight_updates=True, loss_type="decoupled_ppo"),
+                   train_dataset=prompts(), processing_class=tiny_tokenizer(), callbacks=[Snapshot()])
+    snapshots[0] = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    t.rollouts = []
+    t.train()
+    mixed = [(step, r, i) for step, r in t.rollouts for i, v in enumerate(r.sampler_versions) if len(set(v)) > 1]
+    assert mixed, "no round was updated in flight"
+    assert max(h.get("async/round_versions", 0) for h in t.state.log_history) >= 2
+    step, rollout, row = mixed[0]
+    versions = rollout.sampler_versions[row]
+    ids, prompt = rollout.completion_ids[row], rollout.prompt_ids[row]
+    want = torch.zeros(len(ids))
+    for v in set(versions):
+        ref = tiny_model()
+        ref.load_state_dict(snapshots[v])
+        at = torch.tensor([x == v for x in versions])
+        want[at] = _token_logps(ref.eval(), prompt, ids)[at]
+    torch.testing.assert_close(torch.tensor(rollout.sampler_logps[row]), want, atol=2e-4, rtol=1e-4)
+    # what the loss reads as the behaviour log-prob and version of each token is this rollout's, row by row
+    batch = t._micro_batch(rollout, [row], {"step_tokens": 1.0, "step_sequences": 1.0, "step_prompts": 1.0})
+    torch.testing.assert_close(batch["sampler_logps"][0, :len(ids)], torch.tensor(rollout.sampler_logps[row]))
+    assert batch["sampler_versions"][0, :len(ids)].tolist() == versions
+
+
+def test_inflight_updates_need_the_transformers_backend(tmp_path):
+    with pytest.raises(ConfigError, match="inflight_weight_updates"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), inflight_weight_updates=True, generation_backend="vllm")
