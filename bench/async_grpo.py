@@ -1,99 +1,203 @@
-"""Benchmark: AsyncGRPOTrainer against our synchronous GRPOTrainer, same settings and samples, one run.
+"""Benchmark: AsyncGRPOTrainer against our synchronous GRPOTrainer, same settings and samples, in two cases.
 
-    python bench/async_grpo.py                 # about 10 minutes on 2 CPU cores
-    python bench/async_grpo.py --steps 40      # longer, closer to the main job
+    python bench/async_grpo.py                  # about 30 minutes on 2 CPU cores; writes bench/results/async_grpo.*
+    python bench/async_grpo.py --steps 40       # more steps per run (latency case; compute case: 2/3 of it)
 
-Both train the embedded SmolLM2-135M-Instruct on the arithmetic task (4 prompts x 8 completions per
-step, max 16 new tokens, temperature 0.7, lr 2e-5, dapo, numeric-match reward) for the same number
-of steps, i.e. the same number of samples. Synchronous GRPO uses both cores (2 torch threads) for
-generation and training in turn; async gives the rollout worker one thread and the trainer one
-(max_staleness 1, so generation of step t+1 overlaps training on step t). Each run is its own
-process. Printed: wall time (training only; model load and the held-out evaluation excluded),
-samples per second, held-out greedy accuracy after training (64 problems), and for async the
-idle fractions of both sides, which explain the ratio.
+* latency-bound: the reward is a judge over HTTP on loopback (toolkit.testing.JudgeServer, a real server)
+  that answers each round after 0.5-2 s (uniform, seeded), as a remote LLM judge does; 2 prompts x 4
+  completions per step. Sync waits for the judge every step; async's worker generates the next round while
+  the judge works (scoring_concurrency 2, max_staleness 2) and the trainer trains meanwhile. Three seeds each.
+* compute-bound: numeric-match reward (no waiting), 4 prompts x 8 completions per step: both phases compete
+  for the same 2 cores, so the ratio says what splitting them costs. One seed.
+
+Both sides: embedded SmolLM2-135M-Instruct, arithmetic task, max 16 new tokens, temperature 0.7, lr 2e-5,
+dapo; sync uses both cores (2 torch threads) in turn; async gives the worker one thread and the trainer one.
+Each run is its own process; wall time is training only (model load and evaluation excluded); held-out
+accuracy is greedy on 128 problems after training. The pipeline model (bench/async_model.py) is fed each
+async run's own per-round times and its prediction is printed beside the measured wall clock; it then
+predicts the separate-device deployment from the sync run's per-phase times (each side alone).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_args, run_each  # noqa: E402
+from _common import provenance, run_in_subprocess  # noqa: E402
+from async_model import Phases, simulate_async, simulate_sync  # noqa: E402
 
-SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=2e-5,
-                max_staleness=1)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = {
+    "latency": dict(prompts_per_step=2, num_generations=4, judge_latency=(0.5, 2.0), max_staleness=2,
+                    scoring_concurrency=2, seeds=(0, 1, 2)),
+    "compute": dict(prompts_per_step=4, num_generations=8, judge_latency=None, max_staleness=1,
+                    scoring_concurrency=2, seeds=(0,)),
+}
+COMMON = dict(max_completion_length=16, temperature=0.7, lr=2e-5, heldout=128)
 
 
 def worker(kind: str, steps: int) -> dict:
     import torch
 
-    from toolkit.core.rewards import numeric_match
+    from toolkit.core.rewards import HTTPJudge, numeric_match
     from toolkit.core.tasks import arithmetic_splits, greedy_accuracy
+    from toolkit.testing import JudgeServer
 
-    s = SETTINGS
-    train, held_out = arithmetic_splits(256, 64, max_value=20, max_terms=2, kind="prompt_only")
-    common = dict(output_dir=f"/tmp/bench-async-{kind}", max_steps=steps, learning_rate=s["lr"], logging_steps=1,
-                  save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
-                  per_device_train_batch_size=s["prompts_per_step"] * s["num_generations"],
-                  num_generations=s["num_generations"], max_completion_length=s["max_completion_length"],
-                  temperature=s["temperature"], lr_scheduler_type="constant", loss_type="dapo")
-    if kind == "sync":
+    case, mode, seed = kind.split("-")
+    c, seed = CASES[case], int(seed)
+    # the same data for every seed (the seed varies sampling and training), so held-out numbers compare
+    train, held_out = arithmetic_splits(256, COMMON["heldout"], max_value=20, max_terms=2, kind="prompt_only")
+    judge = JudgeServer(latency=c["judge_latency"], seed=seed) if c["judge_latency"] else None
+    rewards = [HTTPJudge(judge.url)] if judge else [numeric_match]
+    common = dict(output_dir=f"/tmp/bench-async-{kind}", max_steps=steps, learning_rate=COMMON["lr"],
+                  logging_steps=1, save_strategy="no", report_to="none", seed=seed, disable_tqdm=True,
+                  per_device_train_batch_size=c["prompts_per_step"] * c["num_generations"],
+                  num_generations=c["num_generations"], max_completion_length=COMMON["max_completion_length"],
+                  temperature=COMMON["temperature"], lr_scheduler_type="constant", loss_type="dapo")
+    if mode == "sync":
         from toolkit import GRPOConfig, GRPOTrainer
 
         torch.set_num_threads(2)
-        trainer = GRPOTrainer("smollm2-135m-instruct", [numeric_match], GRPOConfig(**common), train_dataset=train)
+        trainer = GRPOTrainer("smollm2-135m-instruct", rewards, GRPOConfig(**common), train_dataset=train)
     else:
         from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer
 
-        trainer = AsyncGRPOTrainer("smollm2-135m-instruct", [numeric_match],
-                                   AsyncGRPOConfig(**common, max_staleness=s["max_staleness"], worker_threads=1,
-                                                   trainer_threads=1), train_dataset=train)
+        trainer = AsyncGRPOTrainer("smollm2-135m-instruct", rewards,
+                                   AsyncGRPOConfig(**common, max_staleness=c["max_staleness"], worker_threads=1,
+                                                   trainer_threads=1, scoring_concurrency=c["scoring_concurrency"]),
+                                   train_dataset=train)
     started = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - started
+    if judge:
+        judge.close()
     torch.set_num_threads(2)
-    acc = greedy_accuracy(trainer.model, trainer.processing_class, held_out, max_new_tokens=s["max_completion_length"])
+    acc = greedy_accuracy(trainer.model, trainer.processing_class, held_out,
+                          max_new_tokens=COMMON["max_completion_length"])
     hist = [h for h in trainer.state.log_history if "loss" in h]
 
-    def mean(key):
-        v = [h[key] for h in hist[1:] if key in h]
+    def mean(key, skip=1):
+        v = [h[key] for h in hist[skip:] if key in h]
         return sum(v) / len(v) if v else None
 
-    samples = steps * s["prompts_per_step"] * s["num_generations"]
-    return {"kind": kind, "wall_s": wall, "samples": samples, "samples_per_s": samples / wall, "heldout_accuracy": acc,
-            "final_reward": sum(h["reward"] for h in hist[-5:]) / len(hist[-5:]),
+    samples = steps * c["prompts_per_step"] * c["num_generations"]
+    return {"kind": kind, "wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
+            "heldout_accuracy": acc, "reward_last5": sum(h["reward"] for h in hist[-5:]) / len(hist[-5:]),
+            "completion_tokens": sum(h.get("completions/mean_length", 0) * c["prompts_per_step"] *
+                                     c["num_generations"] for h in hist),
+            "generation_s_per_step": mean("time/generation_s"), "scoring_s_per_step": mean("time/scoring_s"),
+            "train_s_per_step": mean("time/train_s"), "publish_s": mean("async/publish_s"),
             "trainer_idle_fraction": mean("async/trainer_idle_fraction"),
             "generator_idle_fraction": mean("async/generator_idle_fraction"),
-            "generation_s_per_step": mean("time/generation_s"), "train_s_per_step": mean("time/train_s"),
-            "staleness_mean": mean("async/staleness")}
+            "staleness_mean": mean("async/staleness", skip=0)}
+
+
+def _model_rows(case: str, c: dict, steps: int, sync: dict, asy: dict) -> dict:
+    """The pipeline model, fed the async run's own per-round times (validation) and the sync run's (each
+    side alone: the separate-device deployment)."""
+    knobs = dict(max_staleness=c["max_staleness"], queue_size=2, scoring_concurrency=c["scoring_concurrency"])
+    measured = Phases(gen_s=asy["generation_s_per_step"], train_s=asy["train_s_per_step"],
+                      score_s=asy["scoring_s_per_step"], sync_s=asy["publish_s"] or 0.0)
+    predicted_wall = simulate_async(measured, steps, **knobs)
+    alone = Phases(gen_s=sync["generation_s_per_step"], train_s=sync["train_s_per_step"],
+                   score_s=sync["scoring_s_per_step"], sync_s=asy["publish_s"] or 0.0)
+    return {"predicted_async_wall_s": predicted_wall, "measured_async_wall_s": asy["wall_s"],
+            "prediction_error": predicted_wall / asy["wall_s"] - 1,
+            "sync_model_wall_s": simulate_sync(alone, steps), "measured_sync_wall_s": sync["wall_s"],
+            "separate_devices_ratio": simulate_sync(alone, steps) / simulate_async(alone, steps, **knobs)}
 
 
 def main() -> None:
-    args = bench_args(__doc__, worker, default_steps=20)
-    results = run_each(__file__, ("sync", "async"), args.steps,
-                       lambda r: f"{r['wall_s']:.0f} s, {r['samples_per_s']:.2f} samples/s, held-out accuracy "
-                                 f"{r['heldout_accuracy']:.3f}", env={"HF_HUB_OFFLINE": "1"})
-    sy, asy = results["sync"], results["async"]
-    s = SETTINGS
-    print(f"\nGRPO on SmolLM2-135M-Instruct, {args.steps} steps x {s['prompts_per_step']} prompts x "
-          f"{s['num_generations']} completions (same samples both sides); async max_staleness={s['max_staleness']}")
-    print("| | sync (2 threads) | async (1 + 1 threads) | ratio async/sync |")
-    print("|---|---|---|---|")
-    print(f"| wall seconds | {sy['wall_s']:.0f} | {asy['wall_s']:.0f} | {asy['wall_s'] / sy['wall_s']:.2f} |")
-    print(f"| samples/s | {sy['samples_per_s']:.2f} | {asy['samples_per_s']:.2f} | "
-          f"{asy['samples_per_s'] / sy['samples_per_s']:.2f}x |")
-    print(f"| held-out accuracy | {sy['heldout_accuracy']:.3f} | {asy['heldout_accuracy']:.3f} | |")
-    print(f"| mean reward, last 5 steps | {sy['final_reward']:.3f} | {asy['final_reward']:.3f} | |")
-    print(f"| generation s/step | {sy['generation_s_per_step']:.1f} | {asy['generation_s_per_step']:.1f} | |")
-    print(f"| train s/step | {sy['train_s_per_step']:.1f} | {asy['train_s_per_step']:.1f} | |")
-    print(f"| async: trainer idle / generator idle | | {asy['trainer_idle_fraction']:.2f} / "
-          f"{asy['generator_idle_fraction']:.2f} | |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": s, "steps": args.steps, "results": results}, f, indent=2)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--worker", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        case = args.worker.split("-")[0]
+        steps = args.steps if case == "latency" else max(1, round(args.steps * 2 / 3))
+        print("RESULT " + json.dumps(worker(args.worker, steps)), flush=True)
+        return
+    script = os.path.abspath(__file__)
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    for case, c in CASES.items():
+        for seed in c["seeds"]:
+            for mode in ("sync", "async"):
+                kind = f"{case}-{mode}-{seed}"
+                print(f"running {kind} ...", flush=True)
+                r = run_in_subprocess(script, ["--steps", str(args.steps), "--worker", kind],
+                                      env={"HF_HUB_OFFLINE": "1"})
+                results[kind] = r
+                print(f"  {r['wall_s']:.0f} s, {r['samples_per_s']:.2f} samples/s, held-out "
+                      f"{r['heldout_accuracy']:.3f}", flush=True)
+    summary = {}
+    for case, c in CASES.items():
+        rows = [(results[f"{case}-sync-{s}"], results[f"{case}-async-{s}"]) for s in c["seeds"]]
+        steps = rows[0][0]["samples"] // (c["prompts_per_step"] * c["num_generations"])
+        summary[case] = {
+            "steps": steps,
+            "ratio_per_seed": [a["samples_per_s"] / s["samples_per_s"] for s, a in rows],
+            "sync_samples_per_s": [s["samples_per_s"] for s, _ in rows],
+            "async_samples_per_s": [a["samples_per_s"] for _, a in rows],
+            "sync_heldout": [s["heldout_accuracy"] for s, _ in rows],
+            "async_heldout": [a["heldout_accuracy"] for _, a in rows],
+            "model": [_model_rows(case, c, steps, s, a) for s, a in rows],
+        }
+    out = {"settings": {"cases": CASES, **COMMON, "model": "smollm2-135m-instruct"}, "results": results,
+           "summary": summary, "run_seconds": time.perf_counter() - started, "provenance": provenance()}
+    text = _table(out)
+    print(text)
+    with open(os.path.join(ROOT, "bench", "results", "async_grpo.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    with open(os.path.join(ROOT, "bench", "results", "async_grpo.txt"), "w") as f:
+        f.write(text + "\n")
+
+
+def _fmt(values, digits=2):
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def _table(out: dict) -> str:
+    p, res = out["provenance"], out["results"]
+    lines = [f"# bench/async_grpo.py at {p['commit'][:10]}{' (tree changed)' if p['tree_changed'] else ''} "
+             f"({p['date']}, {p['cpu_cores']} cores, torch {p['versions']['torch']}); run time "
+             f"{out['run_seconds'] / 60:.0f} min", ""]
+    for case, s in out["summary"].items():
+        c = out["settings"]["cases"][case]
+        judge = (f"HTTP judge on loopback, {c['judge_latency'][0]}-{c['judge_latency'][1]} s per round"
+                 if c["judge_latency"] else "numeric_match (no waiting)")
+        lines += [f"## {case}-bound: {s['steps']} steps x {c['prompts_per_step']} prompts x {c['num_generations']} "
+                  f"completions, reward {judge}; async max_staleness={c['max_staleness']}, scoring_concurrency="
+                  f"{c['scoring_concurrency']}, threads 1 + 1 (sync: 2); seeds {list(c['seeds'])}", "",
+                  "| | sync | async | async/sync |", "|---|---|---|---|",
+                  f"| samples/s | {_fmt(s['sync_samples_per_s'])} | {_fmt(s['async_samples_per_s'])} | "
+                  f"{_fmt(s['ratio_per_seed'])}x (per seed: {', '.join(f'{x:.2f}' for x in s['ratio_per_seed'])}) |",
+                  f"| held-out accuracy (128) | {_fmt(s['sync_heldout'], 3)} | {_fmt(s['async_heldout'], 3)} | |"]
+        for key, label in (("generation_s_per_step", "generation s/round"), ("scoring_s_per_step", "scoring s/round"),
+                           ("train_s_per_step", "train s/step"), ("completion_tokens", "completion tokens (all steps)")):
+            sv = [res[f"{case}-sync-{x}"][key] or 0.0 for x in c["seeds"]]
+            av = [res[f"{case}-async-{x}"][key] or 0.0 for x in c["seeds"]]
+            lines.append(f"| {label} | {_fmt(sv)} | {_fmt(av)} | |")
+        idle_t = [res[f"{case}-async-{x}"]["trainer_idle_fraction"] or 0.0 for x in c["seeds"]]
+        idle_g = [res[f"{case}-async-{x}"]["generator_idle_fraction"] or 0.0 for x in c["seeds"]]
+        lines.append(f"| async: trainer idle / generator idle | | {_fmt(idle_t)} / {_fmt(idle_g)} | |")
+        m = s["model"]
+        lines += ["", "Pipeline model (bench/async_model.py): predicted vs measured async wall "
+                  + ", ".join(f"{x['predicted_async_wall_s']:.0f} vs {x['measured_async_wall_s']:.0f} s "
+                              f"({x['prediction_error']:+.0%})" for x in m)
+                  + "; sync model vs measured "
+                  + ", ".join(f"{x['sync_model_wall_s']:.0f} vs {x['measured_sync_wall_s']:.0f} s" for x in m)
+                  + "; separate devices (each side at its measured speed alone): predicted async/sync "
+                  + ", ".join(f"{x['separate_devices_ratio']:.2f}x" for x in m), ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

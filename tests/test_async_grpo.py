@@ -139,11 +139,16 @@ class StuckAfterFirstRoundTokenizer(PreTrainedTokenizerFast):
         return super().batch_decode(*args, **kwargs)
 
 
-def test_a_stuck_main_loop_is_reported_although_the_worker_process_lives(tmp_path):
+@pytest.mark.parametrize("scoring_concurrency", [1, 2])
+def test_a_stuck_main_loop_is_reported_although_the_worker_process_lives(tmp_path, scoring_concurrency):
+    """Scoring (here: decoding, stuck) runs on a scoring thread; a main loop that waits for it, at the staleness
+    gate or for room, stops counting as progress once the scoring is overdue."""
+    StuckAfterFirstRoundTokenizer.calls = 0
     tok = tiny_tokenizer()
     tok.__class__ = StuckAfterFirstRoundTokenizer
     t = AsyncGRPOTrainer(tiny_model(), [low_ids],
-                         async_cfg(tmp_path, max_staleness=0, max_steps=6, heartbeat_timeout=3, reward_timeout=2),
+                         async_cfg(tmp_path, max_staleness=0, max_steps=6, heartbeat_timeout=3, reward_timeout=2,
+                                   scoring_concurrency=scoring_concurrency),
                          train_dataset=prompts(), processing_class=tok)
     started = time.time()
     with pytest.raises(TrainingHealthError, match="no heartbeat") as e:

@@ -133,3 +133,83 @@ def fixed_rollout(prompts, completions, advantages, old_logps, group_size: int, 
                    group_ids=torch.arange(B // group_size).repeat_interleave(group_size),
                    truncated=torch.zeros(B, dtype=torch.bool), old_logps=list(old_logps),
                    ref_logps=list(ref_logps) if ref_logps is not None else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# A judge over HTTP on loopback: the latency-bound reward of tests and bench/async_grpo.py
+# ------------------------------------------------------------------------------------------------
+
+
+class JudgeServer:
+    """A real HTTP server on 127.0.0.1 that answers `HTTPJudge` requests like a remote LLM judge: it waits a
+    latency drawn uniformly from `latency` seconds (seeded) per request, then scores with `numeric_match` on
+    the request's `answer` column. `fail_every=k` answers HTTP 503 to every k-th request (flaky judges).
+
+        with JudgeServer(latency=(0.5, 2.0)) as judge:
+            trainer = GRPOTrainer(..., reward_funcs=[HTTPJudge(judge.url)])
+    """
+
+    def __init__(self, latency: tuple[float, float] = (0.0, 0.0), *, seed: int = 0, fail_every: int = 0):
+        import random
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.latency, self.requests, self.fail_every = latency, 0, fail_every
+        self.in_flight = self.max_in_flight = 0  # requests being answered at once (now, and the most seen)
+        rng, lock, server_ = random.Random(seed), threading.Lock(), self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def do_POST(self):
+                import json
+
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                with lock:
+                    server_.requests += 1
+                    n = server_.requests
+                    delay = rng.uniform(*server_.latency)
+                    server_.in_flight += 1
+                    server_.max_in_flight = max(server_.max_in_flight, server_.in_flight)
+                try:
+                    self._answer(body, n, delay)
+                finally:
+                    with lock:
+                        server_.in_flight -= 1
+
+            def _answer(self, body, n, delay):
+                import json
+                import time
+
+                from .core.rewards import numeric_match
+
+                time.sleep(delay)
+                if server_.fail_every and n % server_.fail_every == 0:
+                    self.send_response(503)
+                    self.end_headers()
+                    self.wfile.write(b"judge overloaded")
+                    return
+                rewards = numeric_match(body["prompts"], body["completions"], None, **body["columns"])
+                out = json.dumps({"rewards": rewards}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/score"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="toolkit-judge", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> JudgeServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

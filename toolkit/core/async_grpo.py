@@ -78,6 +78,10 @@ class AsyncGRPOConfig(GRPOConfig):
         "help": "torch threads of the trainer (None: unchanged). On 2 cores: 1 and 1."})
     worker_restarts: int = field(default=0, metadata={
         "help": "Restart a dead worker this many times before stopping the run (with a checkpoint)."})
+    scoring_concurrency: int = field(default=2, metadata={
+        "help": "Rounds the worker may have in flight between generation and the queue: it generates the next "
+                "round while earlier ones wait for their rewards (an HTTP judge, a sandbox). 1: score each round "
+                "before generating the next."})
     inflight_weight_updates: bool = field(default=False, metadata={
         "help": "Load newly published weights between decode steps of the rollouts in progress (PipelineRL), "
                 "not only between rounds: the rollouts continue under the new weights, each token records the "
@@ -93,8 +97,8 @@ class AsyncGRPOConfig(GRPOConfig):
         super().__post_init__()
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness: must be >= 0, got {self.max_staleness}.")
-        if self.queue_size < 1 or self.sync_every < 1 or self.worker_threads < 1:
-            raise ConfigError("queue_size, sync_every, worker_threads: must be >= 1.")
+        if self.queue_size < 1 or self.sync_every < 1 or self.worker_threads < 1 or self.scoring_concurrency < 1:
+            raise ConfigError("queue_size, sync_every, worker_threads, scoring_concurrency: must be >= 1.")
         if self.sync_every > self.max_staleness + 1:
             raise ConfigError(
                 f"sync_every: with max_staleness={self.max_staleness} the worker needs new weights at least every "
@@ -224,7 +228,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "extra_columns": list(self.dataset_format.extra_columns), "varlen": self.padding_free,
             "backend": args.generation_backend, "backend_kwargs": self._worker_backend_kwargs(),
             "rank": self.accelerator.process_index, "num_processes": self.accelerator.num_processes,
-            "inflight": args.inflight_weight_updates,
+            "inflight": args.inflight_weight_updates, "scoring_concurrency": args.scoring_concurrency,
             "episodes": None if args.environment is None else {
                 "name": args.environment, "kwargs": dict(args.environment_kwargs or {}),
                 "max_turns": args.max_turns, "max_tokens": args.max_episode_tokens,
@@ -400,6 +404,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         m["async/generator_idle_fraction"] = item.wait_s / max(item.wait_s + busy, 1e-9)
         m["async/generation_tokens_per_s"] = item.tokens / max(item.gen_s, 1e-9)
         m["async/worker_restarts"] = float(self._restarts)
+        m["async/publish_s"] = getattr(self, "_publish_s", 0.0)  # the last weight publish (trainer side)
         if rollout.sampler_versions is not None:
             # in-flight updates: how many weight versions sampled this round, and the share of tokens sampled by
             # weights newer than the round's first
@@ -444,4 +449,6 @@ class _AsyncStateCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.sync_every == 0:
+            started = time.perf_counter()
             self.trainer.publish_weights()
+            self.trainer._publish_s = time.perf_counter() - started

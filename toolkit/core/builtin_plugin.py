@@ -42,6 +42,10 @@ def toolkit_make_reward(spec):
         from .rewards import RewardModelReward
 
         return RewardModelReward(spec[len("reward_model:"):])
+    if spec.startswith("judge:"):
+        from .rewards import HTTPJudge
+
+        return HTTPJudge(spec[len("judge:"):])
     return None
 
 

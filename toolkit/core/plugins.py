@@ -310,7 +310,8 @@ def resolve_reward(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     if made is not None:
         return made
     raise ConfigError(f"reward_funcs: unknown reward '{spec}'. Registered: {reg.names('reward')}, plus "
-                      "'format:<regex>'; or pass a callable. Plugins add names (`toolkit plugins` lists them).")
+                      "'format:<regex>', 'reward_model:<path>', 'judge:<url>'; or pass a callable. Plugins add names "
+                      "(`toolkit plugins` lists them).")
 
 
 def notify_step_metrics(trainer: str, step: int, metrics: Mapping[str, float]) -> None:

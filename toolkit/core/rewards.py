@@ -35,6 +35,7 @@ import torch
 from .errors import ConfigError, TrainingHealthError
 
 __all__ = [
+    "HTTPJudge",
     "RewardFunction",
     "RewardModelReward",
     "RewardOutcome",
@@ -246,6 +247,7 @@ class RewardRunner:
         self.last_error: dict[str, str] = {}
         self.abandoned: list[_Call] = []
         self._logged: set[str] = set()
+        self._lock = threading.Lock()
 
     def _fail(self, name: str, n_rows: int, error: BaseException | str) -> list[float]:
         self.failures[name] += 1
@@ -293,9 +295,16 @@ class RewardRunner:
         # Each call gets its own lists: a function that edits its inputs cannot disturb another.
         calls = [_Call(fn, {k: list(v) for k, v in kwargs.items()}, name) for fn, name in zip(self.funcs, self.names)]
         deadline = started + self.timeout
+        for call in calls:
+            call.done.wait(timeout=max(0.0, deadline - time.perf_counter()))
+        with self._lock:  # the async worker scores several batches at once: one bookkeeping at a time
+            return self._collect(calls, n, columns, started)
+
+    def _collect(self, calls: list[_Call], n: int, columns: dict[str, Sequence[Any]], started: float
+                 ) -> RewardOutcome:
         results: list[list[float]] = []
         for call, name in zip(calls, self.names):
-            if not call.done.wait(timeout=max(0.0, deadline - time.perf_counter())):
+            if not call.done.is_set():
                 self.abandoned.append(call)
                 results.append(self._fail(name, n, f"it took longer than reward_timeout={self.timeout}s; the call "
                                                    "was abandoned (it keeps a daemon thread until it returns)."))
@@ -319,6 +328,59 @@ class RewardRunner:
                     "fails every time. Fix it, or raise reward_max_consecutive_failures to tolerate flaky calls.")
         return RewardOutcome(rewards=results, names=list(self.names), failures=dict(self.failures),
                              seconds=time.perf_counter() - started, abandoned=len(self.abandoned))
+
+
+class HTTPJudge:
+    """A reward served over HTTP: an LLM judge, a verifier service, a sandbox farm. One POST per batch.
+
+    Request (JSON): {"prompts": [...], "completions": [...], "columns": {name: [...]}}, texts as the trainer
+    decoded them (conversational completions as message lists). Response: {"rewards": [number | null, ...]},
+    one per completion. It is an `async def` reward, so the batch's other reward functions run while it waits,
+    and it is picklable (a URL and settings), so AsyncGRPOTrainer's rollout worker calls it from its own process
+    and overlaps the wait with training. Any failure (connection refused, an HTTP error status, a body that is
+    not that JSON, a wrong length) fails the batch the usual way: excluded and counted, and after
+    reward_max_consecutive_failures batches in a row the run stops naming the judge and the error. In a run
+    file: reward_funcs = ["judge:http://127.0.0.1:8000/score"].
+    """
+
+    def __init__(self, url: str, *, timeout: float = 60.0, headers: dict[str, str] | None = None,
+                 name: str = "judge"):
+        from urllib.parse import urlparse
+
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ConfigError(f"reward_funcs: judge URL {url!r} is not an http(s)://host[:port]/path URL.")
+        if not timeout > 0:
+            raise ConfigError(f"HTTPJudge timeout: must be > 0 seconds, got {timeout}.")
+        self.url, self.timeout, self.headers, self.__name__ = url, timeout, dict(headers or {}), name
+
+    def _post(self, body: bytes) -> list[Any]:
+        import json
+        import urllib.error
+        import urllib.request
+
+        request = urllib.request.Request(self.url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json", **self.headers})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                payload = json.loads(response.read().decode("utf-8"))
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"judge {self.url} answered HTTP {e.code}: {e.read()[:200]!r}") from None
+        except json.JSONDecodeError as e:
+            raise RuntimeError(f"judge {self.url} answered with a body that is not JSON ({e})") from None
+        if not isinstance(payload, dict) or not isinstance(payload.get("rewards"), list):
+            raise RuntimeError(f'judge {self.url} answered {str(payload)[:200]}; expected {{"rewards": [...]}}')
+        return payload["rewards"]
+
+    async def __call__(self, prompts, completions, completion_ids, **columns) -> list[Any]:
+        import json
+
+        body = json.dumps({"prompts": list(prompts), "completions": list(completions), "columns": columns},
+                          default=str).encode("utf-8")
+        return await asyncio.to_thread(self._post, body)
+
+    def __repr__(self) -> str:
+        return f"HTTPJudge({self.url!r})"
 
 
 def score_completions(runner: RewardRunner, tokenizer: Any, rows: Sequence[dict[str, Any]],

@@ -15,6 +15,9 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +27,7 @@ import torch
 from .errors import TrainingHealthError
 from .generation import TransformersBackend
 from .rewards import RewardRunner, score_completions
-from .rollout import RoundSampler, generate_and_score, generation_seed
+from .rollout import RoundSampler, generation_seed
 
 __all__ = ["Progress", "ScoredRound", "worker_main"]
 
@@ -159,18 +162,6 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 with progress.bounded(spec["start_timeout"]):
                     backend.load_weights(list(shared.items()))
 
-        def score(rows, completion_ids):
-            progress.tick()
-            # Scoring decodes the texts, then waits for the reward calls, which run on their own threads and
-            # return within reward_timeout whatever the functions do: the whole call counts as bounded by that
-            # (plus slack for decoding); a scoring step stuck past it goes silent and is reported.
-            with progress.bounded(spec["reward_timeout"] + 5.0):
-                outcome, _ = score_completions(runner, spec["tokenizer"], rows, completion_ids,
-                                               conversational=spec["conversational"],
-                                               extra_columns=spec["extra_columns"])
-            score.failures = dict(outcome.failures)
-            return torch.tensor(outcome.rewards, dtype=torch.float32)
-
         episodes_spec = spec.get("episodes")
         if episodes_spec is not None:
             # Multi-turn episodes: the environment by its registered name (this process builds its own registry,
@@ -204,12 +195,93 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
         rank = spec.get("rank", 0)
         sampler = RoundSampler(len(rows), spec["per_round"], 1, seed=spec["seed"],
                                num_processes=spec.get("num_processes", 1))
+        # Latency-aware scoring: a round's rewards (an HTTP judge, a sandbox) are awaited on a scoring thread
+        # while this loop generates the next round; up to `scoring_concurrency` rounds are in flight (being
+        # scored, or scored and waiting for room in the queue). A delivery thread puts them into the queue in
+        # round order the moment each is scored. The staleness gate is unchanged (at max_staleness 0 there is
+        # nothing to overlap, so the updates still equal synchronous GRPO's).
+        concurrency = max(1, int(spec.get("scoring_concurrency", 1)))
+        scoring = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="toolkit-scoring")
+        outbox: queue.Queue = queue.Queue()   # (future, delivered) in round order, for the delivery thread
+        inflight: deque = deque()             # the same pairs, for this loop's bookkeeping
+
+        def deliver_in_order() -> None:
+            # No progress ticks here: liveness is this process's main loop's, which waits on these rounds.
+            while True:
+                got = outbox.get()
+                if got is None:
+                    return
+                fut, delivered = got
+                try:
+                    item = fut.result()
+                except BaseException:  # noqa: BLE001 (the main loop raises it from the future)
+                    delivered.set()
+                    return
+                while not stop.is_set():
+                    try:
+                        out_q.put(item, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                delivered.set()
+
+        threading.Thread(target=deliver_in_order, name="toolkit-delivery", daemon=True).start()
+
+        def submit(fut: Future) -> None:
+            pair = (fut, threading.Event())
+            inflight.append((*pair, time.time()))
+            outbox.put(pair)
+
+        def scoring_overdue() -> bool:
+            """A round has been scoring past reward_timeout (+5 s): scoring is stuck, not the trainer slow."""
+            limit = time.time() - spec["reward_timeout"] - 5.0
+            return any(not fut.done() and since < limit for fut, _, since in inflight)
+
+        def settle(limit: float) -> None:
+            """Forget delivered rounds and raise a scoring failure; wait while `limit` or more are in flight."""
+            while inflight and not stop.is_set():
+                fut, delivered, _ = inflight[0]
+                if fut.done() and fut.exception() is not None:
+                    raise fut.exception()
+                if delivered.is_set():
+                    inflight.popleft()
+                    continue
+                if len(inflight) < limit:
+                    return
+                if not fut.done():
+                    # scoring returns within reward_timeout (RewardRunner abandons slower calls): bounded
+                    with progress.bounded(spec["reward_timeout"] + 5.0):
+                        wait_futures([fut])
+                else:
+                    progress.tick()  # scored, waiting for room in the queue: the trainer's pace, by design
+                    time.sleep(0.002)
+
+        def score_round(r: int, idx: list[int], groups: list, gen_s: float, wait_s: float, version_: int
+                        ) -> ScoredRound:
+            t1 = time.perf_counter()
+            G = spec["num_generations"]
+            completion_ids = [c.token_ids for g in groups for c in g]
+            outcome, _ = score_completions(runner, spec["tokenizer"], [rows[i] for i in idx for _ in range(G)],
+                                           completion_ids, conversational=spec["conversational"],
+                                           extra_columns=spec["extra_columns"])
+            return ScoredRound(
+                round=r, version=version_, row_indices=idx,
+                token_versions=[[c.versions for c in g] for g in groups] if spec.get("inflight") else None,
+                completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g] for g in groups],
+                rewards_per_func=torch.tensor(outcome.rewards, dtype=torch.float32).tolist(),
+                failures=dict(outcome.failures), gen_s=gen_s, score_s=time.perf_counter() - t1, wait_s=wait_s,
+                tokens=sum(len(i) for i in completion_ids))
+
         r = start_round
         while not stop.is_set():
             progress.tick()
             t_wait = time.perf_counter()
             while version.value < r - spec["max_staleness"] and not stop.is_set():
-                progress.tick()  # waiting for the trainer is the loop working as designed
+                settle(float("inf"))  # surfaces a scoring failure while waiting
+                if not scoring_overdue():
+                    # waiting for the trainer is the loop working as designed; but if the trainer waits for a
+                    # round whose scoring is stuck, this wait is not progress: go silent, the trainer reports it
+                    progress.tick()
                 time.sleep(0.002)
             if stop.is_set():
                 break
@@ -230,32 +302,26 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
             if episodes_spec is not None:
                 with generating:
                     eps, gen_s = generate_episodes(idx, generation_seed(spec["seed"], r, rank))
-                item = ScoredRound(round=r, version=local_version, row_indices=idx, completions=[],
-                                   rewards_per_func=[], failures={}, gen_s=gen_s, score_s=0.0, wait_s=wait_s,
-                                   tokens=sum(sum(ep.mask) for ep in eps), episodes=eps)
+                done: Future = Future()
+                done.set_result(ScoredRound(round=r, version=local_version, row_indices=idx, completions=[],
+                                            rewards_per_func=[], failures={}, gen_s=gen_s, score_s=0.0,
+                                            wait_s=wait_s, tokens=sum(sum(ep.mask) for ep in eps), episodes=eps))
+                submit(done)
+                settle(concurrency)
             else:
+                # generation here, then scoring on a scoring thread (rollout.generate_and_score's two halves)
                 with generating:
-                    scored = generate_and_score(backend, [spec["prompt_ids"][i] for i in idx],
-                                                [rows[i] for i in idx], sampling=spec["sampling"],
-                                                n=spec["num_generations"], seed=generation_seed(spec["seed"], r, rank),
-                                                score=score)
-                inflight = [[c.versions for c in g] for g in scored.groups] if spec.get("inflight") else None
-                item = ScoredRound(round=r, version=local_version, row_indices=idx, token_versions=inflight,
-                                   completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g]
-                                                for g in scored.groups],
-                                   rewards_per_func=scored.rewards_per_func.tolist(), failures=score.failures,
-                                   gen_s=scored.generation_s, score_s=scored.scoring_s, wait_s=wait_s,
-                                   tokens=sum(len(i) for i in scored.completion_ids))
-            while not stop.is_set():
-                progress.tick()
-                try:
-                    out_q.put(item, timeout=0.2)
-                    break
-                except queue.Full:
-                    continue
+                    t0 = time.perf_counter()
+                    groups = backend.generate([list(spec["prompt_ids"][i]) for i in idx], spec["sampling"],
+                                              n=spec["num_generations"], seed=generation_seed(spec["seed"], r, rank))
+                    gen_s = time.perf_counter() - t0
+                submit(scoring.submit(score_round, r, idx, groups, gen_s, wait_s, local_version))
+                settle(concurrency)
             if r == start_round:
                 progress.bounded_until = 0.0  # start-up is over: from now on only progress counts
             r += 1
+        outbox.put(None)
+        scoring.shutdown(wait=False, cancel_futures=True)
     except BaseException:
         err_q.put(traceback.format_exc())
         raise

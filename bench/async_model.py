@@ -1,0 +1,84 @@
+"""A model of the async GRPO pipeline: predicted samples/s from per-round times, for deployments we cannot run.
+
+    from async_model import Phases, simulate_async, simulate_sync
+    simulate_async(Phases(gen_s=1.0, score_s=1.2, train_s=1.5, sync_s=0.05), rounds=100, max_staleness=2)
+
+It replays the pipeline of toolkit.core.async_grpo / rollout_worker round by round, with the same rules:
+
+* the worker starts generating round r once the weights of step r - max_staleness are published, its
+  previous round is generated, and fewer than `scoring_concurrency` rounds are between generation and
+  the queue (the worker's scoring threads);
+* a round is scored `score_s` after its generation ends (a judge's latency: waiting, not compute), and
+  enters the queue in round order once the queue (`queue_size`) has room;
+* the trainer takes round r when it is queued and step r - 1 is done, trains `train_s`, then publishes
+  (`sync_s`, trainer side; the worker pays `load_s` when it picks new weights up).
+
+The times are inputs: measured on this machine for the thread split in use (bench/async_grpo.py feeds the
+async run's own per-round times and checks the prediction against its wall clock), or set for another
+deployment (generation on its own device: the generation and training times of each side alone). The model
+has no contention term: on shared cores the inputs must be the times measured while both sides run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Phases:
+    gen_s: float            # worker: generate one round
+    train_s: float          # trainer: one optimizer step on one round
+    score_s: float = 0.0    # latency from a round's generation to its rewards (a judge; overlapped)
+    sync_s: float = 0.0     # trainer: publish weights after a step
+    load_s: float = 0.0     # worker: load newer weights before a round
+
+
+def simulate_sync(p: Phases, rounds: int) -> float:
+    """Wall seconds of synchronous GRPO: generate, score, train, one after another."""
+    return rounds * (p.gen_s + p.score_s + p.train_s)
+
+
+def simulate_async(p: Phases, rounds: int, *, max_staleness: int = 1, queue_size: int = 2,
+                   scoring_concurrency: int = 2, sync_every: int = 1) -> float:
+    """Wall seconds until the trainer finishes `rounds` steps of async GRPO under the rules above."""
+    k, q, c = max_staleness, queue_size, scoring_concurrency
+    publish = {0: 0.0}                       # version -> time it is readable by the worker
+    gen_end, delivered, taken, train_end = [], [], [], []
+    held = -1
+    for r in range(rounds):
+        need = max(0, r - k)                 # the version the worker must hold before round r
+        # the trainer must have published `need` (trainer progress is simulated lazily below)
+        while need not in publish:
+            _train_next(p, publish, delivered, taken, train_end, sync_every)
+        start = max(gen_end[-1] if gen_end else 0.0, publish[need])
+        if r - c >= 0:                       # at most c rounds between generation and the queue
+            start = max(start, delivered[r - c])
+        newest = max(v for v, t in publish.items() if t <= start)
+        load = p.load_s if newest != held else 0.0
+        held = newest
+        gen_end.append(start + load + p.gen_s)
+        ready = gen_end[-1] + p.score_s
+        room = 0.0
+        if r - q >= 0:                       # the queue has room once the trainer took round r - q
+            while len(taken) <= r - q:
+                _train_next(p, publish, delivered, taken, train_end, sync_every)
+            room = taken[r - q]
+        delivered.append(max(ready, delivered[-1] if delivered else 0.0, room))
+    while len(train_end) < rounds:
+        _train_next(p, publish, delivered, taken, train_end, sync_every)
+    return train_end[-1]
+
+
+def _train_next(p: Phases, publish: dict, delivered: list, taken: list, train_end: list, sync_every: int) -> None:
+    r = len(train_end)
+    if r >= len(delivered):
+        raise RuntimeError("deadlock: the trainer waits for a round the worker cannot start (check max_staleness "
+                           ">= sync_every - 1)")
+    start = max(delivered[r], train_end[-1] if train_end else 0.0)
+    taken.append(start)
+    end = start + p.train_s
+    step = r + 1
+    if step % sync_every == 0:
+        end += p.sync_s
+        publish[step] = end
+    train_end.append(end)

@@ -1,0 +1,41 @@
+"""bench/async_model.py, the pipeline model docs/async_grpo.md uses for deployments we cannot run: the cases
+whose answer is known in closed form."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from async_model import Phases, simulate_async, simulate_sync  # noqa: E402
+
+
+def test_staleness_zero_is_synchronous():
+    p = Phases(gen_s=1.0, train_s=1.5, score_s=0.7)
+    assert simulate_async(p, 20, max_staleness=0) == pytest.approx(simulate_sync(p, 20))
+
+
+def test_the_steady_state_is_the_slowest_stage_when_staleness_allows_overlap():
+    # generation 1 s, judge 1.2 s (overlapped), training 1.5 s: one step per 1.5 s after the pipeline fills
+    p = Phases(gen_s=1.0, train_s=1.5, score_s=1.2)
+    n = 200
+    per_step = (simulate_async(p, n, max_staleness=2) - simulate_async(p, n // 2, max_staleness=2)) / (n - n // 2)
+    assert per_step == pytest.approx(1.5)
+    # the worker is the bottleneck when generation is slower than training
+    q = Phases(gen_s=2.0, train_s=0.5)
+    per_step = (simulate_async(q, n, max_staleness=2) - simulate_async(q, n // 2, max_staleness=2)) / (n - n // 2)
+    assert per_step == pytest.approx(2.0)
+
+
+def test_more_staleness_never_slows_the_pipeline_and_scoring_concurrency_hides_latency():
+    p = Phases(gen_s=1.0, train_s=1.0, score_s=2.5, sync_s=0.1, load_s=0.05)
+    walls = [simulate_async(p, 60, max_staleness=k, queue_size=4, scoring_concurrency=4) for k in range(6)]
+    assert all(b <= a + 1e-9 for a, b in zip(walls, walls[1:]))
+    one = simulate_async(p, 60, max_staleness=4, queue_size=4, scoring_concurrency=1)
+    four = simulate_async(p, 60, max_staleness=4, queue_size=4, scoring_concurrency=4)
+    assert four < 0.5 * one  # with one round scored at a time the judge's 2.5 s is the step
+
+
+def test_an_impossible_schedule_is_reported():
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate_async(Phases(gen_s=1, train_s=1), 10, max_staleness=0, sync_every=3)
