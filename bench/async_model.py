@@ -46,11 +46,11 @@ def simulate_async(p: Phases, rounds: int, *, max_staleness: int = 1, queue_size
     gen_end, delivered, taken, train_end = [], [], [], []
     held = -1
     for r in range(rounds):
-        need = max(0, r - k)                 # the version the worker must hold before round r
-        # the trainer must have published `need` (trainer progress is simulated lazily below)
-        while need not in publish:
+        need = max(0, r - k)                 # the worker needs a version >= r - k before round r
+        # (trainer progress is simulated lazily: until such a version is published)
+        while not any(v >= need for v in publish):
             _train_next(p, publish, delivered, taken, train_end, sync_every)
-        start = max(gen_end[-1] if gen_end else 0.0, publish[need])
+        start = max(gen_end[-1] if gen_end else 0.0, min(t for v, t in publish.items() if v >= need))
         if r - c >= 0:                       # at most c rounds between generation and the queue
             start = max(start, delivered[r - c])
         newest = max(v for v, t in publish.items() if t <= start)

@@ -36,6 +36,14 @@ def test_more_staleness_never_slows_the_pipeline_and_scoring_concurrency_hides_l
     assert four < 0.5 * one  # with one round scored at a time the judge's 2.5 s is the step
 
 
+def test_publishing_every_second_step_runs_on_the_newest_version_at_hand():
+    p = Phases(gen_s=1.0, train_s=1.0)
+    # max_staleness 1 with sync_every 2: the worker needs version >= r - 1 and finds the even ones only
+    wall = simulate_async(p, 20, max_staleness=1, sync_every=2)
+    assert simulate_async(p, 20, max_staleness=1, sync_every=1) <= wall < simulate_sync(p, 20)
+
+
 def test_an_impossible_schedule_is_reported():
+    """The guard behind AsyncGRPOConfig's check (sync_every <= max_staleness + 1): the model says why it stops."""
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate_async(Phases(gen_s=1, train_s=1), 10, max_staleness=0, sync_every=3)

@@ -57,7 +57,7 @@ def test_async_grpo_scores_with_the_judge_while_it_generates_the_next_round(tmp_
     from toolkit.testing import tiny_model, tiny_tokenizer
 
     rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(16)]
-    with JudgeServer(latency=(0.4, 0.4)) as server:
+    with JudgeServer(latency=(0.8, 0.8)) as server:
         t = AsyncGRPOTrainer(tiny_model(), [HTTPJudge(server.url)],
                              async_cfg(tmp_path, max_steps=4, max_staleness=2, scoring_concurrency=2),
                              train_dataset=rows, processing_class=tiny_tokenizer())
@@ -65,4 +65,4 @@ def test_async_grpo_scores_with_the_judge_while_it_generates_the_next_round(tmp_
         assert server.requests >= 4
         assert server.max_in_flight == 2  # round r+1 was generated and sent while round r was being judged
     assert len(logged(t, "loss")) == 4 and max(logged(t, "async/staleness_max")) <= 2
-    assert all(s >= 0.35 for s in logged(t, "time/scoring_s")), logged(t, "time/scoring_s")
+    assert all(s >= 0.75 for s in logged(t, "time/scoring_s")), logged(t, "time/scoring_s")

@@ -44,6 +44,37 @@ def test_a_completion_continues_under_new_weights_and_each_token_carries_its_ver
     assert backend.version == 7
 
 
+def test_rows_that_finished_before_the_update_and_several_chunks_keep_exact_logprobs():
+    """Stop tokens end some rows before the refresh (the rebuilt cache then has masked gaps), and a small
+    max_batch_size splits the prompts into chunks: the update lands in the first chunk, the second runs on it."""
+    old, new = tiny_model(seed=0), tiny_model(seed=1)
+    model = tiny_model(seed=0).eval()
+    calls = []
+
+    def refresh():
+        calls.append(1)
+        if len(calls) == 3:
+            model.load_state_dict(new.state_dict())
+            return 1
+        return None
+
+    backend = TransformersBackend(model, pad_token_id=2, refresh_weights=refresh, version=0, max_batch_size=4)
+    prompts_ = [[5, 9, 11, 4], [7, 8], [20, 21, 22], [6]]
+    stop = tuple(range(100, 260))  # ~40% of the vocabulary: rows stop at different steps
+    groups = backend.generate(prompts_, SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=stop), n=4,
+                              seed=3)
+    kinds = set()
+    for prompt, group in zip(prompts_, groups):
+        for c in group:
+            assert c.versions == sorted(c.versions) and set(c.versions) <= {0, 1}  # one switch, never back
+            kinds.add((0 in c.versions, 1 in c.versions))
+            v = torch.tensor(c.versions)
+            want = torch.where(v == 0, _token_logps(old, prompt, c.token_ids), _token_logps(new, prompt, c.token_ids))
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=2e-4, rtol=1e-4)
+    # rows that ended under the old weights, rows that switched mid-way, rows (later chunks) all on the new ones
+    assert kinds == {(True, False), (True, True), (False, True)}
+
+
 def test_without_refresh_no_versions_are_reported():
     backend = TransformersBackend(tiny_model(), pad_token_id=2)
     (group,) = backend.generate([[5, 6]], SamplingParams(max_tokens=4, temperature=1.0), n=1, seed=0)

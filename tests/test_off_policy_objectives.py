@@ -23,7 +23,7 @@ def _batch(seed=0, B=4, T=6, drift=0.4):
     versions = torch.tensor([[3, 3, 3, 4, 4, 4], [2, 2, 2, 0, 0, 0], [4, 4, 4, 4, 4, 0], [1, 3, 0, 0, 0, 0]])
     return PolicyLossInputs(logps=logps, old_logps=old, advantages=torch.tensor([1.0, -0.5, 0.7, -2.0]),
                             loss_mask=loss_mask, completion_mask=mask, sampler_logps=sampler, step_tokens=11.0,
-                            sampler_versions=versions, policy_version=4)
+                            sampler_versions=versions, policy_version=5, proximal_version=3)
 
 
 def _token_mean(inputs, terms):
@@ -42,6 +42,7 @@ def _run(name, settings, inputs, *, objective=None):
 
 @pytest.mark.parametrize("proximal", ["exact", "loglinear"])
 def test_decoupled_ppo_equals_a_naive_reference(proximal):
+    """pi_old from step 3's weights (the rollout's step), the current weights at step 5 (num_iterations > 1)."""
     settings = DecoupledPPOSettings(epsilon=0.2, epsilon_high=0.28, behaviour_cap=1.5, proximal=proximal)
     inputs = _batch()
     out, grad = _run("decoupled_ppo", settings, inputs)
@@ -55,9 +56,9 @@ def test_decoupled_ppo_equals_a_naive_reference(proximal):
             beh = float(ref.sampler_logps[b, t])
             if proximal == "exact":
                 prox = float(ref.old_logps[b, t])
-            else:  # AReaL: alpha = (v_prox - v_behave) / (v_theta - v_behave), proximal = step 4, theta = step 5
+            else:  # AReaL: alpha = (v_prox - v_behave) / (v_theta - v_behave), proximal = step 3, theta = step 5
                 v = int(ref.sampler_versions[b, t])
-                alpha = min(max((4 - v) / (5 - v), 0.0), 1.0)
+                alpha = min(max((3 - v) / (5 - v), 0.0), 1.0) if v < 5 else 0.0
                 prox = beh + alpha * (float(ref.logps[b, t].detach()) - beh)
             r = torch.exp(ref.logps[b, t] - prox)
             a = ref.advantages[b]
@@ -68,6 +69,18 @@ def test_decoupled_ppo_equals_a_naive_reference(proximal):
     torch.testing.assert_close(out.loss, want)
     torch.testing.assert_close(grad, want_grad)
     assert out.info["clipped_low"].any() or out.info["clipped_high"].any()  # the clip really binds here
+
+
+def test_loglinear_equals_exact_with_one_pass_per_round():
+    """Async GRPO: pi_old is the current weights (old_logps = logps, proximal version = policy version), so the
+    approximation must give the exact proximal policy whatever each token's version."""
+    inputs = _batch()
+    inputs.old_logps = inputs.logps.detach().clone()
+    inputs.proximal_version = inputs.policy_version
+    exact, g_exact = _run("decoupled_ppo", DecoupledPPOSettings(proximal="exact"), inputs)
+    approx, g_approx = _run("decoupled_ppo", DecoupledPPOSettings(proximal="loglinear"), inputs)
+    torch.testing.assert_close(approx.loss, exact.loss)
+    torch.testing.assert_close(g_approx, g_exact)
 
 
 def test_loglinear_proximal_is_exact_for_tokens_the_proximal_weights_sampled():

@@ -80,8 +80,9 @@ class AsyncGRPOConfig(GRPOConfig):
         "help": "Restart a dead worker this many times before stopping the run (with a checkpoint)."})
     scoring_concurrency: int = field(default=2, metadata={
         "help": "Rounds the worker may have in flight between generation and the queue: it generates the next "
-                "round while earlier ones wait for their rewards (an HTTP judge, a sandbox). 1: score each round "
-                "before generating the next."})
+                "round while earlier ones wait for their rewards (an HTTP judge, a sandbox), so reward functions "
+                "may run on two batches at once, from two threads (they must be thread-safe; pure functions "
+                "are). 1: score each round before generating the next."})
     inflight_weight_updates: bool = field(default=False, metadata={
         "help": "Load newly published weights between decode steps of the rollouts in progress (PipelineRL), "
                 "not only between rounds: the rollouts continue under the new weights, each token records the "
@@ -379,11 +380,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
         item = self._next_scored_round()
         if item.episodes is not None:
             rollout = self.rollout_from_episodes(item.row_indices, item.episodes, item.gen_s)
+            rollout.sampler_versions = [[item.version] * len(ids) for ids in rollout.completion_ids]
         else:
+            # each token's version: the worker's record with in-flight updates, else the round's
             versions = item.token_versions or [[None] * len(g) for g in item.completions]
-            groups = [[Completion(list(ids), list(lp), reason, v) for (ids, lp, reason), v in zip(g, vg)]
-                      for g, vg in zip(item.completions, versions)]
-            self._reward_failures = item.failures
+            groups = [[Completion(list(ids), list(lp), reason, v if v is not None else [item.version] * len(ids))
+                       for (ids, lp, reason), v in zip(g, vg)] for g, vg in zip(item.completions, versions)]
+            # running totals; rounds scored concurrently may report them out of order, so never let one go back
+            previous = getattr(self, "_reward_failures", None) or {}
+            self._reward_failures = {k: max(v, previous.get(k, 0)) for k, v in item.failures.items()}
             rollout = self.build_rollout(item.row_indices, groups, torch.tensor(item.rewards_per_func), item.gen_s,
                                          item.score_s)
         now = time.perf_counter()
@@ -400,7 +405,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         m["async/trainer_wait_s"] = item.trainer_wait_s
         if not math.isnan(cycle) and cycle > 0:
             m["async/trainer_idle_fraction"] = min(1.0, item.trainer_wait_s / cycle)
-        busy = item.gen_s + item.score_s
+        # the worker's compute is generation (scoring waits overlap it with scoring_concurrency > 1); its idle time is
+        # the wait for weights plus any wait for a round in flight to be scored or queued
+        busy = item.gen_s + (item.score_s if self.args.scoring_concurrency == 1 else 0.0)
         m["async/generator_idle_fraction"] = item.wait_s / max(item.wait_s + busy, 1e-9)
         m["async/generation_tokens_per_s"] = item.tokens / max(item.gen_s, 1e-9)
         m["async/worker_restarts"] = float(self._restarts)

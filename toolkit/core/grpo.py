@@ -433,6 +433,7 @@ class GRPOTrainer(Trainer):
         self.solved: set[int] = set()
         self._micro = 0
         self._rollout: Rollout | None = None
+        self._rollout_step = 0  # the optimizer step at which the current rollout was built (pi_old's version)
         self._micro_batches: list[dict[str, Any]] = []
         self._step_metrics: dict[str, list[float]] = defaultdict(list)
         self._reward_failures: dict[str, int] = {}  # set by compute_rewards; build_rollout may be called without it
@@ -659,8 +660,10 @@ class GRPOTrainer(Trainer):
             completion_ids=completion_ids,
             sampler_logps=sampler_logps, rewards=total, rewards_per_func=rewards_per_func, advantages=advantages,
             included=included, group_ids=group_ids, truncated=truncated, token_masks=token_masks,
-            sampler_versions=([c.versions for g in groups for c in g]
-                              if all(c.versions is not None for g in groups for c in g) else None),
+            # the version of the weights that sampled each token: the backend's record (in-flight updates), else
+            # this step's (synchronous generation; async GRPO passes its round's version)
+            sampler_versions=[c.versions if c.versions is not None else [self.state.global_step] * len(c.token_ids)
+                              for g in groups for c in g],
         )
         t2 = time.perf_counter()
         if args.num_iterations > 1:
@@ -843,7 +846,9 @@ class GRPOTrainer(Trainer):
             ref_logps=inputs.get("ref_logps"), group_ids=inputs["group_ids"], step_tokens=inputs["step_tokens"],
             step_sequences=inputs["step_sequences"], step_prompts=inputs["step_prompts"],
             num_micro_batches=self.current_gradient_accumulation_steps if model.training else 1,
-            sampler_versions=inputs.get("sampler_versions"), policy_version=self.state.global_step)
+            sampler_versions=inputs.get("sampler_versions"), policy_version=self.state.global_step,
+            # pi_old: the current weights on-policy, else those of the step that built the rollout
+            proximal_version=self.state.global_step if old is None else self._rollout_step)
         # beta, importance_sampling_cap, ... are read at every step (callbacks may schedule them).
         objective_settings = dataclasses.replace(
             resolve_settings(PolicyObjectiveSettings, self.args, kwargs=None, kwargs_field="", owner="GRPO"),
@@ -862,6 +867,7 @@ class GRPOTrainer(Trainer):
         k = self._micro % round_len
         if k == 0 or self._rollout is None:
             rows = inputs["row_index"].tolist()
+            self._rollout_step = self.state.global_step
             self._rollout = self.generate_rollout(rows)
             self._micro_batches = self._split(self._rollout)
             for name, value in self._rollout.metrics.items():

@@ -335,9 +335,8 @@ class HTTPJudge:
 
     Request (JSON): {"prompts": [...], "completions": [...], "columns": {name: [...]}}, texts as the trainer
     decoded them (conversational completions as message lists). Response: {"rewards": [number | null, ...]},
-    one per completion. It is an `async def` reward, so the batch's other reward functions run while it waits,
-    and it is picklable (a URL and settings), so AsyncGRPOTrainer's rollout worker calls it from its own process
-    and overlaps the wait with training. Any failure (connection refused, an HTTP error status, a body that is
+    one per completion. It is picklable (a URL and settings), so AsyncGRPOTrainer's rollout worker calls it from
+    its own process, where the wait overlaps training and the next round's generation (scoring_concurrency). Any failure (connection refused, an HTTP error status, a body that is
     not that JSON, a wrong length) fails the batch the usual way: excluded and counted, and after
     reward_max_consecutive_failures batches in a row the run stops naming the judge and the error. In a run
     file: reward_funcs = ["judge:http://127.0.0.1:8000/score"].

@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -201,9 +201,23 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
         # round order the moment each is scored. The staleness gate is unchanged (at max_staleness 0 there is
         # nothing to overlap, so the updates still equal synchronous GRPO's).
         concurrency = max(1, int(spec.get("scoring_concurrency", 1)))
-        scoring = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="toolkit-scoring")
         outbox: queue.Queue = queue.Queue()   # (future, delivered) in round order, for the delivery thread
-        inflight: deque = deque()             # the same pairs, for this loop's bookkeeping
+        inflight: deque = deque()             # the same, with the submission time, for this loop's bookkeeping
+        delivery_error: list[BaseException] = []
+
+        def score_async(fn, *args) -> Future:
+            """fn(*args) on its own daemon thread (a pool's threads are joined at exit: a round still waiting for a
+            judge would hold the worker's exit for up to reward_timeout)."""
+            fut: Future = Future()
+
+            def run() -> None:
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 (raised from the future by the main loop)
+                    fut.set_exception(e)
+
+            threading.Thread(target=run, name="toolkit-scoring", daemon=True).start()
+            return fut
 
         def deliver_in_order() -> None:
             # No progress ticks here: liveness is this process's main loop's, which waits on these rounds.
@@ -217,15 +231,21 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 except BaseException:  # noqa: BLE001 (the main loop raises it from the future)
                     delivered.set()
                     return
-                while not stop.is_set():
-                    try:
-                        out_q.put(item, timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
+                try:
+                    while not stop.is_set():
+                        try:
+                            out_q.put(item, timeout=0.2)
+                            break
+                        except queue.Full:
+                            continue
+                except BaseException as e:  # noqa: BLE001 (a queue that cannot take the round: the main loop raises)
+                    delivery_error.append(e)
+                    delivered.set()
+                    return
                 delivered.set()
 
-        threading.Thread(target=deliver_in_order, name="toolkit-delivery", daemon=True).start()
+        delivery = threading.Thread(target=deliver_in_order, name="toolkit-delivery", daemon=True)
+        delivery.start()
 
         def submit(fut: Future) -> None:
             pair = (fut, threading.Event())
@@ -243,6 +263,11 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 fut, delivered, _ = inflight[0]
                 if fut.done() and fut.exception() is not None:
                     raise fut.exception()
+                if delivery_error:
+                    raise RuntimeError("async GRPO worker: a scored round could not be put into the queue") \
+                        from delivery_error[0]
+                if not delivery.is_alive():
+                    raise RuntimeError("async GRPO worker: the delivery thread stopped; no round can reach the trainer")
                 if delivered.is_set():
                     inflight.popleft()
                     continue
@@ -272,7 +297,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 failures=dict(outcome.failures), gen_s=gen_s, score_s=time.perf_counter() - t1, wait_s=wait_s,
                 tokens=sum(len(i) for i in completion_ids))
 
-        r = start_round
+        r, carried_wait = start_round, 0.0
         while not stop.is_set():
             progress.tick()
             t_wait = time.perf_counter()
@@ -293,7 +318,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
             local_version = held[0]
             if spec["backend"] == "transformers":
                 backend.version = local_version
-            wait_s = time.perf_counter() - t_wait
+            wait_s = time.perf_counter() - t_wait + carried_wait
             idx = sampler.round(r, rank)
             # The transformers backend ticks every decode step; a vLLM generate call is one opaque call, which
             # counts as bounded by worker_start_timeout (a long reasoning round can exceed heartbeat_timeout).
@@ -308,6 +333,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                                             wait_s=wait_s, tokens=sum(sum(ep.mask) for ep in eps), episodes=eps))
                 submit(done)
                 settle(concurrency)
+                carried_wait = 0.0
             else:
                 # generation here, then scoring on a scoring thread (rollout.generate_and_score's two halves)
                 with generating:
@@ -315,13 +341,14 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                     groups = backend.generate([list(spec["prompt_ids"][i]) for i in idx], spec["sampling"],
                                               n=spec["num_generations"], seed=generation_seed(spec["seed"], r, rank))
                     gen_s = time.perf_counter() - t0
-                submit(scoring.submit(score_round, r, idx, groups, gen_s, wait_s, local_version))
+                submit(score_async(score_round, r, idx, groups, gen_s, wait_s, local_version))
+                t_settle = time.perf_counter()
                 settle(concurrency)
+                carried_wait = time.perf_counter() - t_settle  # idle: counted in the next round's wait
             if r == start_round:
                 progress.bounded_until = 0.0  # start-up is over: from now on only progress counts
             r += 1
         outbox.put(None)
-        scoring.shutdown(wait=False, cancel_futures=True)
     except BaseException:
         err_q.put(traceback.format_exc())
         raise

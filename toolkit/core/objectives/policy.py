@@ -81,6 +81,7 @@ class PolicyLossInputs:
     num_micro_batches: int = 1                   # gradient accumulation steps of this optimizer step
     sampler_versions: torch.Tensor | None = None  # [B, T] long: the policy version that sampled each token
     policy_version: int | None = None             # the version being trained (= optimizer steps taken so far)
+    proximal_version: int | None = None           # the version whose weights gave old_logps (None: policy_version)
 
     def __post_init__(self):
         if self.completion_mask is None:
@@ -210,19 +211,26 @@ def decoupled_ppo_term(inputs: PolicyLossInputs, settings: DecoupledPPOSettings)
     The clip bounds the update around the proximal policy (recent weights), not around the stale sampler, so
     staleness does not shrink the trust region; w corrects for who sampled. "exact": pi_prox = pi_old (with one
     pass per round, the weights of this very step: free, no extra forward). "loglinear": pi_prox interpolated
-    from pi_behaviour and pi by policy version (numerics.loglinear_proximal_logps, with the proximal policy the
-    step's weights and the current one a step ahead), which needs `sampler_versions` and `policy_version`.
+    from pi_behaviour and pi by policy version (numerics.loglinear_proximal_logps: the proximal version is the
+    one that gave old_logps, the current one `policy_version`), which needs `sampler_versions`.
+
+    With one gradient pass per round (async GRPO, num_iterations = 1) pi_prox = pi, so r = 1 and the clip does
+    not bind: the term is then -min(pi / pi_behaviour, behaviour_cap) A, truncated importance sampling (AReaL
+    masks weights above the cap instead; here they are truncated), and "loglinear" equals "exact". The clip
+    and the approximation act with num_iterations > 1 (synchronous GRPO), where pi moves away from pi_prox.
     """
     behaviour = _behaviour(inputs)
     if settings.proximal == "exact":
         proximal = inputs.old_logps.detach()
     else:
         if inputs.sampler_versions is None or inputs.policy_version is None:
-            raise ValueError("decoupled_ppo with proximal='loglinear' needs sampler_versions and policy_version (the "
-                             "async trainer fills them); use proximal='exact'.")
+            raise ValueError("decoupled_ppo with proximal='loglinear' needs sampler_versions and policy_version (GRPO "
+                             "and async GRPO fill them); use proximal='exact'.")
+        proximal_version = (inputs.proximal_version if inputs.proximal_version is not None
+                            else inputs.policy_version)
         proximal = loglinear_proximal_logps(behaviour, inputs.logps, inputs.sampler_versions,
-                                            proximal_version=inputs.policy_version,
-                                            current_version=inputs.policy_version + 1)
+                                            proximal_version=proximal_version,
+                                            current_version=inputs.policy_version)
     high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
     surrogate, info = clipped_surrogate(inputs.logps, proximal, inputs.advantages, epsilon_low=settings.epsilon,
                                         epsilon_high=high)
@@ -275,7 +283,8 @@ class SeqMISSettings:
 def seq_mis_term(inputs: PolicyLossInputs, settings: SeqMISSettings) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate times rho(y) = prod_t pi_old / pi_behaviour when rho(y) <= cap, else 0 (the completion
     drops out entirely): an unbiased-where-kept sequence correction, without the token level's bias and without
-    letting one far-off completion dominate (Yao et al. 2025, "When speed kills stability")."""
+    letting one far-off completion dominate (Liu, Li et al. 2025, "When speed kills stability"). It is the
+    generic correction's importance_sampling_level="sequence", mode="mask" as a named objective."""
     high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
     surrogate, info = clipped_surrogate(inputs.logps, inputs.old_logps, inputs.advantages,
                                         epsilon_low=settings.epsilon, epsilon_high=high)
