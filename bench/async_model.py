@@ -10,8 +10,9 @@ It replays the pipeline of toolkit.core.async_grpo / rollout_worker round by rou
   the queue (the worker's scoring threads);
 * a round is scored `score_s` after its generation ends (a judge's latency: waiting, not compute), and
   enters the queue in round order once the queue (`queue_size`) has room;
-* the trainer takes round r when it is queued and step r - 1 is done, trains `train_s`, then publishes
-  (`sync_s`, trainer side; the worker pays `load_s` when it picks new weights up).
+* the trainer takes round r when it is queued and step r - 1 is done, trains `train_s` (everything a step
+  costs the trainer besides waiting), then publishes (`sync_s`, trainer side; the worker pays `load_s` when
+  it picks new weights up); the worker starts its first round after `startup_s`.
 
 The times are inputs: measured on this machine for the thread split in use (bench/async_grpo.py feeds the
 async run's own per-round times and checks the prediction against its wall clock), or set for another
@@ -31,6 +32,7 @@ class Phases:
     score_s: float = 0.0    # latency from a round's generation to its rewards (a judge; overlapped)
     sync_s: float = 0.0     # trainer: publish weights after a step
     load_s: float = 0.0     # worker: load newer weights before a round
+    startup_s: float = 0.0  # worker: start-up (process, model load) before its first round
 
 
 def simulate_sync(p: Phases, rounds: int) -> float:
@@ -50,7 +52,7 @@ def simulate_async(p: Phases, rounds: int, *, max_staleness: int = 1, queue_size
         # (trainer progress is simulated lazily: until such a version is published)
         while not any(v >= need for v in publish):
             _train_next(p, publish, delivered, taken, train_end, sync_every)
-        start = max(gen_end[-1] if gen_end else 0.0, min(t for v, t in publish.items() if v >= need))
+        start = max(gen_end[-1] if gen_end else p.startup_s, min(t for v, t in publish.items() if v >= need))
         if r - c >= 0:                       # at most c rounds between generation and the queue
             start = max(start, delivered[r - c])
         newest = max(v for v, t in publish.items() if t <= start)

@@ -1,0 +1,150 @@
+"""Staleness sweep: async GRPO at max_staleness 0, 1, 2, 4, 8 with each off-policy objective.
+
+    python bench/async_staleness.py             # about 30 minutes on 2 CPU cores; writes bench/results/async_staleness.*
+
+Each run: the embedded SmolLM2-135M-Instruct on the arithmetic task (the main job's GRPO setting, shortened:
+STEPS steps x 2 prompts x 8 completions, max 16 new tokens, temperature 0.7, lr 2e-5), AsyncGRPOTrainer with
+the objective as loss_type, queue_size = max(2, max_staleness) so the bound can be reached, and the worker on
+2 threads against the trainer's 1 so that generation runs ahead and the samples really are stale (the realised
+mean staleness is reported beside the bound). Recorded: held-out greedy accuracy on 128 problems after
+training, the reward of the last 5 steps, the largest |loss| and whether any step was non-finite (diverged).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import provenance, run_in_subprocess  # noqa: E402
+
+ROOT = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
+STALENESS = (0, 1, 2, 4, 8)
+OBJECTIVES = {"decoupled_ppo": {}, "m2po": {}, "seq_mis": {}}
+SETTINGS = dict(prompts_per_step=2, num_generations=8, max_completion_length=16, temperature=0.7, lr=2e-5,
+                heldout=128, worker_threads=2, trainer_threads=1)
+
+
+def worker(kind: str, steps: int) -> dict:
+    import torch
+
+    from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.core.rewards import numeric_match
+    from toolkit.core.tasks import arithmetic_splits, greedy_accuracy
+
+    s = SETTINGS
+    train, held_out = arithmetic_splits(256, s["heldout"], max_value=20, max_terms=2, kind="prompt_only")
+    if kind == "base":  # the untrained model: what training moves from
+        from toolkit.core.models import load_model, load_tokenizer
+
+        torch.set_num_threads(2)
+        model, tok = load_model("smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct")
+        return {"kind": kind, "heldout_accuracy": greedy_accuracy(model, tok, held_out,
+                                                                  max_new_tokens=s["max_completion_length"])}
+    objective, k = kind.rsplit("-", 1)
+    k = int(k)
+    args = AsyncGRPOConfig(
+        output_dir=f"/tmp/bench-staleness-{kind}", max_steps=steps, learning_rate=s["lr"], logging_steps=1,
+        save_strategy="no", report_to="none", seed=0, disable_tqdm=True, lr_scheduler_type="constant",
+        per_device_train_batch_size=s["prompts_per_step"] * s["num_generations"], num_generations=s["num_generations"],
+        max_completion_length=s["max_completion_length"], temperature=s["temperature"], loss_type=objective,
+        loss_kwargs=OBJECTIVES[objective] or None, max_staleness=k, queue_size=max(2, k),
+        worker_threads=s["worker_threads"], trainer_threads=s["trainer_threads"])
+    trainer = AsyncGRPOTrainer("smollm2-135m-instruct", [numeric_match], args, train_dataset=train)
+    started = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - started
+    torch.set_num_threads(2)
+    acc = greedy_accuracy(trainer.model, trainer.processing_class, held_out, max_new_tokens=s["max_completion_length"])
+    hist = [h for h in trainer.state.log_history if "loss" in h]
+    losses = [h["loss"] for h in hist]
+    return {"kind": kind, "objective": objective, "max_staleness": k, "wall_s": wall, "heldout_accuracy": acc,
+            "reward_last5": sum(h["reward"] for h in hist[-5:]) / len(hist[-5:]),
+            "reward_curve": [h["reward"] for h in hist],
+            "staleness_mean": sum(h.get("async/staleness", 0.0) for h in hist) / len(hist),
+            "staleness_max": max(h.get("async/staleness_max", 0.0) for h in hist),
+            "max_abs_loss": max(abs(x) for x in losses), "diverged": not all(math.isfinite(x) for x in losses)}
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--worker", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args.steps)), flush=True)
+        return
+    started = time.perf_counter()
+    results = {"base": run_in_subprocess(os.path.abspath(__file__), ["--worker", "base"], env={"HF_HUB_OFFLINE": "1"})}
+    print(f"untrained model: held-out {results['base']['heldout_accuracy']:.3f}", flush=True)
+    for objective in OBJECTIVES:
+        for k in STALENESS:
+            kind = f"{objective}-{k}"
+            print(f"running {kind} ...", flush=True)
+            r = run_in_subprocess(os.path.abspath(__file__), ["--steps", str(args.steps), "--worker", kind],
+                                  env={"HF_HUB_OFFLINE": "1"})
+            results[kind] = r
+            print(f"  {r['wall_s']:.0f} s, held-out {r['heldout_accuracy']:.3f}, staleness mean "
+                  f"{r['staleness_mean']:.2f} (max {r['staleness_max']:.0f}), diverged {r['diverged']}", flush=True)
+    out = {"settings": {**SETTINGS, "steps": args.steps, "staleness": STALENESS, "objectives": OBJECTIVES,
+                        "model": "smollm2-135m-instruct"},
+           "results": results, "run_seconds": time.perf_counter() - started, "provenance": provenance()}
+    p = out["provenance"]
+    lines = [f"# bench/async_staleness.py at {p['commit'][:10]}{' (tree changed)' if p['tree_changed'] else ''} "
+             f"({p['date']}, {p['cpu_cores']} cores); run time {out['run_seconds'] / 60:.0f} min", "",
+             f"Async GRPO, {args.steps} steps x {SETTINGS['prompts_per_step']} prompts x "
+             f"{SETTINGS['num_generations']} completions; held-out greedy accuracy on {SETTINGS['heldout']} problems "
+             f"(realised mean staleness in brackets); the untrained model: {results['base']['heldout_accuracy']:.3f}",
+             "",
+             "| objective | " + " | ".join(f"max_staleness {k}" for k in STALENESS)
+             + " | staleness 4 - 0 (points) | diverged |", "|---|" + "---|" * (len(STALENESS) + 2)]
+    for objective in OBJECTIVES:
+        rs = [results[f"{objective}-{k}"] for k in STALENESS]
+        delta = 100 * (results[f"{objective}-4"]["heldout_accuracy"] - results[f"{objective}-0"]["heldout_accuracy"])
+        lines.append(f"| {objective} | " + " | ".join(f"{r['heldout_accuracy']:.3f} ({r['staleness_mean']:.1f})"
+                                                      for r in rs)
+                     + f" | {delta:+.1f} | {any(r['diverged'] for r in rs)} |")
+    text = "\n".join(lines)
+    print(text)
+    results_dir = os.path.join(ROOT, "bench", "results")
+    with open(os.path.join(results_dir, "async_staleness.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    with open(os.path.join(results_dir, "async_staleness.txt"), "w") as f:
+        f.write(text + "\n")
+    _plot(out, os.path.join(results_dir, "async_staleness.png"))
+
+
+def _plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for objective in out["settings"]["objectives"]:
+        rs = [out["results"][f"{objective}-{k}"] for k in out["settings"]["staleness"]]
+        a.plot(list(out["settings"]["staleness"]), [r["heldout_accuracy"] for r in rs], marker="o", label=objective)
+        for k, r in zip(out["settings"]["staleness"], rs):
+            if k in (0, 4):
+                curve = r["reward_curve"]
+                smooth = [sum(curve[max(0, i - 4):i + 1]) / len(curve[max(0, i - 4):i + 1]) for i in range(len(curve))]
+                b.plot(smooth, label=f"{objective}, max_staleness {k}", linestyle="-" if k == 0 else "--")
+    a.set_xlabel("max_staleness")
+    a.set_ylabel("held-out accuracy (128)")
+    a.set_title("final held-out accuracy")
+    a.legend()
+    b.set_xlabel("step")
+    b.set_ylabel("reward (5-step mean)")
+    b.set_title("reward during training")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
