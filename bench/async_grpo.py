@@ -91,16 +91,15 @@ def worker(kind: str, steps: int) -> dict:
     steady = (steps - 1) * c["prompts_per_step"] * c["num_generations"] / (timer.ends[-1] - timer.ends[0])
     step_s = (timer.ends[-1] - timer.ends[0]) / max(steps - 1, 1)  # steady seconds per step
     first = hist[0] if hist else {}
-    # start-up: step 1's time less its own phases (trainer set-up, the weights' first copy to shared memory,
-    # spawning the worker and loading its model, first-call slowness)
-    startup = (timer.ends[0] - started - first.get("time/generation_s", 0.0) - first.get("time/scoring_s", 0.0)
-               - first.get("time/train_s", 0.0))
     return {"kind": kind, "wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
             "steady_samples_per_s": steady,
             "heldout_accuracy": acc, "reward_last5": sum(h["reward"] for h in hist[-5:]) / len(hist[-5:]),
             "completion_tokens": sum(h.get("completions/mean_length", 0) * c["prompts_per_step"] *
                                      c["num_generations"] for h in hist),
-            "step_s": step_s, "trainer_wait_s_per_step": mean("async/trainer_wait_s"), "startup_s": startup,
+            "step_s": step_s, "trainer_wait_s_per_step": mean("async/trainer_wait_s"),
+            # the first round's wait less its generation and scoring: the worker's start-up
+            "worker_startup_s": (first.get("async/trainer_wait_s", 0.0) - first.get("time/generation_s", 0.0)
+                                 - first.get("time/scoring_s", 0.0)) if mode == "async" else 0.0,
             "generation_s_per_step": mean("time/generation_s"), "scoring_s_per_step": mean("time/scoring_s"),
             "train_s_per_step": mean("time/train_s"), "publish_s": mean("async/publish_s"),
             "trainer_idle_fraction": mean("async/trainer_idle_fraction"),
@@ -120,30 +119,26 @@ def _model_rows(case: str, c: dict, steps: int, sync: dict, asy: dict) -> dict:
     sync_overhead = max(0.0, sync["step_s"] - sync["generation_s_per_step"] - sync["scoring_s_per_step"]
                         - sync["train_s_per_step"])
     measured = Phases(gen_s=asy["generation_s_per_step"], train_s=asy["train_s_per_step"] + sync_overhead,
-                      score_s=asy["scoring_s_per_step"], sync_s=asy["publish_s"] or 0.0, startup_s=asy["startup_s"])
+                      score_s=asy["scoring_s_per_step"], sync_s=asy["publish_s"] or 0.0,
+                      startup_s=asy["worker_startup_s"])
     predicted_wall = simulate_async(measured, steps, **knobs)
-    predicted_step = _steady_step(measured, knobs)
     # separate devices: each side at the speed it has alone (the sync run's phases), start-up as measured
     alone = Phases(gen_s=sync["generation_s_per_step"], train_s=sync["train_s_per_step"] + sync_overhead,
-                   score_s=sync["scoring_s_per_step"], sync_s=asy["publish_s"] or 0.0, startup_s=asy["startup_s"])
+                   score_s=sync["scoring_s_per_step"], sync_s=asy["publish_s"] or 0.0,
+                   startup_s=asy["worker_startup_s"])
     return {"predicted_async_wall_s": predicted_wall, "measured_async_wall_s": asy["wall_s"],
             "prediction_error": predicted_wall / asy["wall_s"] - 1,
-            "predicted_async_step_s": predicted_step, "measured_async_step_s": asy["step_s"],
-            "step_prediction_error": predicted_step / asy["step_s"] - 1,
-            "sync_model_wall_s": sync["startup_s"] + simulate_sync(alone, steps), "measured_sync_wall_s": sync["wall_s"],
+            "sync_model_wall_s": simulate_sync(alone, steps), "measured_sync_wall_s": sync["wall_s"],
             "async_step_overhead_s": async_overhead, "sync_step_overhead_s": sync_overhead,
-            "async_startup_s": asy["startup_s"], "sync_startup_s": sync["startup_s"],
+            "worker_startup_s": asy["worker_startup_s"],
             "separate_devices_ratio": simulate_sync(alone, steps) / simulate_async(alone, steps, **knobs),
             "separate_devices_steady_ratio": _steady_ratio(alone, knobs)}
 
 
-def _steady_step(p: Phases, knobs: dict, n: int = 400) -> float:
-    """The model's async seconds per step once the pipeline is full (start-up amortised away)."""
-    return (simulate_async(p, n, **knobs) - simulate_async(p, n // 2, **knobs)) / (n - n // 2)
-
-
-def _steady_ratio(p: Phases, knobs: dict) -> float:
-    return (p.gen_s + p.score_s + p.train_s) / _steady_step(p, knobs)
+def _steady_ratio(p: Phases, knobs: dict, n: int = 400) -> float:
+    """Sync over async seconds per step once the pipeline is full (start-up amortised away)."""
+    per_step = (simulate_async(p, n, **knobs) - simulate_async(p, n // 2, **knobs)) / (n - n // 2)
+    return (p.gen_s + p.score_s + p.train_s) / per_step
 
 
 def main() -> None:
@@ -232,19 +227,15 @@ def _table(out: dict) -> str:
         idle_g = [res[f"{case}-async-{x}"]["generator_idle_fraction"] or 0.0 for x in c["seeds"]]
         lines.append(f"| async: trainer idle / generator idle | | {_fmt(idle_t)} / {_fmt(idle_g)} | |")
         m = s["model"]
-        lines += ["", "Pipeline model (bench/async_model.py): predicted vs measured async steady s/step "
-                  + ", ".join(f"{x['predicted_async_step_s']:.2f} vs {x['measured_async_step_s']:.2f} "
-                              f"({x['step_prediction_error']:+.0%})" for x in m)
-                  + "; whole async wall "
+        lines += ["", "Pipeline model (bench/async_model.py): predicted vs measured async wall "
                   + ", ".join(f"{x['predicted_async_wall_s']:.0f} vs {x['measured_async_wall_s']:.0f} s "
                               f"({x['prediction_error']:+.0%})" for x in m)
                   + "; sync model (its overhead fitted on itself) vs measured "
                   + ", ".join(f"{x['sync_model_wall_s']:.0f} vs {x['measured_sync_wall_s']:.0f} s" for x in m)
                   + " (inputs: the async run's per-phase means, the sync run's per-step overhead "
                   + ", ".join(f"{x['sync_step_overhead_s']:.2f}" for x in m) + " s (the async run's residual: "
-                  + ", ".join(f"{x['async_step_overhead_s']:.2f}" for x in m) + " s), start-up (step 1 less its "
-                  "phases) async " + ", ".join(f"{x['async_startup_s']:.1f}" for x in m) + " s, sync "
-                  + ", ".join(f"{x['sync_startup_s']:.1f}" for x in m) + " s); separate devices (each side at "
+                  + ", ".join(f"{x['async_step_overhead_s']:.2f}" for x in m) + " s), worker start-up "
+                  + ", ".join(f"{x['worker_startup_s']:.1f}" for x in m) + " s); separate devices (each side at "
                   "its measured speed alone): predicted async/sync "
                   + ", ".join(f"{x['separate_devices_ratio']:.2f}x" for x in m) + " for this run's length, "
                   + ", ".join(f"{x['separate_devices_steady_ratio']:.2f}x" for x in m) + " once the pipeline is full",
