@@ -127,6 +127,8 @@ def test_async_rounds_mix_versions_and_the_loss_gets_each_tokens_behaviour_logpr
     assert batch["sampler_versions"][0, :len(ids)].tolist() == versions
 
 
-def test_inflight_updates_need_the_transformers_backend(tmp_path):
+def test_inflight_updates_need_the_transformers_backend_and_single_turn_rounds(tmp_path):
     with pytest.raises(ConfigError, match="inflight_weight_updates"):
         AsyncGRPOConfig(output_dir=str(tmp_path), inflight_weight_updates=True, generation_backend="vllm")
+    with pytest.raises(ConfigError, match="episodes"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), inflight_weight_updates=True, environment="calculator")

@@ -20,7 +20,7 @@ def _batch(seed=0, B=4, T=6, drift=0.4):
     lengths = torch.tensor([6, 3, 5, 2])
     mask = torch.arange(T)[None] < lengths[:, None]
     loss_mask = mask & torch.tensor([True, True, False, True])[:, None]
-    versions = torch.tensor([[3, 3, 3, 4, 4, 4], [2, 2, 2, 0, 0, 0], [4, 4, 4, 4, 4, 0], [1, 3, 0, 0, 0, 0]])
+    versions = torch.tensor([[3, 3, 3, 4, 4, 4], [2, 2, 2, 0, 0, 0], [5, 5, 4, 4, 4, 0], [1, 3, 0, 0, 0, 0]])
     return PolicyLossInputs(logps=logps, old_logps=old, advantages=torch.tensor([1.0, -0.5, 0.7, -2.0]),
                             loss_mask=loss_mask, completion_mask=mask, sampler_logps=sampler, step_tokens=11.0,
                             sampler_versions=versions, policy_version=5, proximal_version=3)
@@ -58,7 +58,7 @@ def test_decoupled_ppo_equals_a_naive_reference(proximal):
                 prox = float(ref.old_logps[b, t])
             else:  # AReaL: alpha = (v_prox - v_behave) / (v_theta - v_behave), proximal = step 3, theta = step 5
                 v = int(ref.sampler_versions[b, t])
-                alpha = min(max((3 - v) / (5 - v), 0.0), 1.0) if v < 5 else 0.0
+                alpha = min(max((3 - v) / (5 - v), 0.0), 1.0) if v < 5 else 1.0  # sampled by the current weights
                 prox = beh + alpha * (float(ref.logps[b, t].detach()) - beh)
             r = torch.exp(ref.logps[b, t] - prox)
             a = ref.advantages[b]
@@ -77,16 +77,18 @@ def test_loglinear_equals_exact_with_one_pass_per_round():
     inputs = _batch()
     inputs.old_logps = inputs.logps.detach().clone()
     inputs.proximal_version = inputs.policy_version
+    inputs.sampler_versions = torch.full_like(inputs.sampler_versions, inputs.policy_version)  # staleness 0 too
+    inputs.sampler_versions[0, :3] = 2
     exact, g_exact = _run("decoupled_ppo", DecoupledPPOSettings(proximal="exact"), inputs)
     approx, g_approx = _run("decoupled_ppo", DecoupledPPOSettings(proximal="loglinear"), inputs)
     torch.testing.assert_close(approx.loss, exact.loss)
     torch.testing.assert_close(g_approx, g_exact)
 
 
-def test_loglinear_proximal_is_exact_for_tokens_the_proximal_weights_sampled():
-    beh, cur = torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.5, -1.0, -2.0]])
-    prox = loglinear_proximal_logps(beh, cur, torch.tensor([[4, 3, 0]]), proximal_version=4, current_version=5)
-    torch.testing.assert_close(prox, torch.tensor([[-1.0, -2.0 + 0.5 * 1.0, -3.0 + 0.8 * 1.0]]))
+def test_loglinear_proximal_is_exact_for_tokens_the_proximal_or_current_weights_sampled():
+    beh, cur = torch.tensor([[-1.0, -2.0, -3.0, -0.7]]), torch.tensor([[-1.5, -1.0, -2.0, -0.9]])
+    prox = loglinear_proximal_logps(beh, cur, torch.tensor([[4, 3, 0, 5]]), proximal_version=4, current_version=5)
+    torch.testing.assert_close(prox, torch.tensor([[-1.0, -2.0 + 0.5 * 1.0, -3.0 + 0.8 * 1.0, -0.9]]))
 
 
 def _naive_m2_keep(log_ratio, mask, tau):

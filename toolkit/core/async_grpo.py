@@ -118,6 +118,10 @@ class AsyncGRPOConfig(GRPOConfig):
                               f"loads new weights between steps); a '{self.generation_backend}' generate call is one "
                               "engine call with no point to swap weights in. Set it False to load weights between "
                               "rounds.")
+        if self.inflight_weight_updates and self.environment is not None:
+            raise ConfigError("inflight_weight_updates: not with multi-turn episodes (environment): an episode's turns "
+                              "are separate generate calls whose per-token versions are not carried yet; set it False "
+                              "(weights are then loaded between rounds).")
         if self.heartbeat_timeout <= 0 or self.worker_start_timeout <= 0:
             raise ConfigError("heartbeat_timeout, worker_start_timeout: must be > 0.")
         if self.worker_restarts < 0:

@@ -441,10 +441,13 @@ def loglinear_proximal_logps(behaviour_logps: torch.Tensor, current_logps: torch
     the behaviour policy and the current one by policy version, instead of a forward pass of the proximal
     weights. Per token, alpha = (v_prox - v_behaviour) / (v_current - v_behaviour), clamped to [0, 1], and
     log pi_prox = log pi_behaviour + alpha (log pi_current - log pi_behaviour). A token sampled by the
-    proximal weights themselves gets alpha = 0 (its behaviour log-prob, exactly right)."""
+    proximal weights themselves gets alpha = 0 (its behaviour log-prob, exactly right); one the current weights
+    sampled gets alpha = 1."""
     v = behaviour_versions.to(torch.float64)
     span = (current_version - v).clamp(min=1e-9)
-    alpha = ((proximal_version - v) / span).clamp(0.0, 1.0).to(behaviour_logps.dtype)
+    alpha = ((proximal_version - v) / span).clamp(0.0, 1.0)
+    # a token the current weights sampled: their own log-prob (the sampler's may differ by engine numerics)
+    alpha = torch.where(v >= current_version, torch.ones_like(alpha), alpha).to(behaviour_logps.dtype)
     b = behaviour_logps.detach()
     return b + alpha * (current_logps.detach() - b)
 

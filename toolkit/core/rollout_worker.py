@@ -262,15 +262,15 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
             while inflight and not stop.is_set():
                 fut, delivered, _ = inflight[0]
                 if fut.done() and fut.exception() is not None:
-                    raise fut.exception()
+                    raise fut.exception()  # the scoring's own error (a reward that failed too often, named)
+                if delivered.is_set():
+                    inflight.popleft()
+                    continue
                 if delivery_error:
                     raise RuntimeError("async GRPO worker: a scored round could not be put into the queue") \
                         from delivery_error[0]
                 if not delivery.is_alive():
                     raise RuntimeError("async GRPO worker: the delivery thread stopped; no round can reach the trainer")
-                if delivered.is_set():
-                    inflight.popleft()
-                    continue
                 if len(inflight) < limit:
                     return
                 if not fut.done():
@@ -349,6 +349,7 @@ def worker_main(spec: dict[str, Any], shared: dict[str, torch.Tensor], version, 
                 progress.bounded_until = 0.0  # start-up is over: from now on only progress counts
             r += 1
         outbox.put(None)
+        out_q.cancel_join_thread()  # stopping: rounds nobody will read must not hold the exit
     except BaseException:
         err_q.put(traceback.format_exc())
         raise

@@ -220,7 +220,8 @@ def decoupled_ppo_term(inputs: PolicyLossInputs, settings: DecoupledPPOSettings)
     and the approximation act with num_iterations > 1 (synchronous GRPO), where pi moves away from pi_prox.
     """
     behaviour = _behaviour(inputs)
-    if settings.proximal == "exact":
+    on_policy = inputs.proximal_version is not None and inputs.proximal_version == inputs.policy_version
+    if settings.proximal == "exact" or on_policy:  # pi_old is the current weights: nothing to approximate
         proximal = inputs.old_logps.detach()
     else:
         if inputs.sampler_versions is None or inputs.policy_version is None:
