@@ -365,6 +365,21 @@ def main(argv: list[str] | None = None, extra_commands: dict[str, Any] | None = 
             raise
         print(f"error: {type(e).__name__}: {e}\n(run again with --debug for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Under torchrun: destroy the process group before the interpreter exits. Left to interpreter teardown, a
+    rank's communication threads can be destroyed while joinable, and that rank aborts ("terminate called
+    without an active exception", SIGABRT) after a run that finished; the launcher then reports a failure."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 (leaving is best effort; the run's result is already decided)
+            logging.getLogger(__name__).debug("destroy_process_group: %s", e)
 
 
 def _pipeline(argv: list[str]) -> int:
