@@ -45,6 +45,8 @@ def test_the_judge_spec_and_bad_urls():
     assert isinstance(judge, HTTPJudge) and judge.url.endswith(":8000/score")
     with pytest.raises(ConfigError, match="not an http"):
         HTTPJudge("127.0.0.1:8000")
+    with pytest.raises(ConfigError, match="timeout"):
+        HTTPJudge("http://127.0.0.1:8000/score", timeout=0)
 
 
 @pytest.mark.slow

@@ -132,3 +132,5 @@ def test_inflight_updates_need_the_transformers_backend_and_single_turn_rounds(t
         AsyncGRPOConfig(output_dir=str(tmp_path), inflight_weight_updates=True, generation_backend="vllm")
     with pytest.raises(ConfigError, match="episodes"):
         AsyncGRPOConfig(output_dir=str(tmp_path), inflight_weight_updates=True, environment="calculator")
+    with pytest.raises(ConfigError, match="scoring_concurrency"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), scoring_concurrency=0)
