@@ -135,7 +135,7 @@ def run(case: str, out: Path, world: int) -> dict:
         minibatches = 2 if case.endswith("minibatches") else 1
         cfg = PPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=per_device // ga // minibatches,
                         gradient_accumulation_steps=ga, num_mini_batches=minibatches, num_ppo_epochs=2,
-                        max_completion_length=6,
+                        max_completion_length=6, critic="separate",  # the critic with its own gradients to reduce
                         stop_token_ids=list(range(0, 384, 4)), generation_backend="per_prompt_seeded",
                         whiten_rewards=accum, **{**SGD, "learning_rate": 0.1, "max_grad_norm": 1.0 if accum else 0.0})
         trainer = PPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)

@@ -122,6 +122,14 @@ def test_critic_variants_train(tmp_path, critic):
     assert (t.critic.backbone is None) == (critic == "head")
 
 
+def test_the_default_critic_is_a_shared_head_and_a_given_value_model_is_a_separate_critic(tmp_path):
+    t = make(tmp_path / "a")
+    assert t.args.critic == "head" and t.critic.backbone is None
+    vm = LlamaForSequenceClassification(tiny_model().config.__class__(**{**tiny_model().config.to_dict(), "num_labels": 1}))
+    t = make(tmp_path / "b", value_model=vm)
+    assert t.args.critic == "separate" and t.critic.backbone is not None
+
+
 def test_peft_uses_the_adapter_free_base_as_reference_and_critic_backbone(tmp_path):
     from peft import LoraConfig
 
@@ -162,7 +170,7 @@ def test_gradient_accumulation_takes_the_step_of_one_micro_batch(tmp_path):
     one.train()
     two = make(tmp_path / "two", per_device_train_batch_size=4, gradient_accumulation_steps=2, **sgd)
     two.train()
-    assert logged(two, "loss") == pytest.approx(logged(one, "loss"), rel=1e-5, abs=1e-7)
+    assert logged(two, "loss") == pytest.approx(logged(one, "loss"), rel=1e-5, abs=2e-6)  # logged rounded to 6 decimals
     for a, b in ((one.model, two.model), (one.critic, two.critic)):
         for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items()):
             torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=k)

@@ -138,8 +138,23 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     logp = torch.log_softmax(z, dim=-1)
     truncated = truncate_logits(z, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
     probs = torch.softmax(truncated, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = inverse_cdf_sample(probs, generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of [B, V] probabilities: the first token whose cumulative probability exceeds u x total.
+
+    Exactly a categorical draw, like torch.multinomial, but from one uniform per row: multinomial draws an
+    exponential per vocabulary entry (B x 49k random numbers per decode step, measured at 30 ms of a 135 ms
+    decode step at batch 32 on 2 CPU cores). A token of probability 0 is never drawn: the row's pick has
+    cdf > x >= the previous cdf, so its own mass is positive (x is kept strictly below the total).
+    """
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype)
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 # ------------------------------------------------------------------------------------------------

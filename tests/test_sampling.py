@@ -1,0 +1,38 @@
+"""The categorical draw behind every sampled token (`inverse_cdf_sample`, used by `sample_tokens`)."""
+
+import torch
+
+from toolkit.core.generation import SamplingParams, inverse_cdf_sample, sample_tokens
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token():
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])  # zeros first, between and last
+    g = torch.Generator().manual_seed(0)
+    n = 200_000
+    draws = inverse_cdf_sample(probs.expand(n, -1).contiguous(), g)
+    counts = torch.bincount(draws, minlength=6).double() / n
+    assert counts[[0, 2, 5]].sum() == 0
+    # binomial standard error at p=0.6, n=2e5 is 0.0011: 5 standard errors
+    torch.testing.assert_close(counts, probs.double(), atol=0.0055, rtol=0)
+
+
+def test_a_one_hot_row_and_unnormalised_rows_are_drawn_right():
+    g = torch.Generator().manual_seed(1)
+    one_hot = torch.zeros(4, 49152)
+    one_hot[:, 49151] = 1.0  # the last token of a large vocabulary: float error in the cdf must not move it
+    assert inverse_cdf_sample(one_hot, g).tolist() == [49151] * 4
+    scaled = torch.tensor([[0.0, 2.0, 6.0]]).expand(100_000, -1).contiguous()  # sums to 8, not 1
+    counts = torch.bincount(inverse_cdf_sample(scaled, g), minlength=3).double() / 100_000
+    torch.testing.assert_close(counts, torch.tensor([0.0, 0.25, 0.75], dtype=torch.float64), atol=0.007, rtol=0)
+
+
+def test_the_same_seed_draws_the_same_tokens_and_log_probs_match_the_softmax():
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(max_tokens=1, temperature=0.7, top_k=10)
+    a = sample_tokens(logits, params, torch.Generator().manual_seed(3))
+    b = sample_tokens(logits, params, torch.Generator().manual_seed(3))
+    assert torch.equal(a[0], b[0])
+    top10 = logits.topk(10, dim=-1).indices
+    assert all(int(t) in top10[i].tolist() for i, t in enumerate(a[0]))  # top_k respected
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, a[0][:, None]).squeeze(-1)
+    torch.testing.assert_close(a[1], expected)
