@@ -23,6 +23,7 @@ def run_in_subprocess(script: str, args: list[str], env: dict[str, str] | None =
     """Run `script --worker ...` in a fresh process (peak RSS is per process) and return its RESULT json."""
     import json
     import os
+    import re
     import subprocess
     import sys
 
@@ -31,7 +32,10 @@ def run_in_subprocess(script: str, args: list[str], env: dict[str, str] | None =
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         print(proc.stdout[-3000:], proc.stderr[-6000:])
-        raise SystemExit(f"{script} {' '.join(args)} failed")
+        # the failure's own last line (e.g. "AttributeError: ..."), so a results file can say why by itself
+        errors = [ln.strip() for ln in proc.stderr.splitlines() if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
+        reason = errors[-1][:300] if errors else f"exit {proc.returncode}"
+        raise SystemExit(f"{os.path.basename(script)} {' '.join(args)} failed: {reason}")
     return json.loads(line[len("RESULT "):])
 
 

@@ -1,6 +1,6 @@
 """Benchmark: GRPO steps per minute with each generation backend, one run, in .venv-vllm.
 
-    bash scripts/setup-vllm.sh && .venv-vllm/bin/python bench/grpo_vllm.py     # ~15 minutes on 2 CPU cores
+    bash scripts/setup-vllm.sh && .venv-vllm/bin/python bench/grpo_vllm.py     # ~8 minutes on 2 CPU cores
 
 Same model (the embedded SmolLM2-135M-Instruct), prompts (generated arithmetic), 4 prompts x 8
 completions per step, max 16 new tokens, temperature 0.7, dapo loss, no KL, numeric-match reward,
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_args, run_each, step_timer  # noqa: E402
+from _common import bench_args, provenance, run_each, step_timer  # noqa: E402
 
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
 KINDS = ("transformers", "vllm", "vllm-server", "trl-vllm-colocate")
@@ -107,14 +107,18 @@ def main() -> None:
     for kind in KINDS:
         r = results[kind]
         if "failed" in r:
-            print(f"| {kind} | failed | | | | see log |")
+            print(f"| {kind} | failed | | | | see below |")
             continue
         gen = f"{r['generation_s_per_step']:.1f}" if r["generation_s_per_step"] is not None else "-"
         sync = f"{r['last_weight_sync_s']:.2f}" if r["last_weight_sync_s"] is not None else "-"
         print(f"| {kind} | {r['steps_per_min']:.2f} | {r['sec_per_step']:.1f} | {gen} | {sync} | "
               f"{r['steps_per_min'] / base['steps_per_min']:.2f}x |")
+    for kind in KINDS:
+        if "failed" in results[kind]:
+            print(f"{kind}: {results[kind]['failed']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": s, "steps": args.steps, "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"settings": s, "steps": args.steps, "results": results,
+                                               "provenance": provenance()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Benchmark: our GRPOTrainer against TRL's GRPOTrainer (its default transformers generation), one run.
 
-    python bench/grpo_vs_trl.py              # about 10 minutes on 2 CPU cores
+    python bench/grpo_vs_trl.py              # about 4 minutes on 2 CPU cores
     python bench/grpo_vs_trl.py --steps 6    # more steps, less noise
 
 Same model (the embedded SmolLM2-135M-Instruct), same prompts (generated arithmetic, conversational),
 same num_generations (8), prompts per step (4), max completion length (16), temperature (0.7),
 learning rate, loss (dapo), no KL, same reward (numeric match). Each trainer runs in its own process
 (peak RSS is per process). Printed: seconds per step over the steps after the first, the split
-into generation and training where the trainer reports it, peak RSS, and the ratios.
+into generation and training where the trainer reports it, peak RSS, the tokens each side generated
+(completions/mean_length x completions, summed over every step; both trainers log it), and the ratios.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import resource
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import bench_args, run_each, step_timer  # noqa: E402
+from _common import bench_args, provenance, run_each, step_timer  # noqa: E402
 
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
 
@@ -61,10 +62,17 @@ def worker(kind: str, steps: int) -> dict:
     per_step = (ends[-1] - ends[0]) / max(len(ends) - 1, 1)
     hist = [h for h in trainer.state.log_history if "loss" in h][1:]
     gen = [h.get("time/generation_s") for h in hist if h.get("time/generation_s") is not None]
+    train = [h.get("time/train_s") for h in hist if h.get("time/train_s") is not None]
+    gen_tps = [h.get("generation_tokens_per_s") for h in hist if h.get("generation_tokens_per_s") is not None]
+    per_step = s["prompts_per_step"] * s["num_generations"]
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     rewards = [h.get("reward") for h in hist if h.get("reward") is not None]
     return {"kind": kind, "sec_per_step": per_step, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "generation_s_per_step": sum(gen) / len(gen) if gen else None,
-            "mean_reward": sum(rewards) / len(rewards) if rewards else None}
+            "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+            "train_s_per_step": sum(train) / len(train) if train else None,
+            "generation_tokens_per_s": sum(gen_tps) / len(gen_tps) if gen_tps else None,
+            "generated_tokens": round(sum(lengths) * per_step), "steps_with_lengths": len(lengths)}
 
 
 def main() -> None:
@@ -80,11 +88,16 @@ def main() -> None:
     print(f"| seconds per step | {o['sec_per_step']:.1f} | {t['sec_per_step']:.1f} | "
           f"{o['sec_per_step'] / t['sec_per_step']:.2f} (speed-up {t['sec_per_step'] / o['sec_per_step']:.2f}x) |")
     print(f"| peak RSS MB | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | {o['peak_rss_mb'] / t['peak_rss_mb']:.2f} |")
+    print(f"| generated tokens (all {args.steps} steps) | {o['generated_tokens']} | {t['generated_tokens']} | "
+          f"{o['generated_tokens'] / max(t['generated_tokens'], 1):.2f} |")
     if o["generation_s_per_step"] is not None:
         print(f"| ours: generation s/step | {o['generation_s_per_step']:.1f} | | |")
+        print(f"| ours: training s/step | {o['train_s_per_step']:.1f} | | |")
+        print(f"| ours: generation tokens/s | {o['generation_tokens_per_s']:.0f} | | |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": s, "steps": args.steps, "results": results}, f, indent=2)
+            json.dump({"settings": s, "steps": args.steps, "results": results, "provenance": provenance()}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Benchmark: our SFTTrainer against TRL's SFTTrainer on the embedded SmolLM2-135M-Instruct, in one run.
 
-    python bench/sft_vs_trl.py                 # about 10 minutes on 2 CPU cores
-    python bench/sft_vs_trl.py --steps 4       # quicker, noisier
+    python bench/sft_vs_trl.py                 # about 9 minutes on 2 CPU cores
+    python bench/sft_vs_trl.py --trl-no-gc     # also TRL with gradient checkpointing off (about 8 more)
 
 Same model, same data (plain-text rows of mixed lengths), same batch size, max_length, optimizer,
 learning rate and number of steps. Each configuration runs in its own process (peak RSS is per
 process), one after another. Printed: real (non-padding) tokens/s over the steps after the first,
-peak RSS, and the ratios ours/TRL with packing off and on, plus the ceiling: a plain dense
-forward+backward of the same model on full rows of max_length tokens (no padding, no optimizer).
+peak RSS, and the ratios ours/TRL with packing off and on. TRL runs at its own defaults (its
+SFTConfig turns gradient checkpointing on; the row records what it ran with); --trl-no-gc adds
+TRL without it, which is faster and uses more memory at this size. The ceiling (what this machine's
+matmul allows for this model) is bench/ceiling.py's; bench/run_all.py puts each row's fraction of
+it in bench/README.md.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_in_subprocess, step_timer  # noqa: E402
+from _common import provenance, run_in_subprocess, step_timer  # noqa: E402
 
 DEFAULTS = dict(batch_size=4, max_length=1024, min_len=64, rows=96, lr=1e-5)
 
@@ -65,20 +68,8 @@ def worker(kind: str, packing: bool, steps: int, p: dict) -> dict:
                   learning_rate=p["lr"], logging_steps=1, save_strategy="no", report_to="none", seed=0,
                   disable_tqdm=True, dataloader_pin_memory=False, optim="adamw_torch_fused")
     timer = step_timer()
-    if kind == "dense":
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model.train()
-        x = torch.randint(0, model.config.vocab_size, (p["batch_size"], p["max_length"]))
-        ends = []
-        for _ in range(steps):
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            model.zero_grad(set_to_none=False)
-            ends.append(time.perf_counter())
-        counts = [x.numel()] * steps
-    elif kind == "toolkit":
+    gradient_checkpointing = None
+    if kind == "toolkit":
         from toolkit import SFTConfig, SFTTrainer
 
         cfg = SFTConfig(**common, max_length=p["max_length"], packing=packing)
@@ -87,6 +78,7 @@ def worker(kind: str, packing: bool, steps: int, p: dict) -> dict:
         trainer.data_collator = counter
         trainer.train()
         ends, counts = timer.ends, counter.counts
+        gradient_checkpointing = bool(getattr(cfg, "activation_checkpointing", None) or cfg.gradient_checkpointing)
     else:
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,20 +87,24 @@ def worker(kind: str, packing: bool, steps: int, p: dict) -> dict:
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(path)
+        # "trl": TRL's defaults (gradient checkpointing is whatever its SFTConfig sets); "trl_no_gc": switched off
+        off = {"gradient_checkpointing": False} if kind == "trl_no_gc" else {}
         cfg = TRLConfig(**common, max_length=p["max_length"], packing=packing, use_cpu=True, bf16=False,
-                        dataset_num_proc=None, gradient_checkpointing=(kind == "trl_gc"))
+                        dataset_num_proc=None, **off)
         trainer = TRLTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(rows), processing_class=tok,
                              callbacks=[timer])
         counter = TokenCounter(trainer.data_collator)
         trainer.data_collator = counter
         trainer.train()
         ends, counts = timer.ends, counter.counts
+        gradient_checkpointing = bool(cfg.gradient_checkpointing)
     # Steps after the first (warm-up): tokens of batches 2..N over the time from end of step 1 to end of step N.
     tokens = sum(counts[1:len(ends)])
     seconds = ends[-1] - ends[0]
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"kind": kind, "packing": packing, "tokens_per_s": tokens / seconds, "peak_rss_mb": peak_mb,
-            "sec_per_step": seconds / max(len(ends) - 1, 1), "tokens_per_step": tokens / max(len(ends) - 1, 1)}
+            "sec_per_step": seconds / max(len(ends) - 1, 1), "tokens_per_step": tokens / max(len(ends) - 1, 1),
+            "gradient_checkpointing": gradient_checkpointing}
 
 
 def main() -> None:
@@ -116,46 +112,45 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "PACKING"))
     ap.add_argument("--json", default=None, help="also write the results to this file")
-    ap.add_argument("--trl-gc", action="store_true",
-                    help="also run TRL with gradient checkpointing on (context: our default on CPU)")
+    ap.add_argument("--trl-no-gc", action="store_true",
+                    help="also run TRL with gradient checkpointing off (not its default)")
     args = ap.parse_args()
     if args.worker:
         kind, packing = args.worker[0], args.worker[1] == "1"
         print("RESULT " + json.dumps(worker(kind, packing, args.steps, DEFAULTS)), flush=True)
         return
     results = []
-    plan = [("dense", "0"), ("toolkit", "0"), ("trl", "0"), ("toolkit", "1"), ("trl", "1")]
-    if args.trl_gc:
-        plan += [("trl_gc", "0"), ("trl_gc", "1")]
+    plan = [("toolkit", "0"), ("trl", "0"), ("toolkit", "1"), ("trl", "1")]
+    if args.trl_no_gc:
+        plan += [("trl_no_gc", "0"), ("trl_no_gc", "1")]
     for kind, packing in plan:
         t0 = time.perf_counter()
         print(f"running {kind} packing={packing} ...", flush=True)
         r = run_in_subprocess(__file__, ["--steps", str(args.steps), "--worker", kind, packing])
         r["wall_s"] = round(time.perf_counter() - t0, 1)
         results.append(r)
-        print(f"  {r['tokens_per_s']:.0f} tokens/s, {r['sec_per_step']:.2f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB",
-              flush=True)
+        print(f"  {r['tokens_per_s']:.0f} tokens/s, {r['sec_per_step']:.2f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB, "
+              f"gradient checkpointing {r['gradient_checkpointing']}", flush=True)
     by = {(r["kind"], r["packing"]): r for r in results}
-    dense = by[("dense", False)]
-    print("\n| mode | ours tokens/s | TRL tokens/s | speed ratio (ours/TRL) | ours peak RSS MB | TRL peak RSS MB "
-          "| memory ratio (ours/TRL) | ours / dense ceiling |")
+    s = DEFAULTS
+    print(f"\nSFT, SmolLM2-135M-Instruct, batch {s['batch_size']}, max_length {s['max_length']}, rows of {s['min_len']}-"
+          f"{s['max_length']} tokens, {args.steps} steps (first excluded from timing)")
+    print("| mode | reference | ours tokens/s | TRL tokens/s | speed ratio (ours/TRL) | ours peak RSS MB | TRL peak RSS MB "
+          "| memory ratio (ours/TRL) |")
     print("|---|---|---|---|---|---|---|---|")
-    for packing in (False, True):
-        o, t = by[("toolkit", packing)], by[("trl", packing)]
-        print(f"| packing {'on' if packing else 'off'} | {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | "
-              f"{o['tokens_per_s'] / t['tokens_per_s']:.2f} | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | "
-              f"{o['peak_rss_mb'] / t['peak_rss_mb']:.2f} | {o['tokens_per_s'] / dense['tokens_per_s']:.2f} |")
-    for packing in (False, True):
-        if ("trl_gc", packing) in by:
-            o, t = by[("toolkit", packing)], by[("trl_gc", packing)]
-            print(f"| packing {'on' if packing else 'off'}, TRL with gradient checkpointing | {o['tokens_per_s']:.0f} | "
-                  f"{t['tokens_per_s']:.0f} | {o['tokens_per_s'] / t['tokens_per_s']:.2f} | {o['peak_rss_mb']:.0f} | "
-                  f"{t['peak_rss_mb']:.0f} | {o['peak_rss_mb'] / t['peak_rss_mb']:.2f} | |")
-    print(f"\ndense ceiling (forward+backward, [{DEFAULTS['batch_size']}, {DEFAULTS['max_length']}] real tokens): "
-          f"{dense['tokens_per_s']:.0f} tokens/s, peak RSS {dense['peak_rss_mb']:.0f} MB")
+    for ref, label in (("trl", "TRL defaults"), ("trl_no_gc", "TRL, gradient checkpointing off (not its default)")):
+        for packing in (False, True):
+            if (ref, packing) not in by:
+                continue
+            o, t = by[("toolkit", packing)], by[(ref, packing)]
+            print(f"| packing {'on' if packing else 'off'} | {label} (gradient checkpointing {t['gradient_checkpointing']}; "
+                  f"ours {o['gradient_checkpointing']}) | {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | "
+                  f"{o['tokens_per_s'] / t['tokens_per_s']:.2f} | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | "
+                  f"{o['peak_rss_mb'] / t['peak_rss_mb']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": DEFAULTS, "steps": args.steps, "results": results}, f, indent=2)
+            json.dump({"settings": DEFAULTS, "steps": args.steps, "results": results, "provenance": provenance()}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":

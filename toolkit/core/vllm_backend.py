@@ -37,7 +37,9 @@ __all__ = [
 import concurrent.futures
 import json
 import logging
+import math
 import os
+import struct
 import threading
 import time
 import urllib.error
@@ -222,9 +224,11 @@ class VLLMServerBackend(_SyncEvery):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="toolkit-vllm-client")
         self.info = self.wait_until_ready(startup_timeout)
 
-    def _request(self, path: str, body: bytes | None = None, *, content_type: str = "application/json",
-                 timeout: float | None = None) -> dict:
+    def _request(self, path: str, body: bytes | list | None = None, *, content_type: str = "application/json",
+                 timeout: float | None = None, length: int | None = None) -> dict:
         headers = {"Content-Type": content_type}
+        if length is not None:  # a body of chunks (streamed): its length up front, not chunked encoding
+            headers["Content-Length"] = str(length)
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         req = urllib.request.Request(self.url + path, data=body, method="POST" if body is not None else "GET",
@@ -298,23 +302,88 @@ class VLLMServerBackend(_SyncEvery):
         self.weights_version = int(version.item())
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        from safetensors.torch import save
-
         started = time.perf_counter()
-        # safetensors refuses tensors that share memory (tied embeddings): send each name its own copy.
-        seen: set[int] = set()
-        payload = {}
-        for name, t in weights:
-            ptr = t.data_ptr()
-            payload[name] = t.contiguous() if ptr not in seen else t.clone().contiguous()
-            seen.add(ptr)
-        out = self._request("/update_weights", save(payload), content_type="application/octet-stream")
+        chunks, length = safetensors_stream(weights)
+        out = self._request("/update_weights", chunks, content_type="application/octet-stream", length=length)
         self.weights_version = out["weights_version"]
         self.last_sync_s = time.perf_counter() - started
 
 
-def parse_safetensors(body: bytes) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load
+# safetensors' dtype names (the format: an 8-byte little-endian header length, a JSON header of
+# name -> dtype, shape and [start, end) byte offsets into the data that follows, then the data)
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
 
-    return list(load(body).items())
+
+def safetensors_stream(weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[list, int]:
+    """A safetensors file of `weights` as a list of byte chunks and its total length, without building it.
+
+    The chunks are the header and a zero-copy view of each tensor's memory, so an upload streams the
+    weights as they lie (building one body first cost a full copy: 0.8-2.8 s for 135M fp32 parameters).
+    A tensor that shares memory with one already listed (tied input and output embeddings) is sent once:
+    the engine ties them itself, as the checkpoint's config says.
+    """
+    header: dict[str, Any] = {}
+    views, offset, seen = [], 0, set()
+    for name, t in weights:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.untyped_storage().data_ptr() in seen and t.numel():
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        if t.dtype not in _ST_DTYPES:
+            raise ConfigError(f"weights: '{name}' has dtype {t.dtype}, which a safetensors upload cannot carry.")
+        t = t.contiguous()
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if n else b"")
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    chunks = [struct.pack("<Q", len(head)), head, *views]
+    return chunks, 8 + len(head) + offset
+
+
+def parse_safetensors(body: bytes | bytearray | memoryview) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a safetensors file in memory, as views of `body` (no copy; keep it alive).
+
+    Checked before any tensor is made, so a malformed upload is refused whole with the reason: the header
+    length, the JSON, each dtype, and that every tensor's bytes lie inside the body and match its shape.
+    """
+    mv = memoryview(body)
+    if len(mv) < 8:
+        raise ValueError("not a safetensors file: shorter than its 8-byte header length.")
+    (n,) = struct.unpack("<Q", mv[:8])
+    if n > len(mv) - 8:
+        raise ValueError(f"not a safetensors file: header length {n} is past the end of the {len(mv)}-byte body.")
+    try:
+        header = json.loads(bytes(mv[8:8 + n]))
+    except ValueError as e:
+        raise ValueError(f"not a safetensors file: its header is not JSON ({e}).") from e
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors file: its header is not a JSON object.")
+    data = 8 + n
+    size = len(mv) - data
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_TORCH[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"tensor '{name}': header entry {info!r} is not a safetensors entry ({e}).") from e
+        count = math.prod(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= start <= end <= size or end - start != count * itemsize:
+            raise ValueError(f"tensor '{name}': bytes [{start}, {end}) do not hold {shape} x {info['dtype']} inside "
+                             f"the {size}-byte data section.")
+        t = (torch.frombuffer(mv, dtype=dtype, count=count, offset=data + start) if count
+             else torch.empty(0, dtype=dtype))
+        out.append((name, t.view(shape)))
+    return out
 

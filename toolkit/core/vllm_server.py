@@ -6,7 +6,8 @@ Endpoints (JSON unless said otherwise):
     GET  /health          {"status": "ok", "model", "weights_version", "pid"}
     POST /generate        {"prompts": [[ids]], "n", "params": {max_tokens, temperature, top_p, top_k, min_p,
                            stop_token_ids}} -> {"completions": [[{"token_ids", "logprobs", "finish_reason"}]]}
-    POST /update_weights  body: a safetensors file of (name -> tensor) in the checkpoint's naming
+    POST /update_weights  body: a safetensors file of (name -> tensor) in the checkpoint's naming (the client
+                          streams it from the tensors' memory; tied embeddings once)
                            -> {"weights_version": n}
 
 Token ids in, token ids and log-probs out: no text crosses the wire, so nothing is re-tokenized. The
@@ -66,6 +67,10 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
     if not token:
         raise ValueError("make_server: a token is required (every endpoint checks it).")
     expected = f"Bearer {token}".encode()
+    # One upload at a time into one reused buffer: a fresh 500 MB buffer per upload cost its page faults every
+    # step (up to a second for 135M fp32 parameters); the engine copies the weights out before it is reused.
+    upload_lock = threading.Lock()
+    upload_buffer = [bytearray()]
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt, *args):  # route through logging, quietly
@@ -100,7 +105,19 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                 self._send(413, {"error": f"body of {int(length)} bytes is over this endpoint's limit of {limit} "
                                           "bytes (--max_request_mib / --max_upload_gib)."})
                 return None
-            return self.rfile.read(int(length))
+            if self.path != "/update_weights":
+                return self.rfile.read(int(length))
+            # Weights (under upload_lock): read into the reused buffer that the tensors then view
+            # (parse_safetensors makes no copy).
+            if len(upload_buffer[0]) < int(length):
+                upload_buffer[0] = bytearray(int(length))
+            view, got = memoryview(upload_buffer[0])[:int(length)], 0
+            while got < len(view):
+                n = self.rfile.readinto(view[got:])
+                if not n:
+                    raise ConnectionError(f"upload ended after {got} of {len(view)} bytes")
+                got += n
+            return view
 
         def do_GET(self):
             if not self._authorized():
@@ -126,10 +143,17 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                     self._send(200, {"completions": [[{"token_ids": c.token_ids, "logprobs": c.logprobs,
                                                        "finish_reason": c.finish_reason} for c in g] for g in groups]})
                 elif self.path == "/update_weights":
-                    body = self._body(max_upload_bytes)
-                    if body is None:
-                        return
-                    backend.load_weights(parse_safetensors(body))
+                    with upload_lock:
+                        body = self._body(max_upload_bytes)
+                        if body is None:
+                            return
+                        try:
+                            weights = parse_safetensors(body)
+                        except ValueError as e:
+                            self._send(400, {"error": f"/update_weights: {e}"})
+                            return
+                        backend.load_weights(weights)
+                        del weights, body  # views of the buffer: none outlives the upload
                     self._send(200, {"weights_version": backend.weights_version, "seconds": backend.last_sync_s})
                 else:
                     self._send(404, {"error": f"no such endpoint {self.path}; POST /generate or /update_weights"})

@@ -1,0 +1,338 @@
+"""Regenerate bench/results/ and the table in bench/README.md, one benchmark after another.
+
+    python bench/run_all.py                       # the core group (ceiling, SFT, DPO, GRPO, PPO vs TRL): ~35 min
+    python bench/run_all.py --group all           # every benchmark whose inputs exist: several hours
+    python bench/run_all.py --only ppo_vs_trl     # one (or a few) by name
+    python bench/run_all.py --table               # only rebuild bench/README.md from the results as they are
+    python bench/run_all.py --list                # the benchmarks, their groups and what they need
+
+Each benchmark runs as its own process with the interpreter it needs (.venv, or .venv-vllm for the
+vLLM one). Its stdout becomes bench/results/<name>.txt under a header naming the commit, date,
+machine and run time; its JSON gets `provenance` (commit, tree changed or not, date, cores, library
+versions) and `run_seconds`. Nothing in bench/results/ is written by hand. A benchmark whose inputs
+are missing (a trained checkpoint, the vLLM environment) is skipped with the command that makes
+them, and its earlier result stays, with the commit it was measured at shown in the table. The
+table's ceiling column divides a row's tokens/s by bench/results/ceiling.json (bench/ceiling.py:
+this machine's measured matmul FLOP/s converted to tokens/s for the model).
+
+Do not commit or edit tracked files while it runs: provenance records the tree as it is at the end
+of each benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import provenance  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+@dataclass
+class Bench:
+    name: str
+    script: str
+    group: str                      # core | vllm | long
+    minutes: int                    # about, on 2 cores
+    args: list[str] = field(default_factory=list)
+    json_flag: bool = True          # takes --json <path>; else the script writes its own results files
+    python: str = ".venv"
+    needs: list[tuple[str, str]] = field(default_factory=list)  # (path that must exist, command that makes it)
+
+
+BENCHES = [
+    Bench("ceiling", "ceiling.py", "core", 1),
+    Bench("logps_memory", "logps_memory.py", "core", 1, json_flag=False),
+    Bench("sft_vs_trl", "sft_vs_trl.py", "core", 9),  # TRL at its defaults; --trl-no-gc adds the other rows
+    Bench("dpo_vs_trl", "dpo_vs_trl.py", "core", 7),
+    Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 4),
+    Bench("ppo_vs_trl", "ppo_vs_trl.py", "core", 5, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
+    Bench("grpo_vllm", "grpo_vllm.py", "vllm", 8, python=".venv-vllm",
+          needs=[(".venv-vllm/bin/python", "bash scripts/setup-vllm.sh")]),
+    Bench("multiprocess", "multi_process.py", "long", 8, args=["--steps", "3"]),
+    Bench("experimental_vs_trl", "experimental_vs_trl.py", "long", 15),
+    Bench("online_vs_trl", "online_vs_trl.py", "long", 16),
+    Bench("async_grpo", "async_grpo.py", "long", 16, json_flag=False),
+    Bench("async_staleness", "async_staleness.py", "long", 29, json_flag=False),
+    Bench("learning_vs_trl", "learning_vs_trl.py", "long", 25, json_flag=False,
+          args=["--minutes", "6", "--eval-every", "1.5"],
+          needs=[("outputs/arithmetic/0-sft/final", "toolkit pipeline --config examples/arithmetic_pipeline.toml")]),
+    Bench("agent_rollouts", "agent_rollouts.py", "long", 21, json_flag=False,
+          needs=[("outputs/tools/0-sft/final", "toolkit pipeline --config examples/tools_pipeline.toml")]),
+    Bench("distillation", "distillation.py", "long", 1,
+          needs=[("outputs/grpo-arithmetic/report", "toolkit grpo --config examples/grpo_arithmetic.toml"),
+                 ("outputs/gkd-arithmetic/report", "toolkit gkd --config examples/gkd_arithmetic.toml")]),
+]
+GROUPS = {"core": ("core",), "vllm": ("vllm",), "long": ("long",), "all": ("core", "vllm", "long")}
+
+
+def header(script: str, prov: dict, seconds: float) -> str:
+    v = prov.get("versions", {})
+    libs = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "trl") if v.get(k))
+    changed = " (tree changed)" if prov.get("tree_changed") else ""
+    return (f"# bench/{script} at {prov['commit'][:10]}{changed} ({prov['date']}, {prov['cpu_cores']} cores, {libs}); "
+            f"run time {seconds / 60:.1f} min; written by bench/run_all.py\n\n")
+
+
+def run_one(b: Bench) -> dict:
+    missing = [(p, cmd) for p, cmd in b.needs if not (ROOT / p).exists()]
+    if missing:
+        why = "; ".join(f"needs {p} (make it: {cmd})" for p, cmd in missing)
+        print(f"== {b.name}: skipped, {why}", flush=True)
+        return {"skipped": why}
+    python = ROOT / b.python / "bin" / "python"
+    cmd = [str(python), str(ROOT / "bench" / b.script), *b.args]
+    json_path = RESULTS / f"{b.name}.json"
+    if b.json_flag:
+        cmd += ["--json", str(json_path)]
+    print(f"== {b.name}: {' '.join(cmd[1:])} (about {b.minutes} min)", flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # shown as it comes: long benchmarks print their progress
+        print("   " + line, end="", flush=True)
+        lines.append(line)
+    rc = proc.wait()
+    seconds = time.perf_counter() - started
+    if rc != 0:
+        print(f"== {b.name}: FAILED (exit {rc}) after {seconds / 60:.1f} min; its earlier results are kept", flush=True)
+        return {"failed": rc, "seconds": seconds}
+    prov = provenance()
+    if b.json_flag or b.name == "logps_memory":
+        # the script's own stdout is the text result; warnings and progress bars are not results
+        text = "".join(ln for ln in lines if not _noise(ln))
+        (RESULTS / f"{b.name}.txt").write_text(header(b.script, prov, seconds) + text)
+    if json_path.exists() and (b.json_flag or json_path.stat().st_mtime > time.time() - seconds - 1):
+        data = json.loads(json_path.read_text())
+        data.setdefault("provenance", prov)
+        data["run_seconds"] = round(seconds, 1)
+        json_path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"== {b.name}: done in {seconds / 60:.1f} min", flush=True)
+    return {"seconds": round(seconds, 1)}
+
+
+def _noise(line: str) -> bool:
+    return any(s in line for s in ("Warning", "warnings.warn", "Loading weights", "it/s]", "kernels-community",
+                                   "newly initialized", "MISSING", "UNEXPECTED", "- This IS", "- This IS NOT"))
+
+
+# ------------------------------------------------------------------------------------------- the table
+
+def _load(name: str) -> dict | None:
+    p = RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _when(d: dict) -> str:
+    prov = d.get("provenance")
+    if prov:
+        return f"{prov['commit'][:8]}{' (tree changed)' if prov.get('tree_changed') else ''}, {prov['date'][:10]}"
+    if d.get("commit"):
+        return f"{str(d['commit'])[:8]}, {d.get('date', 'date not recorded')}"
+    return "not recorded (before run_all.py)"
+
+
+def _f(x, nd=1):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def table_rows() -> list[list[str]]:
+    """[benchmark, what, ours, reference, ours vs reference, fraction of ceiling, measured at]."""
+    ceiling = _load("ceiling")
+    rows = []
+
+    def ceil_train(tokens_per_s, seq_len):
+        if not ceiling:
+            return "-"
+        return f"{tokens_per_s / ceiling['train_tokens_per_s'][str(seq_len)]:.2f}"
+
+    d = _load("sft_vs_trl")
+    if d:
+        by = {(r["kind"], r["packing"]): r for r in d["results"]}
+        # results before run_all.py: "trl" was TRL with gradient checkpointing off, "trl_gc" its default
+        ref_kind = "trl_gc" if ("trl_gc", False) in by else "trl"
+        for packing, seq in ((False, 512), (True, 1024)):
+            o, t = by.get(("toolkit", packing)), by.get((ref_kind, packing))
+            if o and t:
+                gc = t.get("gradient_checkpointing", ref_kind == "trl_gc")
+                rows.append(["sft_vs_trl", f"SFT tokens/s, packing {'on' if packing else 'off'}; peak RSS",
+                             f"{o['tokens_per_s']:.0f}; {o['peak_rss_mb']:.0f} MB",
+                             f"{t['tokens_per_s']:.0f}; {t['peak_rss_mb']:.0f} MB (TRL defaults: gradient "
+                             f"checkpointing {'on' if gc else 'off'})",
+                             f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x speed, {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory",
+                             ceil_train(o["tokens_per_s"], seq), _when(d)])
+    d = _load("dpo_vs_trl")
+    if d:
+        o, t = d["results"]["toolkit"], d["results"]["trl"]
+        frac = "-"
+        tps = d.get("settings", {}).get("tokens_per_step")
+        if ceiling and tps:
+            # a DPO step: policy forward + backward (6 FLOPs/param/token) and reference forward (2)
+            per_tok = (8 / 6) * (ceiling["peak_matmul_flops"] / ceiling["train_tokens_per_s"]["1024"])
+            frac = f"{tps / o['sec_per_step'] / (ceiling['peak_matmul_flops'] / per_tok):.2f}"
+        rows.append(["dpo_vs_trl", "DPO s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",
+                     f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
+                     f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory",
+                     frac, _when(d)])
+    d = _load("grpo_vs_trl")
+    if d:
+        o, t = d["results"]["toolkit"], d["results"]["trl"]
+        frac = "-"
+        if ceiling and o.get("generation_tokens_per_s"):
+            frac = f"decode {o['generation_tokens_per_s'] / ceiling['decode_batch32']['tokens_per_s']:.2f}"
+        tokens = (f"; generated tokens {o['generated_tokens']} vs {t['generated_tokens']}"
+                  if o.get("generated_tokens") is not None else "")
+        rows.append(["grpo_vs_trl", "GRPO s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",
+                     f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
+                     f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, "
+                     f"{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory{tokens}", frac, _when(d)])
+    d = _load("ppo_vs_trl")
+    if d:
+        t = d["results"]["trl"]
+        for kind in ("toolkit", "toolkit-separate"):
+            o = d["results"].get(kind)
+            if not o:
+                continue
+            tokens = (f"; generated tokens {o['generated_tokens']} vs {t['generated_tokens']}"
+                      if o.get("generated_tokens") is not None else "")
+            rows.append(["ppo_vs_trl", f"PPO s/update; peak RSS (ours: critic={o.get('critic', 'separate')})",
+                         f"{o['sec_per_update']:.1f}; {o['peak_rss_mb']:.0f} MB",
+                         f"{t['sec_per_update']:.1f}; {t['peak_rss_mb']:.0f} MB (TRL 1.8)",
+                         f"{t['sec_per_update'] / o['sec_per_update']:.2f}x speed, "
+                         f"{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory{tokens}", "-", _when(d)])
+    d = _load("grpo_vllm")
+    if d:
+        res = d["results"]
+        base = res.get("transformers", {}).get("steps_per_min")
+        for kind in ("vllm", "vllm-server"):
+            r = res.get(kind, {})
+            if "steps_per_min" in r and base:
+                sync = r.get("weight_sync_s", r.get("last_weight_sync_s"))
+                rows.append(["grpo_vllm", f"GRPO steps/min, {kind} backend; weight sync s",
+                             f"{r['steps_per_min']:.2f}; {_f(sync, 2)}", f"{base:.2f} (our transformers backend)",
+                             f"{r['steps_per_min'] / base:.2f}x", "-", _when(d)])
+    d = _load("experimental_vs_trl")
+    if d:
+        for name in ("reward", "simpo", "kto", "orpo"):
+            o, t = d["results"].get(f"{name}-toolkit"), d["results"].get(f"{name}-trl")
+            if o and t:
+                rows.append(["experimental_vs_trl", f"{name} s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",
+                             f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
+                             f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, "
+                             f"{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory", "-", _when(d)])
+    d = _load("online_vs_trl")
+    if d:
+        for name in ("online_dpo", "gkd"):
+            o, t = d["results"].get(f"{name}-toolkit"), d["results"].get(f"{name}-trl")
+            if o and t:
+                rows.append(["online_vs_trl", f"{name} s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",
+                             f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
+                             f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x "
+                             f"memory; generated tokens/step {o['generated_tokens_per_step']:.0f} vs "
+                             f"{t['generated_tokens_per_step']:.0f}", "-", _when(d)])
+    d = _load("multiprocess")
+    if d:
+        by = {(r["kind"], r["world"]): r for r in d["results"]}
+        for kind in ("sft", "grpo"):
+            a, b = by.get((kind, 2)), by.get((kind, 1))
+            if a and b:
+                rows.append(["multiprocess", f"{kind} tokens/s, 2 processes x 1 thread vs 1 x 2",
+                             f"{a['tokens_per_s']:.0f}", f"{b['tokens_per_s']:.0f}",
+                             f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x", "-", _when(d)])
+    d = _load("async_grpo")
+    if d:
+        lat = d.get("summary", {}).get("latency", {})
+        ratio = lat.get("ratio_whole") or lat.get("ratio")
+        if isinstance(ratio, dict):
+            ratio = ratio.get("mean")
+        rows.append(["async_grpo", "async vs sync GRPO samples/s, latency-bound (HTTP judge)", "see async_grpo.txt",
+                     "sync GRPO", "see async_grpo.txt" if ratio is None else f"{ratio:.2f}x", "-", _when(d)])
+    for name, what in (("async_staleness", "held-out accuracy at max_staleness 0-8 per off-policy objective"),
+                       ("learning_vs_trl", "held-out accuracy per training minute vs TRL GRPO"),
+                       ("agent_rollouts", "episodes/s, sync vs async, tools waiting 0.2-1 s"),
+                       ("distillation", "GKD student vs GRPO teacher, accuracy per training minute")):
+        d = _load(name)
+        if d:
+            rows.append([name, what, f"see {name}.txt", "", "", "-", _when(d)])
+    return rows
+
+
+def write_table(run_info: dict | None) -> None:
+    ceiling = _load("ceiling")
+    lines = ["# Benchmarks", "",
+             "Written by `bench/run_all.py` from the files in `bench/results/` (never by hand). Each row names the",
+             "commit and date its numbers were measured at; rows measured before run_all.py existed say so.",
+             "Ratios are from one run on this machine (2 CPU cores); timings here are noisy, ratios within one",
+             "run are what we trust. The reference (TRL) runs at its own defaults unless the row says otherwise.",
+             ""]
+    if run_info:
+        lines += [f"Last run: `python bench/run_all.py {run_info['argv']}` at {run_info['commit'][:10]}, "
+                  f"{run_info['date']}, {run_info['minutes']:.0f} minutes "
+                  f"({', '.join(f'{k} {v}' for k, v in run_info['outcome'].items())}).", ""]
+    if ceiling:
+        lines += [f"Ceiling (bench/ceiling.py): fp32 matmul peak {ceiling['peak_matmul_flops'] / 1e9:.0f} GFLOP/s on "
+                  f"{ceiling['threads']} threads, copy bandwidth {ceiling['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
+                  f"for SmolLM2-135M training "
+                  + ", ".join(f"{v:.0f} tokens/s at length {k}" for k, v in ceiling["train_tokens_per_s"].items())
+                  + f"; decoding at batch 32 {ceiling['decode_batch32']['tokens_per_s']:.0f} tokens/s "
+                  f"({ceiling['decode_batch32']['bound']}-bound), where our decode loop measured "
+                  f"{ceiling['our_decode_batch32_tokens_per_s']:.0f}. The ceiling column is a row's tokens/s over "
+                  f"that ceiling (SFT: length 512 packing off, 1024 packing on; DPO: policy forward + backward and "
+                  f"reference forward; GRPO: its generation tokens/s over the decode ceiling).", ""]
+    lines += ["| benchmark | what | ours | reference | ours vs reference | fraction of ceiling | measured at |",
+              "|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows()]
+    lines += ["", "Commands, run times and what each measures: the docstring at the top of each script; "
+              "`python bench/run_all.py --list`.", ""]
+    (ROOT / "bench" / "README.md").write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group", default="core", choices=sorted(GROUPS))
+    ap.add_argument("--only", nargs="+", default=None, choices=[b.name for b in BENCHES])
+    ap.add_argument("--table", action="store_true", help="only rebuild bench/README.md")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    if args.list:
+        for b in BENCHES:
+            needs = "; ".join(f"needs {p}" for p, _ in b.needs)
+            print(f"{b.name:22s} {b.group:5s} ~{b.minutes:3d} min  bench/{b.script} {' '.join(b.args)}  {needs}")
+        return
+    info_path = RESULTS / "run_all.json"
+    if args.table:
+        write_table(json.loads(info_path.read_text()) if info_path.exists() else None)
+        return
+    chosen = [b for b in BENCHES if (b.name in args.only if args.only else b.group in GROUPS[args.group])]
+    print(f"run_all: {len(chosen)} benchmarks, about {sum(b.minutes for b in chosen)} minutes", flush=True)
+    started = time.perf_counter()
+    outcome = {b.name: run_one(b) for b in chosen}
+    prov = provenance()
+    argv = " ".join(sys.argv[1:])
+    summary = {k: ("skipped" if "skipped" in v else "failed" if "failed" in v else f"{v['seconds'] / 60:.0f} min")
+               for k, v in outcome.items()}
+    info = {"argv": argv, "commit": prov["commit"], "tree_changed": prov["tree_changed"],
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "minutes": (time.perf_counter() - started) / 60, "outcome": summary, "details": outcome,
+            "provenance": prov}
+    info_path.write_text(json.dumps(info, indent=2) + "\n")
+    write_table(info)
+    print(f"run_all: {info['minutes']:.0f} minutes; " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+    print(f"wrote bench/README.md and {info_path.relative_to(ROOT)}")
+    if any("failed" in v for v in outcome.values()):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

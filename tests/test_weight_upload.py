@@ -1,0 +1,103 @@
+"""Weight uploads to `toolkit vllm-serve`: streamed from the tensors' memory, parsed without a copy, checked whole.
+
+The server here has a recording engine (the HTTP layer is the real one, on loopback); tests/test_vllm.py
+uploads to the real vLLM engine (CI stage 4).
+"""
+
+import json
+import struct
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from toolkit.core.vllm_backend import VLLMServerBackend, parse_safetensors, safetensors_stream
+from toolkit.core.vllm_server import serve_in_thread
+
+
+class Recorder:
+    def __init__(self):
+        self.weights_version, self.last_sync_s, self.got = 0, 0.0, None
+
+    def generate(self, prompts, params, *, n=1, seed=None):
+        raise AssertionError("not used")
+
+    def load_weights(self, weights):
+        self.got = [(name, t.clone()) for name, t in weights]  # the views die with the request's buffer
+        self.weights_version += 1
+
+
+def weights():
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(50, 8, generator=g)
+    return [("model.embed_tokens.weight", emb),
+            ("model.layers.0.mlp.up_proj.weight", torch.randn(16, 8, generator=g)[:, ::2]),  # not contiguous
+            ("model.norm.weight", torch.randn(8, generator=g).to(torch.bfloat16)),
+            ("buffers.step", torch.tensor(7, dtype=torch.int64)),  # 0-dim
+            ("buffers.mask", torch.tensor([True, False, True])),
+            ("buffers.empty", torch.zeros(0, 4)),
+            ("lm_head.weight", emb)]  # tied to the embedding: the same memory
+
+
+def test_the_stream_is_a_safetensors_file_that_sends_tied_weights_once():
+    chunks, length = safetensors_stream(weights())
+    body = b"".join(bytes(c) for c in chunks)
+    assert len(body) == length
+    loaded = load(body)  # safetensors' own reader agrees with the format
+    expected = {n: t for n, t in weights() if n != "lm_head.weight"}
+    assert sorted(loaded) == sorted(expected)
+    for name, t in expected.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t.contiguous()), name
+    ours = dict(parse_safetensors(bytearray(body)))
+    assert sorted(ours) == sorted(expected)
+    for name, t in expected.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t.contiguous()), name
+    theirs = dict(parse_safetensors(save({"a": torch.arange(6.0).view(2, 3)})))  # a file safetensors wrote
+    assert torch.equal(theirs["a"], torch.arange(6.0).view(2, 3))
+
+
+def test_an_upload_through_the_server_arrives_exactly_and_bumps_the_version():
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    client = VLLMServerBackend(url, token=token)
+    client.load_weights(weights())
+    assert client.weights_version == 1 and client.last_sync_s > 0
+    got = dict(engine.got)
+    for name, t in weights():
+        if name != "lm_head.weight":
+            assert torch.equal(got[name], t.contiguous()), name
+
+
+def _post(url, token, body):
+    req = urllib.request.Request(url + "/update_weights", data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _file(header: dict, data: bytes) -> bytes:
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + data
+
+
+@pytest.mark.parametrize("body,reason", [
+    (b"abc", "shorter than its 8-byte header length"),
+    (struct.pack("<Q", 1000) + b"{}", "past the end"),
+    (struct.pack("<Q", 3) + b"{x}", "not JSON"),
+    (_file({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8), "do not hold"),
+    (_file({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, b"\0" * 16), "do not hold"),
+    (_file({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "not a safetensors entry"),
+])
+def test_a_malformed_upload_is_refused_whole_with_the_reason(body, reason):
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    code, reply = _post(url, token, body)
+    assert code == 400 and reason in reply["error"], reply
+    assert engine.weights_version == 0 and engine.got is None
+    code, reply = _post(url, token, save({"ok": torch.ones(2)}))  # the server still takes a good one
+    assert code == 200 and reply["weights_version"] == 1
