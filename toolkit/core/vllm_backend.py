@@ -322,18 +322,16 @@ def safetensors_stream(weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[lis
 
     The chunks are the header and a zero-copy view of each tensor's memory, so an upload streams the
     weights as they lie (building one body first cost a full copy: 0.8-2.8 s for 135M fp32 parameters).
-    A tensor that shares memory with one already listed (tied input and output embeddings) is sent once:
-    the engine ties them itself, as the checkpoint's config says.
+    Tied weights (input and output embeddings) go under each name, from the same memory: vLLM's CPU
+    engine keeps its own copy of the output head, and with only the embedding sent it stayed stale
+    (tests/test_vllm.py, two trainer processes: the sampler's log-probs drifted 0.14 from the trainer's).
     """
     header: dict[str, Any] = {}
-    views, offset, seen = [], 0, set()
+    views, offset = [], 0
     for name, t in weights:
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        if t.untyped_storage().data_ptr() in seen and t.numel():
-            continue
-        seen.add(t.untyped_storage().data_ptr())
         if t.dtype not in _ST_DTYPES:
             raise ConfigError(f"weights: '{name}' has dtype {t.dtype}, which a safetensors upload cannot carry.")
         t = t.contiguous()
