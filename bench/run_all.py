@@ -252,19 +252,29 @@ def table_rows() -> list[list[str]]:
                              f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x", "-", _when(d)])
     d = _load("async_grpo")
     if d:
-        lat = d.get("summary", {}).get("latency", {})
-        ratio = lat.get("ratio_whole") or lat.get("ratio")
-        if isinstance(ratio, dict):
-            ratio = ratio.get("mean")
-        rows.append(["async_grpo", "async vs sync GRPO samples/s, latency-bound (HTTP judge)", "see async_grpo.txt",
-                     "sync GRPO", "see async_grpo.txt" if ratio is None else f"{ratio:.2f}x", "-", _when(d)])
+        for case, what in (("latency", "latency-bound (HTTP judge 0.5-2 s)"), ("compute", "compute-bound")):
+            c = d.get("summary", {}).get(case)
+            if not c:
+                continue
+            whole, steady = c["ratio_per_seed"], c["steady_ratio_per_seed"]
+            rows.append(["async_grpo", f"async vs sync GRPO samples/s, {what}, whole run; steady state",
+                         f"{sum(c['async_samples_per_s']) / len(c['async_samples_per_s']):.2f}",
+                         f"{sum(c['sync_samples_per_s']) / len(c['sync_samples_per_s']):.2f} (sync GRPO)",
+                         f"{sum(whole) / len(whole):.2f}x; {sum(steady) / len(steady):.2f}x (mean of {len(whole)} seeds)",
+                         "-", _when(d)])
+    d = _load("agent_rollouts")
+    if d and d.get("ratios"):
+        r = d["ratios"]
+        rows.append(["agent_rollouts", "GRPO episodes/s on a tool environment (waits 0.2-1 s): async vs sync",
+                     f"{d['results']['async']['episodes_per_s']:.2f}", f"{d['results']['sync']['episodes_per_s']:.2f}",
+                     f"{r['async/sync']:.2f}x (sync vs sequential env steps {r['sync/sync-sequential']:.2f}x)", "-",
+                     _when(d)])
     for name, what in (("async_staleness", "held-out accuracy at max_staleness 0-8 per off-policy objective"),
                        ("learning_vs_trl", "held-out accuracy per training minute vs TRL GRPO"),
-                       ("agent_rollouts", "episodes/s, sync vs async, tools waiting 0.2-1 s"),
                        ("distillation", "GKD student vs GRPO teacher, accuracy per training minute")):
         d = _load(name)
         if d:
-            rows.append([name, what, f"see {name}.txt", "", "", "-", _when(d)])
+            rows.append([name, what, f"see results/{name}.txt", "", "", "-", _when(d)])
     return rows
 
 

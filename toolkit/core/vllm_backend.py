@@ -31,6 +31,7 @@ __all__ = [
     "engine_weights",
     "parse_safetensors",
     "require_vllm",
+    "safetensors_stream",
     "vllm_context_length",
 ]
 
