@@ -353,6 +353,8 @@ def parse_safetensors(body: bytes | bytearray | memoryview) -> list[tuple[str, t
     length, the JSON, each dtype, and that every tensor's bytes lie inside the body and match its shape.
     """
     mv = memoryview(body)
+    if mv.readonly:  # bytes: torch views only writable memory (the server's buffer is)
+        mv = memoryview(bytearray(mv))
     if len(mv) < 8:
         raise ValueError("not a safetensors file: shorter than its 8-byte header length.")
     (n,) = struct.unpack("<Q", mv[:8])
