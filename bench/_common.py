@@ -99,7 +99,9 @@ def provenance() -> dict:
             versions[name] = version(name)
         except PackageNotFoundError:
             versions[name] = None
-    return {"commit": git("rev-parse", "HEAD"), "tree_changed": bool(git("status", "--porcelain", "--untracked-files=no")),
+    # results and the table are what benchmarks write: they do not make the measured code differ from the commit
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!bench/README.md")
+    return {"commit": git("rev-parse", "HEAD"), "tree_changed": bool(changed),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu_cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "versions": versions}

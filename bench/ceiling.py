@@ -10,10 +10,10 @@ Measured here, in this process (torch's default threads):
 
 Converted for SmolLM2-135M (the embedded model), from its config:
 - training: 6 FLOPs per matmul parameter per token (forward + backward; the LM head counted for every
-  token, as SFT computes it) + causal attention (forward 2 x 2 x layers x width x mean context,
-  x3 with backward) -> tokens/s ceiling at a given sequence length;
-- decoding at batch B: min(compute: 2 FLOPs per matmul parameter per token at the 32-row matmul rate;
-  memory: bandwidth / (weight bytes / B)).
+  token, as SFT computes it) + causal attention (forward 2 x 2 x layers x heads x head_dim x mean
+  context, x3 with backward) -> tokens/s ceiling at a given sequence length;
+- decoding at batch B: min(compute: 2 FLOPs per matmul parameter per token, the body at the 32-row MLP
+  rate and the LM head at the 32-row head rate; memory: bandwidth / (weight bytes / B)).
 Then our decode loop (`TransformersBackend`, batch 32 = 4 prompts x 8 samples, 32 tokens, no stop
 token) is timed and printed as a fraction of both.
 """
@@ -71,19 +71,21 @@ def model_costs(config) -> dict:
     inter = config.intermediate_size
     per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
     return {"hidden": h, "layers": layers, "vocab": config.vocab_size, "body_matmul_params": per_layer * layers,
-            "head_matmul_params": h * config.vocab_size}
+            "head_matmul_params": h * config.vocab_size, "attention_width": heads * head_dim}
 
 
 def train_flops_per_token(costs: dict, seq_len: int) -> float:
     """Forward + backward FLOPs per token of a full-vocabulary causal-LM step on sequences of seq_len."""
     matmul = 6 * (costs["body_matmul_params"] + costs["head_matmul_params"])
-    attention = 3 * 4 * costs["layers"] * costs["hidden"] * (seq_len + 1) / 2  # QK^T and AV, mean causal context
+    attention = 3 * 4 * costs["layers"] * costs["attention_width"] * (seq_len + 1) / 2  # QK^T, AV; mean causal context
     return matmul + attention
 
 
-def decode_ceiling(costs: dict, flops_32: float, bandwidth: float, batch: int, weight_bytes: int) -> dict:
-    per_token = 2 * (costs["body_matmul_params"] + costs["head_matmul_params"])
-    compute = flops_32 / per_token
+def decode_ceiling(costs: dict, rate_body: float, rate_head: float, bandwidth: float, batch: int,
+                   weight_bytes: int) -> dict:
+    # seconds per token: the body's matmuls at the 32-row MLP rate, the LM head's at the 32-row head rate
+    seconds = 2 * costs["body_matmul_params"] / rate_body + 2 * costs["head_matmul_params"] / rate_head
+    compute = 1 / seconds
     memory = bandwidth / (weight_bytes / batch)
     return {"compute_tokens_per_s": compute, "memory_tokens_per_s": memory, "tokens_per_s": min(compute, memory),
             "bound": "memory" if memory < compute else "compute"}
@@ -121,11 +123,11 @@ def main() -> None:
               "32 rows x MLP (decode)": (32, h, inter), "32 rows x LM head (decode)": (32, h, costs["vocab"])}
     flops = {name: matmul_flops(*shape) for name, shape in shapes.items()}
     peak = max(flops["square 2048"], flops["4096 tokens x MLP"])
-    flops_32 = min(flops["32 rows x MLP (decode)"], flops["32 rows x LM head (decode)"])
     bandwidth = copy_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     train = {str(L): peak / train_flops_per_token(costs, L) for L in (128, 512, 1024)}
-    decode = decode_ceiling(costs, flops_32, bandwidth, 32, weight_bytes)
+    decode = decode_ceiling(costs, flops["32 rows x MLP (decode)"], flops["32 rows x LM head (decode)"], bandwidth, 32,
+                            weight_bytes)
     measured = measure_decode(model)
     torch_threads = torch.get_num_threads()
     print(f"matmul fp32 on {torch_threads} threads (GFLOP/s): "

@@ -85,22 +85,8 @@ def main() -> None:
           "| <= 0.6 |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": {**s, "tokens_per_step": tokens_per_step(s)}, "steps": args.steps, "results": results,
+            json.dump({"settings": s, "steps": args.steps, "results": results,
                        "provenance": provenance()}, f, indent=2)
-
-
-def tokens_per_step(s: dict) -> float:
-    """Mean real tokens one step trains on: batch x (prompt + chosen + prompt + rejected), each cut at max_length
-    (the same rows both sides see; for the ceiling fraction in bench/README.md)."""
-    from transformers import AutoTokenizer
-
-    from toolkit import embedded_model_path
-
-    tok = AutoTokenizer.from_pretrained(str(embedded_model_path()))
-    rows = make_rows(s["rows"], s["max_length"])
-    per_pair = [sum(min(len(tok(r["prompt"] + r[k])["input_ids"]), s["max_length"]) for k in ("chosen", "rejected"))
-                for r in rows]
-    return s["batch_size"] * sum(per_pair) / len(per_pair)
 
 
 if __name__ == "__main__":

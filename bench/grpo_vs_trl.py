@@ -64,7 +64,7 @@ def worker(kind: str, steps: int) -> dict:
     gen = [h.get("time/generation_s") for h in hist if h.get("time/generation_s") is not None]
     train = [h.get("time/train_s") for h in hist if h.get("time/train_s") is not None]
     gen_tps = [h.get("generation_tokens_per_s") for h in hist if h.get("generation_tokens_per_s") is not None]
-    per_step = s["prompts_per_step"] * s["num_generations"]
+    completions_per_step = s["prompts_per_step"] * s["num_generations"]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     rewards = [h.get("reward") for h in hist if h.get("reward") is not None]
     return {"kind": kind, "sec_per_step": per_step, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -72,7 +72,7 @@ def worker(kind: str, steps: int) -> dict:
             "mean_reward": sum(rewards) / len(rewards) if rewards else None,
             "train_s_per_step": sum(train) / len(train) if train else None,
             "generation_tokens_per_s": sum(gen_tps) / len(gen_tps) if gen_tps else None,
-            "generated_tokens": round(sum(lengths) * per_step), "steps_with_lengths": len(lengths)}
+            "generated_tokens": round(sum(lengths) * completions_per_step), "steps_with_lengths": len(lengths)}
 
 
 def main() -> None:

@@ -3,13 +3,13 @@
     python bench/ppo_vs_trl.py               # about 5 minutes on 2 CPU cores
     python bench/ppo_vs_trl.py --steps 4     # more updates, less noise
 
-Same policy (the embedded SmolLM2-135M-Instruct), same reference (a frozen copy), same critic and
-reward model (SmolLM2's backbone with a one-output score head, as AutoModelForSequenceClassification
-loads it), same prompts (generated arithmetic, chat template), 16 completions per update, 2 epochs
-x 2 mini-batches of 8, max 16 new tokens, temperature 0.7, stop at EOS, same learning rate and KL
+Same policy (the embedded SmolLM2-135M-Instruct), same reference (a frozen copy), same reward model
+(SmolLM2's backbone with a one-output score head, as AutoModelForSequenceClassification loads it),
+same prompts (generated arithmetic, chat template), 16 completions per update, 2 epochs x 2
+mini-batches of 8, max 16 new tokens, temperature 0.7, stop at EOS, same learning rate and KL
 coefficient. Each trainer runs in its own process (peak RSS is per process); TRL 1.8 is the private
 copy scripts/setup.sh installs in .venv/trl-1.8.0 (on PYTHONPATH for its worker only). Each side
-uses its defaults otherwise (ours: activation checkpointing on CPU; TRL: off). Printed: seconds per
+uses its defaults otherwise (activation checkpointing is off on both sides). Printed: seconds per
 update over the updates after the first, peak RSS, generated tokens (all updates) and the ratios.
 
 Rows: `toolkit` is our default (critic="head": a value head on the policy's hidden states, one backbone
@@ -96,7 +96,10 @@ def worker(kind: str, steps: int) -> dict:
     if kind.startswith("toolkit"):  # mean completion length (stop token included) x completions, per update
         generated = [round(h["completions/mean_length"] * s["rollout"]) for h in trainer.state.log_history
                      if "completions/mean_length" in h]
-    return {"kind": kind, "updates": len(ends), "sec_per_update": (ends[-1] - ends[0]) / max(len(ends) - 1, 1),
+    import importlib
+
+    side = "toolkit" if kind.startswith("toolkit") else "trl"
+    return {"kind": kind, "version": importlib.import_module(side).__version__, "updates": len(ends), "sec_per_update": (ends[-1] - ends[0]) / max(len(ends) - 1, 1),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "generated_tokens": sum(generated), "critic": getattr(trainer.args, "critic", "separate (value_model)")}
 

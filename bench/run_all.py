@@ -109,6 +109,9 @@ def run_one(b: Bench) -> dict:
         print(f"== {b.name}: FAILED (exit {rc}) after {seconds / 60:.1f} min; its earlier results are kept", flush=True)
         return {"failed": rc, "seconds": seconds}
     prov = provenance()
+    if json_path.exists() and b.json_flag:
+        # the script's own record, taken in the interpreter that ran it (.venv-vllm has other versions)
+        prov = json.loads(json_path.read_text()).get("provenance", prov)
     if b.json_flag or b.name == "logps_memory":
         # the script's own stdout is the text result; warnings and progress bars are not results
         text = "".join(ln for ln in lines if not _noise(ln))
@@ -175,12 +178,7 @@ def table_rows() -> list[list[str]]:
     d = _load("dpo_vs_trl")
     if d:
         o, t = d["results"]["toolkit"], d["results"]["trl"]
-        frac = "-"
-        tps = d.get("settings", {}).get("tokens_per_step")
-        if ceiling and tps:
-            # a DPO step: policy forward + backward (6 FLOPs/param/token) and reference forward (2)
-            per_tok = (8 / 6) * (ceiling["peak_matmul_flops"] / ceiling["train_tokens_per_s"]["1024"])
-            frac = f"{tps / o['sec_per_step'] / (ceiling['peak_matmul_flops'] / per_tok):.2f}"
+        frac = "-"  # our DPO packs each prompt once and TRL twice: no one token count describes both
         rows.append(["dpo_vs_trl", "DPO s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",
                      f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
                      f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory",
@@ -298,8 +296,8 @@ def write_table(run_info: dict | None) -> None:
                   + f"; decoding at batch 32 {ceiling['decode_batch32']['tokens_per_s']:.0f} tokens/s "
                   f"({ceiling['decode_batch32']['bound']}-bound), where our decode loop measured "
                   f"{ceiling['our_decode_batch32_tokens_per_s']:.0f}. The ceiling column is a row's tokens/s over "
-                  f"that ceiling (SFT: length 512 packing off, 1024 packing on; DPO: policy forward + backward and "
-                  f"reference forward; GRPO: its generation tokens/s over the decode ceiling).", ""]
+                  f"that ceiling (SFT: length 512 packing off, 1024 packing on; "
+                  f"GRPO: its generation tokens/s over the decode ceiling; rows without tokens/s show -).", ""]
     lines += ["| benchmark | what | ours | reference | ours vs reference | fraction of ceiling | measured at |",
               "|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows()]

@@ -8,7 +8,7 @@ learning rate and number of steps. Each configuration runs in its own process (p
 process), one after another. Printed: real (non-padding) tokens/s over the steps after the first,
 peak RSS, and the ratios ours/TRL with packing off and on. TRL runs at its own defaults (its
 SFTConfig turns gradient checkpointing on; the row records what it ran with); --trl-no-gc adds
-TRL without it, which is faster and uses more memory at this size. The ceiling (what this machine's
+TRL without it (more memory; at this size its speed was within noise of the default's). The ceiling (what this machine's
 matmul allows for this model) is bench/ceiling.py's; bench/run_all.py puts each row's fraction of
 it in bench/README.md.
 """

@@ -123,11 +123,13 @@ def test_critic_variants_train(tmp_path, critic):
 
 
 def test_the_default_critic_is_a_shared_head_and_a_given_value_model_is_a_separate_critic(tmp_path):
-    t = make(tmp_path / "a")
-    assert t.args.critic == "head" and t.critic.backbone is None
+    config = cfg(tmp_path)
+    t = PPOTrainer(tiny_model(), [low_ids], config, train_dataset=prompts(), processing_class=tiny_tokenizer())
+    assert t.critic_kind == "head" and t.critic.backbone is None
     vm = LlamaForSequenceClassification(tiny_model().config.__class__(**{**tiny_model().config.to_dict(), "num_labels": 1}))
-    t = make(tmp_path / "b", value_model=vm)
-    assert t.args.critic == "separate" and t.critic.backbone is not None
+    t = PPOTrainer(tiny_model(), [low_ids], config, train_dataset=prompts(), processing_class=tiny_tokenizer(),
+                   value_model=vm)  # the same config object: the first trainer did not write its choice into it
+    assert t.critic_kind == "separate" and t.critic.backbone is not None and config.critic is None
 
 
 def test_peft_uses_the_adapter_free_base_as_reference_and_critic_backbone(tmp_path):
@@ -145,13 +147,17 @@ def test_peft_uses_the_adapter_free_base_as_reference_and_critic_backbone(tmp_pa
     assert kls[0] == pytest.approx(0.0, abs=1e-6) and abs(kls[1]) > 0  # adapters start as identity, then move
 
 
-def test_exact_resume_equals_uninterrupted(tmp_path):
-    full = make(tmp_path / "a", max_steps=3)
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_exact_resume_equals_uninterrupted(tmp_path, critic):
+    full = make(tmp_path / "a", max_steps=3, critic=critic)
     full.train()
-    first = make(tmp_path / "b", max_steps=3, save_strategy="steps", save_steps=1, callbacks=[StopAt(2)])
+    first = make(tmp_path / "b", max_steps=3, save_strategy="steps", save_steps=1, callbacks=[StopAt(2)], critic=critic)
     first.train()
     assert (tmp_path / "b" / "out" / "checkpoint-2" / COMPLETE_MARKER).exists()
-    resumed = make(tmp_path / "b", max_steps=3, save_strategy="steps", save_steps=1)
+    other = "head" if critic == "separate" else "separate"
+    with pytest.raises(ConfigError, match=f"holds a .* critic, but this trainer's critic is '{other}'"):
+        make(tmp_path / "b", max_steps=3, critic=other).train(resume_from_checkpoint=True)
+    resumed = make(tmp_path / "b", max_steps=3, save_strategy="steps", save_steps=1, critic=critic)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
     for a, b in ((full.model, resumed.model), (full.critic, resumed.critic)):
@@ -160,12 +166,13 @@ def test_exact_resume_equals_uninterrupted(tmp_path):
     assert logged(resumed, "loss") == pytest.approx(logged(full, "loss"), abs=0)
 
 
-def test_gradient_accumulation_takes_the_step_of_one_micro_batch(tmp_path):
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_gradient_accumulation_takes_the_step_of_one_micro_batch(tmp_path, critic):
     """The loss divides token sums by the mini-batch's token count, so micro-batches of 4 x accumulation 2 are
     the same optimisation as one micro-batch of 8 (completions of unequal length: a mean of the micro-batches'
     means would differ). Several processes rely on the same count (tests/test_multiprocess.py)."""
     sgd = dict(optim="sgd", learning_rate=0.1, max_grad_norm=0.0, num_mini_batches=1, max_steps=2,
-               stop_token_ids=list(range(0, 384, 4)))
+               stop_token_ids=list(range(0, 384, 4)), critic=critic)
     one = make(tmp_path / "one", per_device_train_batch_size=8, **sgd)
     one.train()
     two = make(tmp_path / "two", per_device_train_batch_size=4, gradient_accumulation_steps=2, **sgd)

@@ -36,3 +36,18 @@ def test_the_same_seed_draws_the_same_tokens_and_log_probs_match_the_softmax():
     assert all(int(t) in top10[i].tolist() for i, t in enumerate(a[0]))  # top_k respected
     expected = torch.log_softmax(logits / 0.7, -1).gather(-1, a[0][:, None]).squeeze(-1)
     torch.testing.assert_close(a[1], expected)
+
+
+def test_rows_that_are_not_a_distribution_stop_with_the_reason_not_a_token():
+    import pytest
+
+    from toolkit import TrainingHealthError
+
+    g = torch.Generator().manual_seed(4)
+    for bad in (torch.tensor([[0.2, float("nan"), 0.8]]), torch.zeros(1, 3), torch.tensor([[0.5, float("inf"), 0.1]])):
+        rows = torch.cat([torch.tensor([[0.1, 0.2, 0.7]]), bad])
+        with pytest.raises(TrainingHealthError, match=r"row\(s\) \[1\] are not finite or sum to 0"):
+            inverse_cdf_sample(rows, g)
+    logits = torch.tensor([[1.0, float("nan"), 0.0]])  # a diverged model's logits, through sample_tokens
+    with pytest.raises(TrainingHealthError, match="model diverged"):
+        sample_tokens(logits, SamplingParams(max_tokens=1), g)

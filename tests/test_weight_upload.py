@@ -92,6 +92,7 @@ def _file(header: dict, data: bytes) -> bytes:
     (_file({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8), "do not hold"),
     (_file({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, b"\0" * 16), "do not hold"),
     (_file({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "not a safetensors entry"),
+    (_file({"w": {"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]}}, b"\0" * 16), "sizes >= 0"),
 ])
 def test_a_malformed_upload_is_refused_whole_with_the_reason(body, reason):
     engine = Recorder()
@@ -110,3 +111,40 @@ def test_views_of_one_storage_and_tied_names_are_each_sent():
     got = load(b"".join(bytes(c) for c in chunks))
     assert sorted(got) == ["a", "a_t", "a_tied", "b"]
     assert torch.equal(got["b"], b) and torch.equal(got["a_t"], a.t()) and torch.equal(got["a_tied"], a)
+
+
+def test_successive_uploads_through_the_reused_buffer_each_arrive_exactly():
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    client = VLLMServerBackend(url, token=token)
+    small = [("w", torch.full((4,), 1.0))]
+    big = [("w", torch.arange(16.0)), ("v", torch.ones(3, dtype=torch.int64))]
+    for weights_ in (big, small, big):  # a smaller upload after a larger one uses the front of the buffer
+        client.load_weights(weights_)
+        got = dict(engine.got)
+        assert sorted(got) == sorted(n for n, _ in weights_)
+        for name, t in weights_:
+            assert torch.equal(got[name], t), name
+    assert engine.weights_version == 3
+
+
+def test_a_client_that_hangs_up_mid_upload_leaves_the_server_taking_the_next_one():
+    import socket
+    from urllib.parse import urlparse
+
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        sock.sendall(f"POST /update_weights HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                     f"Content-Length: 100000\r\n\r\n".encode() + b"\0" * 100)  # then hangs up
+    code, reply = _post(url, token, save({"ok": torch.ones(2)}))
+    assert code == 200 and reply["weights_version"] == 1 and engine.weights_version == 1
+    assert torch.equal(dict(engine.got)["ok"], torch.ones(2))
+
+
+def test_a_name_listed_twice_is_refused_before_anything_is_sent():
+    from toolkit import ConfigError
+
+    with pytest.raises(ConfigError, match="'w' is listed twice"):
+        safetensors_stream([("w", torch.ones(2)), ("w", torch.zeros(2))])

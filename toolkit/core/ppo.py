@@ -341,18 +341,18 @@ class PPOTrainer(Trainer):
         if not reward_funcs and reward_model is None:
             raise ConfigError("reward_funcs / reward_model: PPO needs a reward source; pass reward functions "
                               "(e.g. reward_funcs=['numeric_match']), a sequence-classification reward_model, or both.")
-        if args.critic is None:
-            # A shared value head by default (trlx's and TRL 0.x's layout): one backbone forward and backward
-            # serves log-probs and values, and no second model holds weights, gradients and Adam moments.
-            # Measured on SmolLM2 (bench/ppo_vs_trl.py): 11.6 s/update and 4.2 GB against 18.6 s and 6.9 GB
-            # with a separate critic. A given value_model means the caller wants a separate critic.
-            args.critic = "separate" if value_model is not None else "head"
+        # The critic layout, resolved here (the config is the caller's and is not written to). By default a shared
+        # value head (trlx's and TRL 0.x's layout): one backbone forward and backward serves log-probs and values,
+        # and no second model holds weights, gradients and Adam moments (bench/ppo_vs_trl.py measures both
+        # layouts). A given value_model means the caller wants a separate critic.
+        critic = args.critic if args.critic is not None else ("separate" if value_model is not None else "head")
+        self.critic_kind = critic
         given_adapters = isinstance(model, torch.nn.Module) and is_peft_model(model)
-        if args.critic == "base" and peft_config is None and not given_adapters:
+        if critic == "base" and peft_config is None and not given_adapters:
             raise ConfigError("critic: 'base' puts the value head on the adapter-free base model and needs "
                               "peft_config; use critic='separate' or 'head' without PEFT.")
-        if value_model is not None and args.critic != "separate":
-            raise ConfigError(f"value_model: given, but critic='{args.critic}' builds its own value head; set "
+        if value_model is not None and critic != "separate":
+            raise ConfigError(f"value_model: given, but critic='{critic}' builds its own value head; set "
                               "critic='separate' to use value_model.")
         if train_dataset is None:
             raise ConfigError("train_dataset: PPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
@@ -389,7 +389,7 @@ class PPOTrainer(Trainer):
             self.ref_model.eval().requires_grad_(False)
         base = unwrap_model(policy)
         hidden_size = base.config.hidden_size
-        if args.critic == "separate":
+        if critic == "separate":
             if value_model is not None:
                 vm = value_model if isinstance(value_model, nn.Module) else load_classifier(value_model, dtype)
                 backbone, head = sequence_classifier_parts(vm)
@@ -423,7 +423,7 @@ class PPOTrainer(Trainer):
             "PPO: %d prompts, %d completions per update%s, %d epochs x %d mini-batches; critic=%s; beta=%s (%s%s); "
             "gamma=%s lam=%s epsilon=%s cliprange_value=%s vf_coef=%s; rewards: %s%s.",
             len(rows), args.rollout_batch_size,
-            f" per process x {env_world_size()} processes" if env_world_size() > 1 else "", args.num_ppo_epochs, args.num_mini_batches, args.critic,
+            f" per process x {env_world_size()} processes" if env_world_size() > 1 else "", args.num_ppo_epochs, args.num_mini_batches, critic,
             args.beta, args.kl_estimator, f", adaptive to {args.target_kl}" if args.target_kl else ", fixed",
             args.gamma, args.lam, args.epsilon, args.cliprange_value, args.vf_coef,
             self.reward_runner.names if self.reward_runner else "[]", " + reward model" if reward_model else "")
@@ -637,9 +637,9 @@ class PPOTrainer(Trainer):
 
     def compute_values(self, batch: dict[str, Any], hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Flat [N] values V(s_t) at the completion tokens; `hidden` is the policy's (used by critic='head')."""
-        if self.args.critic == "separate":
+        if self.critic_kind == "separate":
             return self.critic(batch)
-        if self.args.critic == "base":
+        if self.critic_kind == "base":
             with torch.no_grad(), unwrap_peft(self.model).disable_adapter():
                 hidden = completion_hidden(self.model, batch)
         return self.critic(hidden=hidden)
@@ -903,7 +903,13 @@ class PPOTrainer(Trainer):
             if unexpected or [k for k in missing if k not in tied]:
                 raise ConfigError(f"resume_from_checkpoint: '{path}' does not match this policy (missing "
                                   f"{missing[:3]}, unexpected {unexpected[:3]}).")
-        self.critic.load_state_dict(load_file(folder / CRITIC_FILE))
+        critic_state = load_file(folder / CRITIC_FILE)
+        if any(k.startswith("backbone.") for k in critic_state) != (self.critic.backbone is not None):
+            written = "separate" if any(k.startswith("backbone.") for k in critic_state) else "head or base"
+            raise ConfigError(f"resume_from_checkpoint: '{path}' holds a {written} critic, but this trainer's critic is "
+                              f"'{self.critic_kind}' (the default became 'head' in toolkit 0.2). Set critic="
+                              f"'{'separate' if written == 'separate' else 'head'}' to resume it.")
+        self.critic.load_state_dict(critic_state)
         if not (folder / STATE_JSON).exists():
             raise ConfigError(f"resume_from_checkpoint: '{path}' has no {STATE_JSON}; it was written by toolkit 0.1, "
                               "whose PPO state was a pickle that toolkit no longer loads. Start a new run.")

@@ -314,7 +314,8 @@ class VLLMServerBackend(_SyncEvery):
 # name -> dtype, shape and [start, end) byte offsets into the data that follows, then the data)
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
+              torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 _ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
 
 
@@ -330,6 +331,8 @@ def safetensors_stream(weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[lis
     header: dict[str, Any] = {}
     views, offset = [], 0
     for name, t in weights:
+        if name in header:
+            raise ConfigError(f"weights: '{name}' is listed twice; a safetensors body holds each name once.")
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -374,6 +377,8 @@ def parse_safetensors(body: bytes | bytearray | memoryview) -> list[tuple[str, t
             continue
         try:
             dtype = _ST_TORCH[info["dtype"]]
+            if not isinstance(info["shape"], list) or any(int(d) < 0 for d in info["shape"]):
+                raise ValueError("the shape must be a list of sizes >= 0")
             shape = [int(d) for d in info["shape"]]
             start, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:

@@ -7,7 +7,7 @@ Endpoints (JSON unless said otherwise):
     POST /generate        {"prompts": [[ids]], "n", "params": {max_tokens, temperature, top_p, top_k, min_p,
                            stop_token_ids}} -> {"completions": [[{"token_ids", "logprobs", "finish_reason"}]]}
     POST /update_weights  body: a safetensors file of (name -> tensor) in the checkpoint's naming (the client
-                          streams it from the tensors' memory; tied embeddings once)
+                          streams it from the tensors' memory; the server reads it into one buffer it reuses)
                            -> {"weights_version": n}
 
 Token ids in, token ids and log-probs out: no text crosses the wire, so nothing is re-tokenized. The
@@ -73,6 +73,9 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
     upload_buffer = [bytearray()]
 
     class Handler(BaseHTTPRequestHandler):
+        # Seconds any one socket read or write may wait: a client that stalls mid-upload is dropped instead of
+        # holding the upload lock (a 500 MB upload moves in well under a second on loopback).
+        timeout = 120
         def log_message(self, fmt, *args):  # route through logging, quietly
             logger.debug("%s " + fmt, self.address_string(), *args)
 
