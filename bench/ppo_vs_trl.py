@@ -101,7 +101,7 @@ def worker(kind: str, steps: int) -> dict:
     side = "toolkit" if kind.startswith("toolkit") else "trl"
     return {"kind": kind, "version": importlib.import_module(side).__version__, "updates": len(ends), "sec_per_update": (ends[-1] - ends[0]) / max(len(ends) - 1, 1),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "generated_tokens": sum(generated), "critic": getattr(trainer.args, "critic", "separate (value_model)")}
+            "generated_tokens": sum(generated), "critic": getattr(trainer, "critic_kind", "separate (value_model)")}
 
 
 def main() -> None:
