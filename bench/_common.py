@@ -90,8 +90,12 @@ def provenance() -> dict:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo, wherever the script is run from
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True)
+        except OSError:  # no git: the results still get written, with the commit unknown
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
 
     versions = {}
     for name in ("torch", "transformers", "trl", "peft", "accelerate"):
@@ -101,7 +105,7 @@ def provenance() -> dict:
             versions[name] = None
     # results and the table are what benchmarks write: they do not make the measured code differ from the commit
     changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!bench/README.md")
-    return {"commit": git("rev-parse", "HEAD"), "tree_changed": bool(changed),
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "tree_changed": None if changed is None else bool(changed),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu_cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "versions": versions}
