@@ -33,7 +33,8 @@ def run_in_subprocess(script: str, args: list[str], env: dict[str, str] | None =
     if proc.returncode != 0 or line is None:
         print(proc.stdout[-3000:], proc.stderr[-6000:])
         # the failure's own last line (e.g. "AttributeError: ..."), so a results file can say why by itself
-        errors = [ln.strip() for ln in proc.stderr.splitlines() if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
+        errors = [m.group(1) for ln in proc.stderr.splitlines()  # torchrun-style lines carry a "[rank0]: " prefix
+                  if (m := re.match(r"^(?:\[rank\d+\]:\s*)?([\w.]+(?:Error|Exception|Exit)\b.*)", ln.strip()))]
         reason = errors[-1][:300] if errors else f"exit {proc.returncode}"
         raise SystemExit(f"{os.path.basename(script)} {' '.join(args)} failed: {reason}")
     return json.loads(line[len("RESULT "):])
