@@ -33,7 +33,8 @@ def run_in_subprocess(script: str, args: list[str], env: dict[str, str] | None =
     if proc.returncode != 0 or line is None:
         print(proc.stdout[-3000:], proc.stderr[-6000:])
         # the failure's own last line (e.g. "AttributeError: ..."), so a results file can say why by itself
-        errors = [ln.strip() for ln in proc.stderr.splitlines() if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
+        errors = [m.group(1) for ln in proc.stderr.splitlines()  # torchrun-style lines carry a "[rank0]: " prefix
+                  if (m := re.match(r"^(?:\[rank\d+\]:\s*)?([\w.]+(?:Error|Exception|Exit)\b.*)", ln.strip()))]
         reason = errors[-1][:300] if errors else f"exit {proc.returncode}"
         raise SystemExit(f"{os.path.basename(script)} {' '.join(args)} failed: {reason}")
     return json.loads(line[len("RESULT "):])
@@ -90,8 +91,12 @@ def provenance() -> dict:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo, wherever the script is run from
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True)
+        except OSError:  # no git: the results still get written, with the commit unknown
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
 
     versions = {}
     for name in ("torch", "transformers", "trl", "peft", "accelerate"):
@@ -101,7 +106,7 @@ def provenance() -> dict:
             versions[name] = None
     # results and the table are what benchmarks write: they do not make the measured code differ from the commit
     changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!bench/README.md")
-    return {"commit": git("rev-parse", "HEAD"), "tree_changed": bool(changed),
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "tree_changed": None if changed is None else bool(changed),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu_cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
             "versions": versions}

@@ -79,7 +79,8 @@ GROUPS = {"core": ("core",), "vllm": ("vllm",), "long": ("long",), "all": ("core
 def header(script: str, prov: dict, seconds: float) -> str:
     v = prov.get("versions", {})
     libs = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "trl") if v.get(k))
-    changed = " (tree changed)" if prov.get("tree_changed") else ""
+    changed = " (tree changed)" if prov.get("tree_changed") else " (tree state unknown)" if prov.get(
+        "tree_changed") is None else ""
     return (f"# bench/{script} at {prov['commit'][:10]}{changed} ({prov['date']}, {prov['cpu_cores']} cores, {libs}); "
             f"run time {seconds / 60:.1f} min; written by bench/run_all.py\n\n")
 
@@ -109,14 +110,15 @@ def run_one(b: Bench) -> dict:
         print(f"== {b.name}: FAILED (exit {rc}) after {seconds / 60:.1f} min; its earlier results are kept", flush=True)
         return {"failed": rc, "seconds": seconds}
     prov = provenance()
-    if json_path.exists() and b.json_flag:
+    fresh = json_path.exists() and json_path.stat().st_mtime > time.time() - seconds - 1  # written by this run
+    if fresh and b.json_flag:
         # the script's own record, taken in the interpreter that ran it (.venv-vllm has other versions)
         prov = json.loads(json_path.read_text()).get("provenance", prov)
     if b.json_flag or b.name == "logps_memory":
         # the script's own stdout is the text result; warnings and progress bars are not results
         text = "".join(ln for ln in lines if not _noise(ln))
         (RESULTS / f"{b.name}.txt").write_text(header(b.script, prov, seconds) + text)
-    if json_path.exists() and (b.json_flag or json_path.stat().st_mtime > time.time() - seconds - 1):
+    if fresh:
         data = json.loads(json_path.read_text())
         data.setdefault("provenance", prov)
         data["run_seconds"] = round(seconds, 1)
@@ -237,8 +239,8 @@ def table_rows() -> list[list[str]]:
                 rows.append(["online_vs_trl", f"{name} s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",
                              f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
                              f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x "
-                             f"memory; generated tokens/step {o['generated_tokens_per_step']:.0f} vs "
-                             f"{t['generated_tokens_per_step']:.0f}", "-", _when(d)])
+                             f"memory; generated tokens/step {_f(o.get('generated_tokens_per_step'), 0)} vs "
+                             f"{_f(t.get('generated_tokens_per_step'), 0)}", "-", _when(d)])
     d = _load("multiprocess")
     if d:
         by = {(r["kind"], r["world"]): r for r in d["results"]}

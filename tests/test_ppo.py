@@ -155,8 +155,12 @@ def test_exact_resume_equals_uninterrupted(tmp_path, critic):
     first.train()
     assert (tmp_path / "b" / "out" / "checkpoint-2" / COMPLETE_MARKER).exists()
     other = "head" if critic == "separate" else "separate"
-    with pytest.raises(ConfigError, match=f"holds a .* critic, but this trainer's critic is '{other}'"):
-        make(tmp_path / "b", max_steps=3, critic=other).train(resume_from_checkpoint=True)
+    refused = make(tmp_path / "b", max_steps=3, critic=other)
+    before = {k: v.clone() for k, v in refused.model.state_dict().items()}
+    with pytest.raises(ConfigError, match=f"trained with critic='{critic}', but this trainer's critic is '{other}'"):
+        refused.train(resume_from_checkpoint=True)
+    for k, v in refused.model.state_dict().items():  # refused before anything was loaded
+        assert torch.equal(v, before[k]), k
     resumed = make(tmp_path / "b", max_steps=3, save_strategy="steps", save_steps=1, critic=critic)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
@@ -164,6 +168,18 @@ def test_exact_resume_equals_uninterrupted(tmp_path, critic):
         for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items()):
             torch.testing.assert_close(w, v, rtol=0, atol=0, msg=k)
     assert logged(resumed, "loss") == pytest.approx(logged(full, "loss"), abs=0)
+
+
+def test_a_toolkit_0_1_checkpoint_is_refused_before_anything_loads(tmp_path):
+    make(tmp_path / "a", max_steps=1, save_strategy="steps", save_steps=1).train()
+    folder = tmp_path / "a" / "out" / "checkpoint-1"
+    (folder / "ppo_state.json").unlink()  # 0.1 pickled its loop state and critic (critic.pt)
+    (folder / "critic.safetensors").rename(folder / "critic.pt")
+    fresh = make(tmp_path / "a", max_steps=2)
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    with pytest.raises(ConfigError, match="written by toolkit 0.1"):
+        fresh.train(resume_from_checkpoint=str(folder))
+    assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items())
 
 
 @pytest.mark.parametrize("critic", ["head", "separate"])

@@ -93,6 +93,8 @@ def _file(header: dict, data: bytes) -> bytes:
     (_file({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, b"\0" * 16), "do not hold"),
     (_file({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "not a safetensors entry"),
     (_file({"w": {"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]}}, b"\0" * 16), "sizes >= 0"),
+    (_file({"w": {"dtype": "F32", "shape": [float("inf")], "data_offsets": [0, 8]}}, b"\0" * 8), "sizes >= 0"),
+    (_file({"w": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, b"\0" * 8), "whole numbers"),
 ])
 def test_a_malformed_upload_is_refused_whole_with_the_reason(body, reason):
     engine = Recorder()

@@ -150,7 +150,8 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -
     decode step at batch 32 on 2 CPU cores). A token of probability 0 is never drawn: the row's pick has
     cdf > x >= the previous cdf, so its own mass is positive (x is kept strictly below the total).
     """
-    cdf = probs.cumsum(-1, dtype=torch.float64)  # monotone and exact enough however the sum is scheduled
+    # float64: monotone and exact enough however the sum is scheduled (MPS has no float64: float32 there)
+    cdf = probs.cumsum(-1, dtype=torch.float32 if probs.device.type == "mps" else torch.float64)
     total = cdf[:, -1:]
     bad = ~(torch.isfinite(total) & (total > 0))
     if bad.any():  # what torch.multinomial refused too: a NaN/inf logit upstream, or every token truncated away
@@ -158,7 +159,10 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -
         raise TrainingHealthError(f"sampling: the probabilities of row(s) {rows[:8]} are not finite or sum to 0 "
                                   "(NaN or inf logits: the model diverged; lower the learning rate or check the "
                                   "loss). Nothing was sampled from them.")
-    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype)
+    # the uniforms come from the generator's own device (the backend seeds a CPU one), then move: a seed draws
+    # the same numbers wherever the model runs
+    gen_device = generator.device if generator is not None else probs.device
+    u = torch.rand(total.shape, generator=generator, device=gen_device, dtype=torch.float64).to(probs.device, cdf.dtype)
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 

@@ -882,7 +882,8 @@ class PPOTrainer(Trainer):
         self.save_model(str(staging))
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.lr_scheduler.state_dict()},
                    staging / STATE_FILE)
-        write_atomic(staging / STATE_JSON, json.dumps({"kl_coef": self.kl_controller.value, "global_step": step}))
+        write_atomic(staging / STATE_JSON, json.dumps({"kl_coef": self.kl_controller.value, "global_step": step,
+                                                       "critic": self.critic_kind}))
         self.state.save_to_json(str(staging / "trainer_state.json"))
         folder = commit_checkpoint(staging, self.args.output_dir, step, save_total_limit=self.args.save_total_limit)
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
@@ -893,6 +894,22 @@ class PPOTrainer(Trainer):
         from transformers import TrainerState
 
         folder = Path(path)
+        # Everything that can refuse the checkpoint is checked before anything is loaded into this trainer.
+        if not (folder / STATE_JSON).exists() or not (folder / CRITIC_FILE).exists():
+            raise ConfigError(f"resume_from_checkpoint: '{path}' has no {STATE_JSON} or {CRITIC_FILE}; it was written "
+                              "by toolkit 0.1, whose PPO state was a pickle that toolkit no longer loads. Start a new run.")
+        loop = json.loads((folder / STATE_JSON).read_text())
+        critic_state = load_file(folder / CRITIC_FILE)
+        # toolkit 0.2 records the layout; before that only a separate critic's weights hold a backbone (a head
+        # and a base critic save the same single layer, so an unrecorded one is taken as this trainer's)
+        has_backbone = any(k.startswith("backbone.") for k in critic_state)
+        written = loop.get("critic") or ("separate" if has_backbone else
+                                         self.critic_kind if self.critic_kind != "separate" else "head")
+        if written != self.critic_kind:
+            hint = f"set critic='{written}'" + ("" if written == "separate" else " and pass no value_model")
+            raise ConfigError(f"resume_from_checkpoint: '{path}' was trained with critic='{written}', but this trainer's "
+                              f"critic is '{self.critic_kind}' (the default became 'head' in toolkit 0.2); {hint} to "
+                              "resume it.")
         if (folder / "adapter_model.safetensors").exists():
             from peft import set_peft_model_state_dict
 
@@ -903,18 +920,8 @@ class PPOTrainer(Trainer):
             if unexpected or [k for k in missing if k not in tied]:
                 raise ConfigError(f"resume_from_checkpoint: '{path}' does not match this policy (missing "
                                   f"{missing[:3]}, unexpected {unexpected[:3]}).")
-        critic_state = load_file(folder / CRITIC_FILE)
-        if any(k.startswith("backbone.") for k in critic_state) != (self.critic.backbone is not None):
-            written = "separate" if any(k.startswith("backbone.") for k in critic_state) else "head or base"
-            raise ConfigError(f"resume_from_checkpoint: '{path}' holds a {written} critic, but this trainer's critic is "
-                              f"'{self.critic_kind}' (the default became 'head' in toolkit 0.2). Set critic="
-                              f"'{'separate' if written == 'separate' else 'head'}' to resume it.")
         self.critic.load_state_dict(critic_state)
-        if not (folder / STATE_JSON).exists():
-            raise ConfigError(f"resume_from_checkpoint: '{path}' has no {STATE_JSON}; it was written by toolkit 0.1, "
-                              "whose PPO state was a pickle that toolkit no longer loads. Start a new run.")
         tensors = torch.load(folder / STATE_FILE, weights_only=True)  # never unpickles code
-        loop = json.loads((folder / STATE_JSON).read_text())
         self.optimizer.load_state_dict(tensors["optimizer"])
         self.lr_scheduler.load_state_dict(tensors["scheduler"])
         self.kl_controller.value = loop["kl_coef"]

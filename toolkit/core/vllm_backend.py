@@ -355,7 +355,7 @@ def parse_safetensors(body: bytes | bytearray | memoryview) -> list[tuple[str, t
     Checked before any tensor is made, so a malformed upload is refused whole with the reason: the header
     length, the JSON, each dtype, and that every tensor's bytes lie inside the body and match its shape.
     """
-    mv = memoryview(body)
+    mv = memoryview(body).cast("B")  # bytes, whatever the buffer's item type
     if mv.readonly:  # bytes: torch views only writable memory (the server's buffer is)
         mv = memoryview(bytearray(mv))
     if len(mv) < 8:
@@ -377,10 +377,12 @@ def parse_safetensors(body: bytes | bytearray | memoryview) -> list[tuple[str, t
             continue
         try:
             dtype = _ST_TORCH[info["dtype"]]
-            if not isinstance(info["shape"], list) or any(int(d) < 0 for d in info["shape"]):
-                raise ValueError("the shape must be a list of sizes >= 0")
-            shape = [int(d) for d in info["shape"]]
-            start, end = (int(x) for x in info["data_offsets"])
+            ints = [*info["shape"], *info["data_offsets"]]
+            if (not isinstance(info["shape"], list) or len(info["data_offsets"]) != 2
+                    or any(type(x) is not int or x < 0 for x in ints)):
+                raise ValueError("the shape must be a list of sizes >= 0 and data_offsets two whole numbers")
+            shape = list(info["shape"])
+            start, end = info["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"tensor '{name}': header entry {info!r} is not a safetensors entry ({e}).") from e
         count = math.prod(shape)

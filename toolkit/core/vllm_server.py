@@ -146,6 +146,7 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                     self._send(200, {"completions": [[{"token_ids": c.token_ids, "logprobs": c.logprobs,
                                                        "finish_reason": c.finish_reason} for c in g] for g in groups]})
                 elif self.path == "/update_weights":
+                    refused = None
                     with upload_lock:
                         body = self._body(max_upload_bytes)
                         if body is None:
@@ -153,10 +154,15 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                         try:
                             weights = parse_safetensors(body)
                         except ValueError as e:
-                            self._send(400, {"error": f"/update_weights: {e}"})
-                            return
-                        backend.load_weights(weights)
-                        del weights, body  # views of the buffer: none outlives the upload
+                            refused = f"/update_weights: {e}"
+                        else:
+                            backend.load_weights(weights)
+                        del body  # views of the buffer: none outlives the upload
+                        weights = None
+                    # answered after the lock is released: a client slow to read its reply holds no one up
+                    if refused is not None:
+                        self._send(400, {"error": refused})
+                        return
                     self._send(200, {"weights_version": backend.weights_version, "seconds": backend.last_sync_s})
                 else:
                     self._send(404, {"error": f"no such endpoint {self.path}; POST /generate or /update_weights"})
