@@ -57,7 +57,7 @@ def test_max_staleness_zero_reproduces_synchronous_grpo(tmp_path):
     t = make(tmp_path, max_staleness=0)
     t.train()
     assert logged(t, "reward") == pytest.approx(logged(sync, "reward"), abs=1e-6)
-    assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=1e-6)
+    assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=2e-6)  # logged losses are rounded to 6 decimals
     for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
         torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
     assert logged(t, "async/staleness_max") == [0.0, 0.0, 0.0]
@@ -309,6 +309,6 @@ def test_episodes_at_max_staleness_zero_reproduce_synchronous_grpo(tmp_path):
     assert max(logged(sync, "episodes/turns_mean")) > 1
     assert logged(t, "episodes/turns_mean") == logged(sync, "episodes/turns_mean")
     assert logged(t, "reward") == pytest.approx(logged(sync, "reward"), abs=1e-6)
-    assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=1e-6)
+    assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=2e-6)  # logged losses are rounded to 6 decimals
     for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
         torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
