@@ -54,7 +54,7 @@ from .errors import ConfigError, TrainingHealthError
 from .generation import Completion
 from .grpo import GRPOConfig, GRPOTrainer, Rollout
 from .models import DEFAULT_MODEL, unwrap_model
-from .rollout_worker import ScoredRound, worker_main
+from .rollout_worker import ScoredRound, StopFlag, worker_main
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer"]
 
@@ -201,7 +201,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         state = self._engine_state()
         if not hasattr(self, "_shared"):
             self._shared = {k: v.detach().clone().contiguous().share_memory_() for k, v in state.items()}
-            self._version = self._ctx.Value("q", 0)
+            # lock=False here and for the heartbeat and stop flag below: a synchronized Value takes a semaphore on
+            # every read, and a worker stopped or killed while holding it (an OOM kill; SIGSTOP in the hung-worker
+            # test, where CI once hung for 15 minutes in the trainer's Event.set()) would block the trainer
+            # forever. Aligned 8-byte reads and writes are whole; weight publishing has its own lock.
+            self._version = self._ctx.Value("q", 0, lock=False)
             self._lock = self._ctx.Lock()
         # No worker is running here. One killed while it was reading the weights took the lock down with it:
         # a fresh lock (the new worker receives it) instead of a trainer that waits forever.
@@ -215,8 +219,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._version.value = self.state.global_step
         self._out_q = self._ctx.Queue(maxsize=args.queue_size)
         self._err_q = self._ctx.Queue()
-        self._heartbeat = self._ctx.Value("d", time.time())
-        self._stop = self._ctx.Event()
+        self._heartbeat = self._ctx.Value("d", time.time(), lock=False)
+        self._stop = StopFlag(self._ctx)
         base = unwrap_model(self.model)
         config = base.config
         if hasattr(self.model, "peft_config"):

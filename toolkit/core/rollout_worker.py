@@ -93,6 +93,20 @@ class Progress:
             self.tick()
 
 
+class StopFlag:
+    """The trainer's "stop" to its worker, without a lock (multiprocessing.Event takes a semaphore in is_set() and
+    set(); a worker frozen or killed while holding it made the trainer's set() wait forever)."""
+
+    def __init__(self, ctx):
+        self._flag = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+
 def _beat_while_progressing(progress: Progress, heartbeat, stop, parent: int, every: float = 0.5) -> None:
     """`parent`: the trainer's pid, as the trainer said it (the worker may be adopted before this thread starts)."""
     last = -1
