@@ -154,7 +154,7 @@ def run(case: str, out: Path, world: int) -> dict:
                                     train_dataset=prompts(), processing_class=tok)
         else:
             cfg = AsyncGRPOConfig(**common, max_staleness=int(case.split("-")[1]), worker_threads=1,
-                                  heartbeat_timeout=120, worker_start_timeout=300)
+                                  heartbeat_timeout=120, worker_start_timeout=300, warm_start=case.endswith("warm"))
             trainer = RecordingAsyncGRPO(tiny_model(), [ddp_worker.uneven_reward], cfg, train_dataset=prompts(),
                                          processing_class=tok)
     else:  # grpo-<loss_type>-<scale_rewards>[-accum]

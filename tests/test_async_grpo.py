@@ -36,8 +36,10 @@ COMMON = dict(max_steps=3, per_device_train_batch_size=8, num_generations=4, max
 
 
 def async_cfg(tmp_path, **kw):
+    # warm_start off unless a test turns it on: these tests are about the worker, and with warm start a tiny model's
+    # whole run would be generated in the trainer while the worker is still importing torch
     return AsyncGRPOConfig(output_dir=str(tmp_path / "out"), **{**COMMON, "worker_threads": torch.get_num_threads(),
-                                                               "heartbeat_timeout": 20, **kw})
+                                                               "heartbeat_timeout": 20, "warm_start": False, **kw})
 
 
 def make(tmp_path, **kw):
@@ -291,9 +293,11 @@ def test_the_workers_round_view_equals_the_samplers_per_rank_order():
         assert [[view.round(r, rank) for rank in range(processes)] for r in range(len(rounds))] == rounds
 
 
-def test_episodes_at_max_staleness_zero_reproduce_synchronous_grpo(tmp_path):
+@pytest.mark.parametrize("warm_start", [False, True])
+def test_episodes_at_max_staleness_zero_reproduce_synchronous_grpo(tmp_path, warm_start):
     """Multi-turn episodes in the worker process (a Gymnasium environment made by name there) train exactly what
-    synchronous GRPO's episodes train."""
+    synchronous GRPO's episodes train. With warm start the first rounds' episodes run in the trainer (a tiny model's
+    three steps may all be), with the worker's prompts and seeds."""
     pytest.importorskip("gymnasium")
     tok = tiny_tokenizer()
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -303,12 +307,122 @@ def test_episodes_at_max_staleness_zero_reproduce_synchronous_grpo(tmp_path):
     sync = GRPOTrainer(tiny_model(), [], GRPOConfig(output_dir=str(tmp_path / "sync"), **COMMON, **episodes),
                        train_dataset=rows, processing_class=tok)
     sync.train()
-    t = AsyncGRPOTrainer(tiny_model(), [], async_cfg(tmp_path, max_staleness=0, **episodes), train_dataset=rows,
-                         processing_class=tiny_tokenizer())
+    t = AsyncGRPOTrainer(tiny_model(), [], async_cfg(tmp_path, max_staleness=0, warm_start=warm_start, **episodes),
+                         train_dataset=rows, processing_class=tiny_tokenizer())
     t.train()
+    assert (logged(t, "async/rounds_in_trainer")[-1] >= 1) == warm_start
     assert max(logged(sync, "episodes/turns_mean")) > 1
     assert logged(t, "episodes/turns_mean") == logged(sync, "episodes/turns_mean")
     assert logged(t, "reward") == pytest.approx(logged(sync, "reward"), abs=1e-6)
     assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=2e-6)  # logged losses are rounded to 6 decimals
     for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
         torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
+
+
+# ------------------------------------------------------------------------------------------------- warm start
+
+
+def _wait_for_the_worker_at_step(trainer, step):
+    """A callback: at the end of `step`, wait until the rollout worker says it is ready, so that the trainer's next
+    round is the first it may take from the worker."""
+    from transformers import TrainerCallback
+
+    class Wait(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                deadline = time.time() + 120
+                while not getattr(trainer._handoff, "real", trainer._handoff).worker_ready():
+                    assert time.time() < deadline, "the worker did not become ready within 120 s"
+                    time.sleep(0.05)
+
+    trainer.add_callback(Wait())
+
+
+def _sync_run(tmp_path, steps):
+    sync = GRPOTrainer(tiny_model(), [low_ids], GRPOConfig(output_dir=str(tmp_path / "sync"),
+                                                           **{**COMMON, "max_steps": steps}),
+                       train_dataset=prompts(), processing_class=tiny_tokenizer())
+    sync.train()
+    return sync
+
+
+def _assert_same_run(t, sync):
+    assert logged(t, "reward") == pytest.approx(logged(sync, "reward"), abs=1e-6)
+    assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=2e-6)  # logged losses are rounded to 6 decimals
+    for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
+        torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_warm_start_generates_in_the_trainer_until_the_worker_is_ready_and_equals_synchronous_grpo(tmp_path):
+    """The trainer generates the first rounds itself while the worker process starts, then the worker takes over;
+    at max_staleness 0 the run is synchronous GRPO's whichever process generated a round."""
+    sync = _sync_run(tmp_path, 5)
+    t = make(tmp_path, max_staleness=0, max_steps=5, warm_start=True)
+    _wait_for_the_worker_at_step(t, 2)
+    t.train()
+    here = logged(t, "async/rounds_in_trainer")[-1]
+    # round 0 always (a spawned worker cannot be ready at once); round 1 unless the worker was ready within one
+    # tiny step; from round 2 on the worker (it was ready when step 2 ended)
+    assert 1 <= here <= 2
+    assert logged(t, "async/generator_idle_fraction"), "no round came from the worker"
+    assert t._superseded == 0
+    _assert_same_run(t, sync)
+
+
+class _LateSight(AsyncGRPOTrainer):
+    """Sees its worker's readiness only from step 3 on, although the worker is ready at the end of step 1: the worker
+    begins after the last round claimed then (1), the trainer goes on claiming rounds 1 and 2, so the handoff
+    crosses and the worker's copies of rounds 1 and 2 must be discarded."""
+
+    def _start_worker(self):
+        super()._start_worker()
+        real, trainer = self._handoff, self
+
+        class View:
+            def __init__(self):
+                self.real = real
+
+            def worker_ready(self):
+                return real.worker_ready() and trainer.state.global_step >= 3
+
+            def claim(self, r):
+                real.claim(r)
+
+        self._handoff = View()
+
+
+def test_a_crossed_handoff_discards_the_workers_copies_and_still_equals_synchronous_grpo(tmp_path):
+    sync = _sync_run(tmp_path, 6)
+    t = _LateSight(tiny_model(), [low_ids], async_cfg(tmp_path, max_staleness=0, max_steps=6, warm_start=True),
+                   train_dataset=prompts(), processing_class=tiny_tokenizer())
+    _wait_for_the_worker_at_step(t, 1)
+    t.train()
+    assert logged(t, "async/rounds_in_trainer")[-1] == 3  # rounds 0, 1, 2
+    assert t._superseded == 2  # the worker's rounds 1 and 2
+    _assert_same_run(t, sync)
+
+
+def test_a_worker_hung_at_start_up_is_reported_while_the_trainer_trains_on(tmp_path):
+    """The worker hangs importing a reward's module (a plugin import that never returns). The trainer keeps training
+    on rounds it generates itself, and reports the worker as hung once worker_start_timeout has passed."""
+    import hangs_in_worker
+
+    t = AsyncGRPOTrainer(tiny_model(), [hangs_in_worker.short],
+                         async_cfg(tmp_path, max_staleness=0, max_steps=100_000, warm_start=True,
+                                   worker_start_timeout=6, heartbeat_timeout=3),
+                         train_dataset=prompts(), processing_class=tiny_tokenizer())
+    started = time.time()
+    with pytest.raises(TrainingHealthError, match="no heartbeat"):
+        t.train()
+    assert time.time() - started < 90
+    assert t.state.global_step >= 2  # trained meanwhile, on rounds of its own
+    assert t._proc is None  # stopped (killed) before the error was raised
+
+
+def test_settings_that_cannot_reach_the_worker_fail_in_the_trainer_naming_why(tmp_path):
+    rows = [{**row, "handle": threading.Lock()} for row in prompts()]  # an extra column nothing can pickle
+    t = AsyncGRPOTrainer(tiny_model(), [low_ids], async_cfg(tmp_path, max_staleness=0), train_dataset=rows,
+                         processing_class=tiny_tokenizer())
+    with pytest.raises(ConfigError, match=r"cannot be sent to its process \(TypeError: cannot pickle '_thread.lock'"):
+        t.train()
+    assert t._proc is None

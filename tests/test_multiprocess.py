@@ -66,19 +66,24 @@ def test_async_grpo_with_two_trainer_ranks(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true",
            "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cases = ["grpo-tfm", "async-0", "async-1"]
+    # async-0-warm: warm start on (the trainer ranks generate the first rounds themselves, deciding together when
+    # every rank's worker is ready; a tiny model's 3 steps may all be generated there)
+    cases = ["grpo-tfm", "async-0", "async-1", "async-0-warm"]
     _run([torchrun, "--nproc_per_node", "2", "--master_port", "29537", WORKER, str(tmp_path), "2", ",".join(cases)],
          env)
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["async-0"]["world_size"] == 2 and len(r["async-0"]["losses"]) == 3
     assert r["async-0"]["losses"] == pytest.approx(r["grpo-tfm"]["losses"], rel=1e-5, abs=2e-6)  # rounded to 6 decimals when logged
-    sync, stale0 = torch.load(tmp_path / "grpo-tfm" / "params.pt"), torch.load(tmp_path / "async-0" / "params.pt")
-    for k in sync:
-        torch.testing.assert_close(stale0[k], sync[k], rtol=1e-5, atol=1e-5, msg=k)
+    assert r["async-0-warm"]["losses"] == pytest.approx(r["grpo-tfm"]["losses"], rel=1e-5, abs=2e-6)
+    sync = torch.load(tmp_path / "grpo-tfm" / "params.pt")
+    for case in ("async-0", "async-0-warm"):
+        stale0 = torch.load(tmp_path / case / "params.pt")
+        for k in sync:
+            torch.testing.assert_close(stale0[k], sync[k], rtol=1e-5, atol=1e-5, msg=f"{case}: {k}")
     for rank in (0, 1):
         expected = json.loads((tmp_path / "grpo-tfm" / f"rounds_rank{rank}.json").read_text())
         assert len(expected) == 3
-        for case in ("async-0", "async-1"):
+        for case in ("async-0", "async-1", "async-0-warm"):
             assert json.loads((tmp_path / case / f"rounds_rank{rank}.json").read_text()) == expected, (case, rank)
     rank0, rank1 = (json.loads((tmp_path / "grpo-tfm" / f"rounds_rank{k}.json").read_text()) for k in (0, 1))
     assert all(not set(a) & set(b) for a, b in zip(rank0, rank1))  # each rank its own share of the round

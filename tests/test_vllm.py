@@ -269,7 +269,8 @@ def test_async_grpo_worker_generates_with_vllm(tmp_path, path):
     cfg = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=16, num_generations=4,
                           max_completion_length=12, temperature=0.7, learning_rate=1e-5, save_strategy="no",
                           report_to="none", disable_tqdm=True, generation_backend="vllm", max_staleness=0,
-                          generation_backend_kwargs={"max_model_len": 256}, worker_start_timeout=600)
+                          generation_backend_kwargs={"max_model_len": 256}, worker_start_timeout=600,
+                          warm_start=False)  # every round from the engine (warm start is tested with transformers)
     t = AsyncGRPOTrainer(path, ["numeric_match"], cfg, train_dataset=rows)
     t.train()
     logs = [h for h in t.state.log_history if "loss" in h]

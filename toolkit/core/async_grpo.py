@@ -42,6 +42,7 @@ import queue
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ from .errors import ConfigError, TrainingHealthError
 from .generation import Completion
 from .grpo import GRPOConfig, GRPOTrainer, Rollout
 from .models import DEFAULT_MODEL, unwrap_model
-from .rollout_worker import ScoredRound, StopFlag, worker_main
+from .rollout import generate_and_score, generation_seed
+from .rollout_worker import Handoff, ScoredRound, StopFlag, round_sampler, worker_main
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer"]
 
@@ -88,6 +90,11 @@ class AsyncGRPOConfig(GRPOConfig):
                 "not only between rounds: the rollouts continue under the new weights, each token records the "
                 "version that sampled it, and the loss's behaviour log-prob is each token's own. transformers "
                 "backend only."})
+    warm_start: bool = field(default=True, metadata={
+        "help": "While the worker starts (a new interpreter, imports, the model built: 10-30 s on CPU, minutes for a "
+                "vLLM engine), the trainer generates and scores rounds itself, as synchronous GRPO does, instead of "
+                "waiting; the worker takes over from the round after the trainer's last. False: wait for the "
+                "worker."})
     heartbeat_timeout: float = field(default=60.0, metadata={
         "help": "Seconds without progress of the worker's main loop after which it counts as hung (a vLLM "
                 "generate call or weight upload may take up to worker_start_timeout)."})
@@ -186,7 +193,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._dropped = 0
         self._restarts = 0
         self._last_get = None
-        self._first_round_pending = True
+        self._warm = False          # generating rounds here until the worker is ready (warm_start)
+        self._warm_rounds = 0       # rounds generated in this process
+        self._superseded = 0        # worker rounds discarded because this process had generated them (Handoff)
+        self._failures_done: dict[str, int] = {}  # reward failures counted by earlier workers
+        self._failures_now: dict[str, int] = {}   # the running worker's running totals
         self._staleness: Counter = Counter()
 
     # ------------------------------------------------------------------------------- the worker
@@ -221,14 +232,20 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._err_q = self._ctx.Queue()
         self._heartbeat = self._ctx.Value("d", time.time(), lock=False)
         self._stop = StopFlag(self._ctx)
+        self._handoff = Handoff(self._ctx, self._next_round)
+        self._warm = args.warm_start
+        # a new worker counts its reward failures from zero: keep the totals of the one before
+        self._failures_done = {k: v + self._failures_done.get(k, 0) for k, v in self._failures_now.items()} | {
+            k: v for k, v in self._failures_done.items() if k not in self._failures_now}
+        self._failures_now = {}
         base = unwrap_model(self.model)
         config = base.config
         if hasattr(self.model, "peft_config"):
             config = self.model.get_base_model().config
         spec = {
-            "threads": args.worker_threads, "config": config, "reward_funcs": self.reward_runner.funcs,
+            "config": config, "reward_funcs": self.reward_runner.funcs,
             "reward_timeout": args.reward_timeout, "reward_max_failures": args.reward_max_consecutive_failures,
-            "start_timeout": args.worker_start_timeout, "parent_pid": os.getpid(),
+            "start_timeout": args.worker_start_timeout,
             "pad_token_id": self.processing_class.pad_token_id,
             "max_batch_size": args.generation_batch_size, "tokenizer": self.processing_class, "rows": self.rows,
             "prompt_ids": self.prompt_ids, "num_generations": args.num_generations, "per_round": self.prompts_per_round,
@@ -244,14 +261,32 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 "concurrency": args.environment_concurrency, "step_timeout": args.environment_step_timeout,
                 "end_text": self.episode_delta.end_text, "chat_template_kwargs": args.chat_template_kwargs},
         }
+        self._rounds = round_sampler(spec)
+        # Under spawn, Process.start() writes the pickled arguments into a pipe that the child reads only after its
+        # new interpreter has imported the main module (10 s and more with torch); arguments larger than the pipe's
+        # buffer would hold this process that long. So the arguments are the small shared objects only, and the
+        # spec and weights (megabytes) go through a queue, whose feeder thread waits instead. They are pickled
+        # here, so an object that cannot be pickled fails now, in this process, naming itself.
+        try:
+            payload = bytes(ForkingPickler.dumps((spec, self._shared)))
+        except Exception as e:
+            raise ConfigError(f"async GRPO: the rollout worker's settings cannot be sent to its process "
+                              f"({type(e).__name__}: {e}). Reward functions, the dataset's rows and the tokenizer "
+                              "must be picklable.") from e
+        # kept on self like the other queues: Process.start() drops its arguments, and a queue collected here would
+        # unlink its semaphores before the child has unpickled them
+        self._setup_q = self._ctx.Queue()
+        self._setup_q.put(payload)
+        self._setup_q.cancel_join_thread()  # a worker that died before reading must not hold this process's exit
         self._proc = self._ctx.Process(
             target=worker_main, name="toolkit-rollout-worker", daemon=True,
-            args=(spec, self._shared, self._version, self._lock, self._out_q, self._err_q, self._heartbeat,
-                  self._stop, self._next_round))
+            args=(self._setup_q, {"threads": args.worker_threads, "parent_pid": os.getpid(),
+                            "start_timeout": args.worker_start_timeout},
+                  self._version, self._lock, self._out_q, self._err_q, self._heartbeat, self._stop, self._handoff))
         self._proc.start()
-        self._first_round_pending = True
-        logger.info("async GRPO: rollout worker pid %d started at round %d (max_staleness=%d, queue_size=%d).",
-                    self._proc.pid, self._next_round, args.max_staleness, args.queue_size)
+        logger.info("async GRPO: rollout worker pid %d started at round %d (max_staleness=%d, queue_size=%d, "
+                    "warm_start=%s).", self._proc.pid, self._next_round, args.max_staleness, args.queue_size,
+                    args.warm_start)
 
     def evaluation_backend(self):
         """Held-out evaluation generates in this process with the training model (the worker owns the real
@@ -305,7 +340,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
             pass
         if not self._proc.is_alive():
             return f"the worker process exited with code {self._proc.exitcode} without a traceback (killed?)"
-        limit = self.args.worker_start_timeout if self._first_round_pending else self.args.heartbeat_timeout
+        # Until the worker says it is ready (imports, model or engine built) it may be silent for up to
+        # worker_start_timeout; from then on its main loop's progress is the heartbeat.
+        limit = self.args.heartbeat_timeout if self._handoff.worker_ready() else self.args.worker_start_timeout
         silent = time.time() - self._heartbeat.value
         if silent > limit:
             return f"no heartbeat for {silent:.0f} s (> {limit:.0f} s): the worker is hung"
@@ -314,6 +351,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _next_scored_round(self) -> ScoredRound:
         if self._proc is None:
             self._start_worker()
+        if self._warm:
+            # every rank generates here until every rank's worker is ready (the staleness check below is collective)
+            if self._any_rank(not self._handoff.worker_ready()):
+                problem = self._worker_failure()
+                if problem is not None:
+                    self._handle_failure(problem)  # a restart starts a new warm start; otherwise this raises
+                return self._round_here()
+            self._warm = False
+            logger.info("async GRPO: the rollout worker is ready; it generates from round %d on (%d rounds were "
+                        "generated in the trainer while it started).", self._next_round, self._warm_rounds)
         started = time.perf_counter()
         while True:
             try:
@@ -325,7 +372,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 self._handle_failure(problem)
                 started = time.perf_counter()
                 continue
-            self._first_round_pending = False
+            if item.round < self._next_round:
+                self._superseded += 1
+                continue  # the handoff crossed: this round was generated here (Handoff); the worker's copy is spare
             staleness = self.state.global_step - item.version
             if self._any_rank(staleness > self.args.max_staleness):
                 # every rank drops its share of the round together, so the ranks keep training the same rounds
@@ -339,6 +388,46 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._staleness[staleness] += 1
             item.trainer_wait_s = time.perf_counter() - started
             return item
+
+    @torch.no_grad()
+    def _round_here(self) -> ScoredRound:
+        """Warm start: round `_next_round` generated and scored in this process with the current weights, with the
+        worker's prompts and seed for it (so at max_staleness 0 it is the round the worker would have made)."""
+        r, G = self._next_round, self.args.num_generations
+        self._handoff.claim(r)
+        rank = self.accelerator.process_index
+        idx, seed = self._rounds.round(r, rank), generation_seed(self.args.seed, r, rank)
+        backend = self.evaluation_backend()  # the training model itself: nothing to copy
+        t0 = time.perf_counter()
+        if self.environment_factory is not None:
+            eps = self.run_episodes([self.rows[i] for i in idx for _ in range(G)], self.sampling, seed=seed,
+                                    group_size=G, backend=backend)
+            item = ScoredRound(round=r, version=self.state.global_step, row_indices=idx, completions=[],
+                               rewards_per_func=[], failures={}, gen_s=time.perf_counter() - t0, score_s=0.0,
+                               wait_s=0.0, tokens=sum(sum(ep.mask) for ep in eps), episodes=eps)
+        else:
+            scored = generate_and_score(backend, [self.prompt_ids[i] for i in idx], [self.rows[i] for i in idx],
+                                        sampling=self.sampling, n=G, seed=seed, score=self.compute_rewards)
+            item = ScoredRound(round=r, version=self.state.global_step, row_indices=idx,
+                               completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g]
+                                            for g in scored.groups],
+                               rewards_per_func=scored.rewards_per_func.tolist(), failures={},
+                               gen_s=scored.generation_s, score_s=scored.scoring_s, wait_s=0.0,
+                               tokens=sum(len(c.token_ids) for g in scored.groups for c in g))
+        item.trainer_wait_s, item.in_trainer = 0.0, True
+        self._next_round = r + 1
+        self._staleness[0] += 1
+        self._warm_rounds += 1
+        return item
+
+    def _reward_failure_totals(self, worker_totals: dict[str, int]) -> dict[str, int]:
+        """Batches lost to reward errors over the whole run: earlier workers', the running worker's (its rounds may
+        arrive out of scoring order, so its running totals never go back) and the trainer's own (warm start)."""
+        self._failures_now = {k: max(v, self._failures_now.get(k, 0)) for k, v in worker_totals.items()} | {
+            k: v for k, v in self._failures_now.items() if k not in worker_totals}
+        here = self.reward_runner.failures
+        names = set(self._failures_done) | set(self._failures_now) | set(here)
+        return {k: self._failures_done.get(k, 0) + self._failures_now.get(k, 0) + here.get(k, 0) for k in names}
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank (itself in one process); every rank must call it at the same point."""
@@ -394,9 +483,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             versions = item.token_versions or [[None] * len(g) for g in item.completions]
             groups = [[Completion(list(ids), list(lp), reason, v if v is not None else [item.version] * len(ids))
                        for (ids, lp, reason), v in zip(g, vg)] for g, vg in zip(item.completions, versions)]
-            # running totals; rounds scored concurrently may report them out of order, so never let one go back
-            previous = getattr(self, "_reward_failures", None) or {}
-            self._reward_failures = {k: max(v, previous.get(k, 0)) for k, v in item.failures.items()}
+            self._reward_failures = self._reward_failure_totals(item.failures)
             rollout = self.build_rollout(item.row_indices, groups, torch.tensor(item.rewards_per_func), item.gen_s,
                                          item.score_s)
         now = time.perf_counter()
@@ -416,9 +503,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         # the worker's compute is generation (scoring waits overlap it with scoring_concurrency > 1); its idle time is
         # the wait for weights plus any wait for a round in flight to be scored or queued
         busy = item.gen_s + (item.score_s if self.args.scoring_concurrency == 1 else 0.0)
-        m["async/generator_idle_fraction"] = item.wait_s / max(item.wait_s + busy, 1e-9)
+        if not item.in_trainer:
+            m["async/generator_idle_fraction"] = item.wait_s / max(item.wait_s + busy, 1e-9)
         m["async/generation_tokens_per_s"] = item.tokens / max(item.gen_s, 1e-9)
         m["async/worker_restarts"] = float(self._restarts)
+        m["async/rounds_in_trainer"] = float(self._warm_rounds)  # warm start: generated here while the worker started
         m["async/publish_s"] = getattr(self, "_publish_s", 0.0)  # the last weight publish (trainer side)
         if rollout.sampler_versions is not None:
             # in-flight updates: how many weight versions sampled this round, and the share of tokens sampled by
