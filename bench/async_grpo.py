@@ -13,7 +13,8 @@
 Both sides: embedded SmolLM2-135M-Instruct, arithmetic task, max 16 new tokens, temperature 0.7, lr 2e-5,
 dapo; sync uses both cores (2 torch threads) in turn; async gives the worker one thread and the trainer one.
 Each run is its own process; wall time is training only (model load and evaluation excluded; async's worker
-start-up and first round included, and also reported without them as the steady state); held-out
+start-up included: the trainer generates rounds itself until its worker is ready (warm start); also reported
+without step 1 as the steady state); held-out
 accuracy is greedy on 128 problems after training. The pipeline model (bench/async_model.py) is fed each
 async run's own per-round times and its prediction is printed beside the measured wall clock; it then
 predicts the separate-device deployment from the sync run's per-phase times (each side alone).
@@ -87,19 +88,19 @@ def worker(kind: str, steps: int) -> dict:
         return sum(v) / len(v) if v else None
 
     samples = steps * c["prompts_per_step"] * c["num_generations"]
-    # steady state: from the end of step 1 to the end of the last (the worker's start-up and first round left out)
+    # steady state: from the end of step 1 to the end of the last (step 1's one-off costs left out)
     steady = (steps - 1) * c["prompts_per_step"] * c["num_generations"] / (timer.ends[-1] - timer.ends[0])
     step_s = (timer.ends[-1] - timer.ends[0]) / max(steps - 1, 1)  # steady seconds per step
-    first = hist[0] if hist else {}
     return {"kind": kind, "wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
             "steady_samples_per_s": steady,
             "heldout_accuracy": acc, "reward_last5": sum(h["reward"] for h in hist[-5:]) / len(hist[-5:]),
             "completion_tokens": sum(h.get("completions/mean_length", 0) * c["prompts_per_step"] *
                                      c["num_generations"] for h in hist),
             "step_s": step_s, "trainer_wait_s_per_step": mean("async/trainer_wait_s"),
-            # the first round's wait less its generation and scoring: the worker's start-up
-            "worker_startup_s": (first.get("async/trainer_wait_s", 0.0) - first.get("time/generation_s", 0.0)
-                                 - first.get("time/scoring_s", 0.0)) if mode == "async" else 0.0,
+            # seconds from the worker's start to its being ready (the trainer generates its own rounds meanwhile)
+            "worker_startup_s": next((h["async/worker_startup_s"] for h in hist if "async/worker_startup_s" in h),
+                                     float("nan")) if mode == "async" else 0.0,
+            "rounds_in_trainer": hist[-1].get("async/rounds_in_trainer", 0.0) if mode == "async" else 0.0,
             "generation_s_per_step": mean("time/generation_s"), "scoring_s_per_step": mean("time/scoring_s"),
             "train_s_per_step": mean("time/train_s"), "publish_s": mean("async/publish_s"),
             "trainer_idle_fraction": mean("async/trainer_idle_fraction"),
@@ -110,7 +111,8 @@ def worker(kind: str, steps: int) -> dict:
 def _model_rows(case: str, c: dict, steps: int, sync: dict, asy: dict) -> dict:
     """The pipeline model, fed the async run's own per-round times (validation) and the sync run's (each
     side alone: the separate-device deployment)."""
-    knobs = dict(max_staleness=c["max_staleness"], queue_size=2, scoring_concurrency=c["scoring_concurrency"])
+    knobs = dict(max_staleness=c["max_staleness"], queue_size=2, scoring_concurrency=c["scoring_concurrency"],
+                 warm_start=True)
     # a step costs the trainer more than its forward/backward (optimizer, rollout bookkeeping, logging): the sync
     # run's steady step time less its phases. The async prediction takes it from the sync run (not from the
     # async run, whose step time is what is predicted); the async run's own residual is printed beside it.
@@ -226,6 +228,10 @@ def _table(out: dict) -> str:
         idle_t = [res[f"{case}-async-{x}"]["trainer_idle_fraction"] or 0.0 for x in c["seeds"]]
         idle_g = [res[f"{case}-async-{x}"]["generator_idle_fraction"] or 0.0 for x in c["seeds"]]
         lines.append(f"| async: trainer idle / generator idle | | {_fmt(idle_t)} / {_fmt(idle_g)} | |")
+        here = [res[f"{case}-async-{x}"].get("rounds_in_trainer", 0.0) for x in c["seeds"]]
+        ready = [res[f"{case}-async-{x}"]["worker_startup_s"] for x in c["seeds"]]
+        lines.append(f"| async: worker ready after (s) / rounds the trainer generated meanwhile (warm start) | | "
+                     f"{_fmt(ready, 1)} / {', '.join(f'{x:.0f}' for x in here)} | |")
         m = s["model"]
         lines += ["", "Pipeline model (bench/async_model.py): predicted vs measured async wall "
                   + ", ".join(f"{x['predicted_async_wall_s']:.0f} vs {x['measured_async_wall_s']:.0f} s "

@@ -12,7 +12,10 @@ It replays the pipeline of toolkit.core.async_grpo / rollout_worker round by rou
   enters the queue in round order once the queue (`queue_size`) has room;
 * the trainer takes round r when it is queued and step r - 1 is done, trains `train_s` (everything a step
   costs the trainer besides waiting), then publishes (`sync_s`, trainer side; the worker pays `load_s` when
-  it picks new weights up); the worker starts its first round after `startup_s`.
+  it picks new weights up); the worker starts its first round after `startup_s`;
+* with `warm_start` (AsyncGRPOConfig's default) the trainer generates, scores and trains rounds itself, as
+  synchronous GRPO does, while the worker starts; the worker begins with the round after the last one the
+  trainer began before `startup_s` (then the time the worker is ready, not its first round).
 
 The times are inputs: measured on this machine for the thread split in use (bench/async_grpo.py feeds the
 async run's own per-round times and checks the prediction against its wall clock), or set for another
@@ -41,13 +44,25 @@ def simulate_sync(p: Phases, rounds: int) -> float:
 
 
 def simulate_async(p: Phases, rounds: int, *, max_staleness: int = 1, queue_size: int = 2,
-                   scoring_concurrency: int = 2, sync_every: int = 1) -> float:
+                   scoring_concurrency: int = 2, sync_every: int = 1, warm_start: bool = False) -> float:
     """Wall seconds until the trainer finishes `rounds` steps of async GRPO under the rules above."""
     k, q, c = max_staleness, queue_size, scoring_concurrency
     publish = {0: 0.0}                       # version -> time it is readable by the worker
     gen_end, delivered, taken, train_end = [], [], [], []
     held = -1
-    for r in range(rounds):
+    first = 0
+    while warm_start and first < rounds and (train_end[-1] if train_end else 0.0) < p.startup_s:
+        # a round of the trainer's own, begun before the worker is ready: synchronous GRPO's step
+        begin = train_end[-1] if train_end else 0.0
+        delivered.append(begin + p.gen_s + p.score_s)
+        taken.append(delivered[-1])
+        end = taken[-1] + p.train_s
+        if (first + 1) % sync_every == 0:
+            end += p.sync_s
+            publish[first + 1] = end
+        train_end.append(end)
+        first += 1
+    for r in range(first, rounds):
         need = max(0, r - k)                 # the worker needs a version >= r - k before round r
         # (trainer progress is simulated lazily: until such a version is published)
         while not any(v >= need for v in publish):

@@ -7,6 +7,7 @@ learning rate 1 without clipping, so any difference in how the loss is normalise
 import json
 import os
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from toolkit import (AsyncGRPOConfig, AsyncGRPOTrainer, DPOConfig, DPOTrainer, G
 from toolkit.core.generation import TransformersBackend
 from toolkit.core.hookspecs import hookimpl
 from toolkit.core.plugins import registry
+from transformers import TrainerCallback
 from toolkit.testing import tiny_model, tiny_tokenizer
 
 SGD = dict(optim="sgd", learning_rate=1.0, max_grad_norm=0.0, lr_scheduler_type="constant", weight_decay=0.0,
@@ -83,6 +85,17 @@ class RecordingGRPO(_RecordsRounds, GRPOTrainer):
 
 class RecordingAsyncGRPO(_RecordsRounds, AsyncGRPOTrainer):
     pass
+
+
+class _WaitForWorker(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            deadline = time.time() + 120
+            while not self.trainer._handoff.worker_ready() and time.time() < deadline:
+                time.sleep(0.05)
 
 
 def enable_fsdp2_on_cpu() -> dict:
@@ -157,6 +170,8 @@ def run(case: str, out: Path, world: int) -> dict:
                                   heartbeat_timeout=120, worker_start_timeout=300, warm_start=case.endswith("warm"))
             trainer = RecordingAsyncGRPO(tiny_model(), [ddp_worker.uneven_reward], cfg, train_dataset=prompts(),
                                          processing_class=tok)
+            if case.endswith("warm"):  # round 0 from the trainers; each rank waits for its worker after step 1, so
+                trainer.add_callback(_WaitForWorker(trainer))  # the ranks hand rounds 1 and 2 over together
     else:  # grpo-<loss_type>-<scale_rewards>[-accum]
         _, loss_type, scale, *accum = case.split("-")
         # -accum: 2 processes x (2 prompts x gradient accumulation 2) with num_iterations 2, against 1 process x
@@ -184,7 +199,8 @@ def run(case: str, out: Path, world: int) -> dict:
         torch.save(params, out / "params.pt")
     if hasattr(trainer, "rounds_seen"):
         (out / f"rounds_rank{trainer.accelerator.process_index}.json").write_text(json.dumps(trainer.rounds_seen))
-    return {"losses": losses, "world_size": trainer.args.world_size,
+    here = [h["async/rounds_in_trainer"] for h in trainer.state.log_history if "async/rounds_in_trainer" in h]
+    return {"losses": losses, "world_size": trainer.args.world_size, "rounds_in_trainer": here[-1] if here else None,
             "sharded": type(trainer.model).__name__.startswith("FSDP")}
 
 

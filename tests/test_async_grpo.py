@@ -365,7 +365,7 @@ def test_warm_start_generates_in_the_trainer_until_the_worker_is_ready_and_equal
     # tiny step; from round 2 on the worker (it was ready when step 2 ended)
     assert 1 <= here <= 2
     assert logged(t, "async/generator_idle_fraction"), "no round came from the worker"
-    assert t._superseded == 0
+    assert t._superseded <= 1  # 1 only if the worker got ready within the ~0.1 ms between a check and a claim
     _assert_same_run(t, sync)
 
 
@@ -385,8 +385,8 @@ class _LateSight(AsyncGRPOTrainer):
             def worker_ready(self):
                 return real.worker_ready() and trainer.state.global_step >= 3
 
-            def claim(self, r):
-                real.claim(r)
+            def __getattr__(self, name):  # claim, ready_at: the real ones
+                return getattr(real, name)
 
         self._handoff = View()
 
@@ -408,13 +408,15 @@ def test_a_worker_hung_at_start_up_is_reported_while_the_trainer_trains_on(tmp_p
     import hangs_in_worker
 
     t = AsyncGRPOTrainer(tiny_model(), [hangs_in_worker.short],
-                         async_cfg(tmp_path, max_staleness=0, max_steps=100_000, warm_start=True,
+                         async_cfg(tmp_path, max_staleness=0, max_steps=400, warm_start=True,
                                    worker_start_timeout=6, heartbeat_timeout=3),
                          train_dataset=prompts(), processing_class=tiny_tokenizer())
     started = time.time()
-    with pytest.raises(TrainingHealthError, match="no heartbeat"):
+    with pytest.raises(TrainingHealthError, match=r"not ready \d+ s after its start \(> worker_start_timeout 6 s\): "
+                                                  "the worker hangs while starting"):
         t.train()
     assert time.time() - started < 90
+    assert t.state.global_step < 400
     assert t.state.global_step >= 2  # trained meanwhile, on rounds of its own
     assert t._proc is None  # stopped (killed) before the error was raised
 
@@ -426,3 +428,33 @@ def test_settings_that_cannot_reach_the_worker_fail_in_the_trainer_naming_why(tm
     with pytest.raises(ConfigError, match=r"cannot be sent to its process \(TypeError: cannot pickle '_thread.lock'"):
         t.train()
     assert t._proc is None
+
+
+def test_a_worker_killed_during_the_warm_start_is_restarted_and_the_run_still_equals_synchronous_grpo(tmp_path):
+    from transformers import TrainerCallback
+
+    sync = _sync_run(tmp_path, 5)
+    t = make(tmp_path, max_staleness=0, max_steps=5, warm_start=True, worker_restarts=1)
+    killed = []
+
+    class KillAtStep1(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                killed.append(t._handoff.worker_ready())
+                t._proc.kill()
+                t._proc.join(timeout=30)
+
+    t.add_callback(KillAtStep1())
+    _wait_for_the_worker_at_step(t, 3)  # the restarted worker takes over from round 3
+    t.train()
+    assert killed == [False]  # killed while starting, so the trainer noticed between rounds of its own
+    assert logged(t, "async/worker_restarts")[-1] == 1.0
+    assert logged(t, "async/rounds_in_trainer")[-1] == 3
+    assert logged(t, "async/generator_idle_fraction"), "no round came from the restarted worker"
+    _assert_same_run(t, sync)
+
+
+def test_warm_start_defaults_to_on_with_transformers_and_off_with_vllm(tmp_path):
+    assert make(tmp_path, warm_start=None).warm_start is True
+    t = make(tmp_path, warm_start=None, generation_backend="vllm")
+    assert t.warm_start is False and t.args.warm_start is None  # resolved in the trainer; the config is left alone

@@ -47,3 +47,16 @@ def test_an_impossible_schedule_is_reported():
     """The guard behind AsyncGRPOConfig's check (sync_every <= max_staleness + 1): the model says why it stops."""
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate_async(Phases(gen_s=1, train_s=1), 10, max_staleness=0, sync_every=3)
+
+
+def test_warm_start_is_synchronous_until_the_worker_is_ready_and_never_slower():
+    p = Phases(gen_s=1.0, train_s=1.5, score_s=1.2, startup_s=12.0)
+    # a worker that never becomes ready: every round is the trainer's own, synchronous GRPO
+    never = Phases(gen_s=1.0, train_s=1.5, score_s=1.2, startup_s=1e9)
+    assert simulate_async(never, 20, max_staleness=2, warm_start=True) == pytest.approx(simulate_sync(never, 20))
+    # the trainer's rounds fill the start-up instead of waiting through it
+    for k in (0, 1, 2):
+        assert simulate_async(p, 30, max_staleness=k, warm_start=True) < simulate_async(p, 30, max_staleness=k)
+    # a worker ready at once: nothing for the trainer to do itself
+    instant = Phases(gen_s=1.0, train_s=1.5, score_s=1.2)
+    assert simulate_async(instant, 30, warm_start=True) == pytest.approx(simulate_async(instant, 30))

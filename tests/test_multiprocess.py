@@ -75,6 +75,7 @@ def test_async_grpo_with_two_trainer_ranks(tmp_path):
     assert r["async-0"]["world_size"] == 2 and len(r["async-0"]["losses"]) == 3
     assert r["async-0"]["losses"] == pytest.approx(r["grpo-tfm"]["losses"], rel=1e-5, abs=2e-6)  # rounded to 6 decimals when logged
     assert r["async-0-warm"]["losses"] == pytest.approx(r["grpo-tfm"]["losses"], rel=1e-5, abs=2e-6)
+    assert r["async-0-warm"]["rounds_in_trainer"] == 1 and r["async-0"]["rounds_in_trainer"] == 0
     sync = torch.load(tmp_path / "grpo-tfm" / "params.pt")
     for case in ("async-0", "async-0-warm"):
         stale0 = torch.load(tmp_path / case / "params.pt")

@@ -90,11 +90,12 @@ class AsyncGRPOConfig(GRPOConfig):
                 "not only between rounds: the rollouts continue under the new weights, each token records the "
                 "version that sampled it, and the loss's behaviour log-prob is each token's own. transformers "
                 "backend only."})
-    warm_start: bool = field(default=True, metadata={
-        "help": "While the worker starts (a new interpreter, imports, the model built: 10-30 s on CPU, minutes for a "
-                "vLLM engine), the trainer generates and scores rounds itself, as synchronous GRPO does, instead of "
-                "waiting; the worker takes over from the round after the trainer's last. False: wait for the "
-                "worker."})
+    warm_start: bool | None = field(default=None, metadata={
+        "help": "While the worker starts (a new interpreter, imports, the model built: 10-30 s on CPU), the trainer "
+                "generates and scores rounds itself, as synchronous GRPO does, instead of waiting; the worker takes "
+                "over from the round after the trainer's last. None (default): on with the transformers backend, "
+                "off with vLLM (the trainer's own generation would share the GPU with an engine that is sizing its "
+                "cache from the free memory). False: wait for the worker."})
     heartbeat_timeout: float = field(default=60.0, metadata={
         "help": "Seconds without progress of the worker's main loop after which it counts as hung (a vLLM "
                 "generate call or weight upload may take up to worker_start_timeout)."})
@@ -193,6 +194,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._dropped = 0
         self._restarts = 0
         self._last_get = None
+        # warm_start resolved (the config is not written to): on by default with the transformers backend only
+        self.warm_start = (self.args.warm_start if self.args.warm_start is not None
+                           else self.args.generation_backend == "transformers")
         self._warm = False          # generating rounds here until the worker is ready (warm_start)
         self._warm_rounds = 0       # rounds generated in this process
         self._superseded = 0        # worker rounds discarded because this process had generated them (Handoff)
@@ -233,7 +237,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._heartbeat = self._ctx.Value("d", time.time(), lock=False)
         self._stop = StopFlag(self._ctx)
         self._handoff = Handoff(self._ctx, self._next_round)
-        self._warm = args.warm_start
+        # After a restart with several ranks the warm phase is over for good: a rank that re-entered it alone would
+        # call a collective (the readiness check) the other ranks do not. One process may warm-start again.
+        self._warm = self.warm_start and (not hasattr(self, "_started_at") or self.accelerator.num_processes == 1)
         # a new worker counts its reward failures from zero: keep the totals of the one before
         self._failures_done = {k: v + self._failures_done.get(k, 0) for k, v in self._failures_now.items()} | {
             k: v for k, v in self._failures_done.items() if k not in self._failures_now}
@@ -264,11 +270,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._rounds = round_sampler(spec)
         # Under spawn, Process.start() writes the pickled arguments into a pipe that the child reads only after its
         # new interpreter has imported the main module (10 s and more with torch); arguments larger than the pipe's
-        # buffer would hold this process that long. So the arguments are the small shared objects only, and the
-        # spec and weights (megabytes) go through a queue, whose feeder thread waits instead. They are pickled
-        # here, so an object that cannot be pickled fails now, in this process, naming itself.
+        # buffer (64 KiB) would hold this process that long. So the arguments are the small shared objects (the
+        # weights as shared-memory handles, about 110 bytes a tensor; their file descriptors pass to the child at
+        # spawn), and the spec (megabytes: tokenizer, rows) goes through a queue, whose feeder thread waits
+        # instead. It is pickled here, so an object that cannot be pickled fails now, in this process, naming
+        # itself.
         try:
-            payload = bytes(ForkingPickler.dumps((spec, self._shared)))
+            payload = bytes(ForkingPickler.dumps(spec))
         except Exception as e:
             raise ConfigError(f"async GRPO: the rollout worker's settings cannot be sent to its process "
                               f"({type(e).__name__}: {e}). Reward functions, the dataset's rows and the tokenizer "
@@ -280,13 +288,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._setup_q.cancel_join_thread()  # a worker that died before reading must not hold this process's exit
         self._proc = self._ctx.Process(
             target=worker_main, name="toolkit-rollout-worker", daemon=True,
-            args=(self._setup_q, {"threads": args.worker_threads, "parent_pid": os.getpid(),
+            args=(self._setup_q, self._shared, {"threads": args.worker_threads, "parent_pid": os.getpid(),
                             "start_timeout": args.worker_start_timeout},
                   self._version, self._lock, self._out_q, self._err_q, self._heartbeat, self._stop, self._handoff))
         self._proc.start()
+        self._started_at = time.time()
         logger.info("async GRPO: rollout worker pid %d started at round %d (max_staleness=%d, queue_size=%d, "
                     "warm_start=%s).", self._proc.pid, self._next_round, args.max_staleness, args.queue_size,
-                    args.warm_start)
+                    self._warm)
 
     def evaluation_backend(self):
         """Held-out evaluation generates in this process with the training model (the worker owns the real
@@ -317,6 +326,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._proc.kill()
             self._proc.join(timeout=10)
         self._proc = None
+        self._setup_q.close()  # a worker that died before reading its spec leaves the feeder blocked otherwise
 
     def publish_weights(self) -> None:
         """Copy the current weights into shared memory and bump the version (= the optimizer step)."""
@@ -340,9 +350,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
             pass
         if not self._proc.is_alive():
             return f"the worker process exited with code {self._proc.exitcode} without a traceback (killed?)"
-        # Until the worker says it is ready (imports, model or engine built) it may be silent for up to
-        # worker_start_timeout; from then on its main loop's progress is the heartbeat.
-        limit = self.args.heartbeat_timeout if self._handoff.worker_ready() else self.args.worker_start_timeout
+        # Until the worker says it is ready (imports, model or engine built) it has worker_start_timeout from its
+        # start; from then on its main loop's progress is the heartbeat.
+        if not self._handoff.worker_ready():
+            waited = time.time() - self._started_at
+            if waited > self.args.worker_start_timeout:
+                return (f"not ready {waited:.0f} s after its start (> worker_start_timeout "
+                        f"{self.args.worker_start_timeout:.0f} s): the worker hangs while starting")
+            return None
+        limit = self.args.heartbeat_timeout
         silent = time.time() - self._heartbeat.value
         if silent > limit:
             return f"no heartbeat for {silent:.0f} s (> {limit:.0f} s): the worker is hung"
@@ -359,8 +375,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                     self._handle_failure(problem)  # a restart starts a new warm start; otherwise this raises
                 return self._round_here()
             self._warm = False
-            logger.info("async GRPO: the rollout worker is ready; it generates from round %d on (%d rounds were "
-                        "generated in the trainer while it started).", self._next_round, self._warm_rounds)
+            logger.info("async GRPO: the rollout worker was ready %.1f s after its start; it generates from round %d "
+                        "on (%d rounds were generated in the trainer meanwhile).",
+                        self._handoff.ready_at() - self._started_at, self._next_round, self._warm_rounds)
         started = time.perf_counter()
         while True:
             try:
@@ -508,6 +525,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         m["async/generation_tokens_per_s"] = item.tokens / max(item.gen_s, 1e-9)
         m["async/worker_restarts"] = float(self._restarts)
         m["async/rounds_in_trainer"] = float(self._warm_rounds)  # warm start: generated here while the worker started
+        if self._handoff.worker_ready():  # seconds from the (last) worker's start to its being ready to generate
+            m["async/worker_startup_s"] = self._handoff.ready_at() - self._started_at
         m["async/publish_s"] = getattr(self, "_publish_s", 0.0)  # the last weight publish (trainer side)
         if rollout.sampler_versions is not None:
             # in-flight updates: how many weight versions sampled this round, and the share of tokens sampled by

@@ -121,16 +121,25 @@ class Handoff:
     skipped."""
 
     def __init__(self, ctx, start_round: int):
-        self._ready = ctx.Value("b", 0, lock=False)
+        self._ready_at = ctx.Value("d", 0.0, lock=False)  # time.time() when the worker was ready; 0: not yet
         self._claimed = ctx.Value("q", start_round - 1, lock=False)
 
     def worker_starts(self) -> int:
         """The worker, ready: the round it begins with."""
-        self._ready.value = 1
+        self._ready_at.value = time.time()
         return self._claimed.value + 1
 
     def worker_ready(self) -> bool:
-        return bool(self._ready.value)
+        return self._ready_at.value > 0.0
+
+    def next_round(self) -> int:
+        """The round after the trainer's last claimed one. With several ranks the trainers go on generating until
+        every rank's worker is ready, so a worker that was ready early catches up here instead of generating
+        rounds that its trainer has already made."""
+        return self._claimed.value + 1
+
+    def ready_at(self) -> float:
+        return self._ready_at.value
 
     def claim(self, r: int) -> None:
         """The trainer, before generating round r itself."""
@@ -154,7 +163,9 @@ def _build_model(config: Any) -> torch.nn.Module:
     except ImportError:  # pragma: no cover - older transformers: initialise, only slower
         no_init_weights = contextlib.nullcontext
     with no_init_weights():
-        return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()  # tying happens in the init that no_init_weights skips; a tied head is not published twice
+    return model
 
 
 def _beat_while_progressing(progress: Progress, heartbeat, stop, parent: int, every: float = 0.5) -> None:
@@ -171,11 +182,12 @@ def _beat_while_progressing(progress: Progress, heartbeat, stop, parent: int, ev
         time.sleep(every)
 
 
-def worker_main(setup_q, boot: dict[str, Any], version, lock, out_q, err_q, heartbeat, stop, handoff: Handoff) -> None:
+def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], version, lock, out_q, err_q, heartbeat,
+                stop, handoff: Handoff) -> None:
     """The rollout worker's process: generate and score rounds until told to stop.
 
-    `boot` is what is needed before anything else (threads, the trainer's pid, the start-up bound); the spec and the
-    shared weights come through `setup_q` (see AsyncGRPOTrainer._start_worker)."""
+    `boot` is what is needed before anything else (threads, the trainer's pid, the start-up bound); the spec comes
+    through `setup_q` (see AsyncGRPOTrainer._start_worker)."""
     try:
         torch.set_num_threads(boot["threads"])
         progress = Progress()
@@ -184,7 +196,7 @@ def worker_main(setup_q, boot: dict[str, Any], version, lock, out_q, err_q, hear
         progress.bounded_until = time.time() + boot["start_timeout"]
         threading.Thread(target=_beat_while_progressing, args=(progress, heartbeat, stop, boot["parent_pid"]),
                          daemon=True).start()
-        spec, shared = pickle.loads(setup_q.get(timeout=boot["start_timeout"]))
+        spec = pickle.loads(setup_q.get(timeout=boot["start_timeout"]))
         held = [-1]  # the version of the weights the backend holds (a list: refresh_weights updates it)
         runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"],
                               max_consecutive_failures=spec["reward_max_failures"],
@@ -364,8 +376,10 @@ def worker_main(setup_q, boot: dict[str, Any], version, lock, out_q, err_q, hear
         # ready: begin after the last round the trainer generated itself meanwhile (warm start; see Handoff)
         start_round = handoff.worker_starts()
         r, carried_wait = start_round, 0.0
+        first = True
         while not stop.is_set():
             progress.tick()
+            r = max(r, handoff.next_round())  # skip rounds the trainer generated itself meanwhile (several ranks)
             t_wait = time.perf_counter()
             while version.value < r - spec["max_staleness"] and not stop.is_set():
                 settle(float("inf"))  # surfaces a scoring failure while waiting
@@ -411,8 +425,9 @@ def worker_main(setup_q, boot: dict[str, Any], version, lock, out_q, err_q, hear
                 t_settle = time.perf_counter()
                 settle(concurrency)
                 carried_wait = time.perf_counter() - t_settle  # idle: counted in the next round's wait
-            if r == start_round:
+            if first:
                 progress.bounded_until = 0.0  # start-up is over: from now on only progress counts
+                first = False
             r += 1
         outbox.put(None)
         out_q.cancel_join_thread()  # stopping: rounds nobody will read must not hold the exit
