@@ -122,7 +122,15 @@ def training(kind: str, steps: int) -> dict:
             "episodes_per_s": round(episodes / seconds, 3), "heldout_success": round(success, 4),
             "reward_per_step": [round(h["reward"], 3) for h in t.state.log_history if "reward" in h],
             "turns_per_step": [round(h["episodes/turns_mean"], 2) for h in t.state.log_history
-                               if "episodes/turns_mean" in h]}
+                               if "episodes/turns_mean" in h],
+            # async warm start: rounds the trainer generated itself while its worker started, and the start-up
+            **({"rounds_in_trainer": _last(t, "async/rounds_in_trainer"),
+                "worker_startup_s": _last(t, "async/worker_startup_s")} if kind == "async" else {})}
+
+
+def _last(trainer, key):
+    values = [h[key] for h in trainer.state.log_history if key in h]
+    return round(values[-1], 2) if values else None
 
 
 def main() -> None:
@@ -172,6 +180,10 @@ def main() -> None:
         r = results[k]
         lines.append(f"| {k} | {r['episodes_per_s']} | {r['seconds']} | {r['heldout_success']} | "
                      f"{r['reward_per_step']} |")
+    a = results["async"]
+    if a.get("rounds_in_trainer") is not None:
+        lines += ["", f"async warm start: the worker was ready after {a['worker_startup_s']} s; the trainer generated "
+                      f"{a['rounds_in_trainer']:.0f} of the {args.steps} rounds itself meanwhile"]
     lines += [""] + [f"{k}: {v:.2f}x" for k, v in out["ratios"].items()]
     text = "\n".join(lines)
     print(text)
