@@ -221,5 +221,16 @@ def main(out_dir: str, world: int, cases: list[str]) -> None:
     (Path(out_dir) / "result.json").write_text(json.dumps(results))
 
 
+def leave_process_group() -> None:
+    """Destroy the process group before the interpreter exits (as toolkit's CLI does): left to teardown, a rank's
+    gloo threads can be destroyed while joinable and the rank aborts ("terminate called without an active
+    exception", SIGABRT) after it finished, which torchrun reports as a failure. Seen in CI in fsdp_head_worker."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))
+    try:
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))
+    finally:
+        leave_process_group()

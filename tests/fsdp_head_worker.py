@@ -50,4 +50,11 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    finally:
+        if dist.is_initialized():
+            dist.barrier()  # rank 0 may still be saving
+            # before interpreter teardown, which can destroy gloo's threads while joinable: SIGABRT after a run
+            # that finished ("terminate called without an active exception"), seen once in CI
+            dist.destroy_process_group()
