@@ -32,6 +32,7 @@ class PerPromptSeeded:
     def __init__(self, model, tokenizer, config):
         self.inner = TransformersBackend(model, pad_token_id=tokenizer.pad_token_id)
         self.calls = 0
+        self.padded = 0  # PerContextSeeded: calls without prompts made to keep a sharded model's ranks in step
 
     def sync_weights(self, model):
         self.inner.sync_weights(model)
@@ -42,11 +43,39 @@ class PerPromptSeeded:
                 for p in prompts]
 
 
+class PerContextSeeded(PerPromptSeeded):
+    """Seeded by the context's ids alone, for multi-turn episodes: a turn's context holds the episode so far, so
+    the samples do not depend on the rank, the batch or how many calls came before. Under FSDP2 every rank makes as
+    many calls to the real backend as the rank with the most contexts (a call without prompts steps placeholder
+    batches alongside the other ranks' forwards: TransformersBackend's lockstep padding)."""
+
+    def generate(self, prompts, params, *, n=1, seed=None):
+        from toolkit.core.generation import _decodes_in_lockstep, _max_over_ranks
+
+        # the call count is agreed before any forward (as TransformersBackend agrees its batch count)
+        calls = _max_over_ranks(len(prompts), torch.device("cpu")) if _decodes_in_lockstep(self.inner.model) else 0
+        out = [self.inner.generate([p], params, n=n, seed=zlib.crc32(str(list(p)).encode()))[0] for p in prompts]
+        for _ in range(calls - len(prompts)):
+            assert self.inner.generate([], params, n=1) == []
+            self.padded += self.inner.last_stats.extra["placeholder_batches"]  # the real backend's own count
+        return out
+
+
 class _Plugin:
     @staticmethod
     @hookimpl
     def toolkit_register_generation_backends():
-        return {"per_prompt_seeded": PerPromptSeeded}
+        return {"per_prompt_seeded": PerPromptSeeded, "per_context_seeded": PerContextSeeded}
+
+
+# multi-turn episodes (tests/episode_envs.py): three turns unless a turn is cut at max_completion_length, so
+# episodes (and ranks) end at different turns; the reward is the characters written, mod 7
+EPISODES = dict(environment="gymnasium", environment_kwargs={"env": "episode_envs:Turns-v0"}, max_turns=3,
+                max_episode_tokens=200)
+
+
+def episode_rows():
+    return [{"prompt": "play", "seed": i} for i in range(16)]
 
 
 def sft_rows():
@@ -152,24 +181,38 @@ def run(case: str, out: Path, world: int) -> dict:
                         stop_token_ids=list(range(0, 384, 4)), generation_backend="per_prompt_seeded",
                         whiten_rewards=accum, **{**SGD, "learning_rate": 0.1, "max_grad_norm": 1.0 if accum else 0.0})
         trainer = PPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)
-    elif case == "grpo-tfm" or case.startswith("async"):
+    elif case == "episodes":
+        # GRPO on multi-turn episodes: 8 prompts x 2 episodes per step over the ranks; under FSDP2 the ranks whose
+        # episodes ended keep decoding placeholders while another rank's episodes continue
+        # 1 id in 7 stops a turn: about 40% of turns reach max_completion_length uncut, which ends their episode
+        cfg = GRPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=2 * per_device, num_generations=2,
+                         max_completion_length=6, stop_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")] +
+                         list(range(330, 384)), loss_type="dapo", scale_rewards="batch", beta=0.0,
+                         generation_backend="per_context_seeded", **EPISODES, **{**SGD, "learning_rate": 0.5},
+                         **sharded)
+        trainer = GRPOTrainer(tiny_model(), [], cfg, train_dataset=episode_rows(), processing_class=tok)
+    elif case.startswith("grpo-tfm") or case.startswith("async"):
         # async-<k>: AsyncGRPOTrainer, one rollout worker per rank, max_staleness k. grpo-tfm: synchronous GRPO with
         # the same settings and the plain transformers backend; at staleness 0 async must equal it on every rank
         # (each worker draws its rank's rows with its rank's seeds). The reward is imported by module name, as
         # the worker process needs it.
         import ddp_worker
 
+        # -episodes: multi-turn episodes (an environment by name, made again in each worker process)
+        episodes = case.endswith("episodes")
         common = dict(output_dir=str(out), max_steps=3, per_device_train_batch_size=2 * per_device, num_generations=2,
                       max_completion_length=6, stop_token_ids=list(range(0, 384, 4)), loss_type="dapo", beta=0.0,
-                      scale_rewards="batch", **{**SGD, "learning_rate": 0.5})
-        if case == "grpo-tfm":
-            trainer = RecordingGRPO(tiny_model(), [ddp_worker.uneven_reward], GRPOConfig(**common),
-                                    train_dataset=prompts(), processing_class=tok)
+                      scale_rewards="batch", **{**SGD, "learning_rate": 0.5}, **(EPISODES if episodes else {}))
+        if episodes:  # a turn ends with the template's end-of-turn token (TemplateDelta checks it comes first)
+            common["stop_token_ids"] = [tok.convert_tokens_to_ids("<|im_end|>")] + list(range(200, 384))
+        rewards, data = ([], episode_rows()) if episodes else ([ddp_worker.uneven_reward], prompts())
+        if case.startswith("grpo-tfm"):
+            trainer = RecordingGRPO(tiny_model(), rewards, GRPOConfig(**common), train_dataset=data,
+                                    processing_class=tok)
         else:
             cfg = AsyncGRPOConfig(**common, max_staleness=int(case.split("-")[1]), worker_threads=1,
                                   heartbeat_timeout=120, worker_start_timeout=300, warm_start=case.endswith("warm"))
-            trainer = RecordingAsyncGRPO(tiny_model(), [ddp_worker.uneven_reward], cfg, train_dataset=prompts(),
-                                         processing_class=tok)
+            trainer = RecordingAsyncGRPO(tiny_model(), rewards, cfg, train_dataset=data, processing_class=tok)
             if case.endswith("warm"):  # round 0 from the trainers; each rank waits for its worker after step 1, so
                 trainer.add_callback(_WaitForWorker(trainer))  # the ranks hand rounds 1 and 2 over together
     else:  # grpo-<loss_type>-<scale_rewards>[-accum]
@@ -200,7 +243,14 @@ def run(case: str, out: Path, world: int) -> dict:
     if hasattr(trainer, "rounds_seen"):
         (out / f"rounds_rank{trainer.accelerator.process_index}.json").write_text(json.dumps(trainer.rounds_seen))
     here = [h["async/rounds_in_trainer"] for h in trainer.state.log_history if "async/rounds_in_trainer" in h]
+    padded = getattr(trainer.generation_backend, "padded", 0) if hasattr(trainer, "generation_backend") else 0
+    if torch.distributed.is_initialized():  # summed over the ranks (a collective: every rank runs every case)
+        t = torch.tensor([padded])
+        torch.distributed.all_reduce(t)
+        padded = int(t.item())
     return {"losses": losses, "world_size": trainer.args.world_size, "rounds_in_trainer": here[-1] if here else None,
+            "turns": [h["episodes/turns_mean"] for h in trainer.state.log_history if "episodes/turns_mean" in h],
+            "padded_calls": padded,
             "sharded": type(trainer.model).__name__.startswith("FSDP")}
 
 

@@ -30,3 +30,28 @@ class Turns(gymnasium.Env):
 
 
 gymnasium.register(id="Turns-v0", entry_point=Turns)
+
+
+class NeedsCode(Exception):
+    """Pickles (as the class and its args) but does not unpickle: the class cannot be called without `code`."""
+
+    def __init__(self, *, code):
+        super().__init__()
+        self.code = code
+
+
+class LockInInfo:
+    """An `Environment` (reset/step) whose step info holds a lock, which does not pickle, and an exception that
+    does not unpickle: async GRPO's worker must still deliver the round (those values replaced by strings), not lose
+    it in its queue's feeder thread or crash the trainer."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": f"go {row['seed']}"}]
+
+    def step(self, text):
+        import threading
+
+        from toolkit.core.environments import EnvResponse
+
+        info = {"lock": threading.Lock(), "error": NeedsCode(code=3), "chars": len(text)}
+        return EnvResponse(reward=float(len(text) % 3), done=True, info=info)

@@ -319,6 +319,103 @@ def test_episodes_at_max_staleness_zero_reproduce_synchronous_grpo(tmp_path, war
         torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
 
 
+@pytest.mark.parametrize("how", ["factory object", "registered at run time"])
+def test_an_environment_the_worker_could_not_build_by_name_reaches_it_as_a_factory(tmp_path, how):
+    """An `environment=` factory object, or an environment registered at run time in this process only (the worker
+    process's own registry has entry-point plugins and built-ins only): the worker gets the factory itself, pickled,
+    and at max_staleness 0 trains what synchronous GRPO trains with the same environment. A factory that cannot be
+    pickled is refused before any model loads."""
+    pytest.importorskip("gymnasium")
+    import functools
+
+    from toolkit.core.environments import GymnasiumEnvironment
+    from toolkit.core.hookspecs import hookimpl
+    from toolkit.core.plugins import registry
+
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turns = functools.partial(GymnasiumEnvironment, "episode_envs:Turns-v0")  # a module-level class: it pickles
+    episodes = dict(max_turns=3, max_episode_tokens=200, stop_token_ids=[end] + list(range(200, 384)))
+    rows = [{"prompt": "play", "seed": i} for i in range(16)]
+    sync = GRPOTrainer(tiny_model(), [], GRPOConfig(output_dir=str(tmp_path / "sync"), **COMMON, **episodes),
+                       train_dataset=rows, processing_class=tok, environment=turns)
+    sync.train()
+    with pytest.raises(ConfigError, match="environment: async GRPO builds the environments in its worker"):
+        AsyncGRPOTrainer(tiny_model(), [], async_cfg(tmp_path, max_staleness=0, **episodes), train_dataset=rows,
+                         processing_class=tok, environment=lambda: turns())
+
+    class RunTimeOnly:
+        @hookimpl
+        def toolkit_register_environments(self):
+            return {"turns-here-only": turns}
+
+    if how == "factory object":
+        kw, cfg = {"environment": turns}, async_cfg(tmp_path, max_staleness=0, **episodes)
+    else:
+        registry().register(RunTimeOnly(), "run-time-only-env")
+        kw, cfg = {}, async_cfg(tmp_path, max_staleness=0, environment="turns-here-only", **episodes)
+    try:
+        t = AsyncGRPOTrainer(tiny_model(), [], cfg, train_dataset=rows, processing_class=tiny_tokenizer(), **kw)
+        t.train()
+    finally:
+        if how != "factory object":
+            registry().unregister("run-time-only-env")
+    assert logged(t, "async/rounds_in_trainer")[-1] == 0  # every round came from the worker (warm_start off)
+    assert max(logged(sync, "episodes/turns_mean")) > 1
+    assert logged(t, "episodes/turns_mean") == logged(sync, "episodes/turns_mean")
+    assert logged(t, "reward") == pytest.approx(logged(sync, "reward"), abs=1e-6)
+    for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
+        torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_a_run_time_environment_the_worker_cannot_get_is_refused_before_any_model_loads(tmp_path):
+    """Registered in this process only, with a factory that cannot be pickled: the worker could neither receive it
+    nor find the name in its own registry (entry points and built-ins), so the trainer refuses it up front."""
+    from toolkit.core.hookspecs import hookimpl
+    from toolkit.core.plugins import registry
+
+    class RunTimeLambda:
+        @hookimpl
+        def toolkit_register_environments(self):
+            return {"lambda-only": lambda: None}
+
+    registry().register(RunTimeLambda(), "run-time-lambda-env")
+    try:
+        # a model that would fail to load: the check must come first
+        with pytest.raises(ConfigError, match="'lambda-only' was registered in this process only"):
+            AsyncGRPOTrainer(str(tmp_path / "no-model-here"), [], async_cfg(tmp_path, environment="lambda-only"),
+                             train_dataset=[{"prompt": "play"}] * 8, processing_class=tiny_tokenizer())
+    finally:
+        registry().unregister("run-time-lambda-env")
+
+
+def test_an_episode_info_that_does_not_pickle_is_sent_as_text_not_lost(tmp_path, caplog):
+    """A value in an environment's step info that cannot be pickled used to make the worker's queue drop the whole
+    round in its feeder thread (and one that pickles but cannot be unpickled would raise in the trainer); each now
+    arrives as a string naming its type, the run trains every round, and the trainer warns with the fix."""
+    import episode_envs
+
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    seen = []
+
+    class Recording(AsyncGRPOTrainer):
+        def rollout_from_episodes(self, row_indices, episodes, t_gen):
+            seen.extend(ep.infos[-1] for ep in episodes)
+            return super().rollout_from_episodes(row_indices, episodes, t_gen)
+
+    t = Recording(tiny_model(), [], async_cfg(tmp_path, max_staleness=0, max_turns=1, max_episode_tokens=50,
+                                              stop_token_ids=[end] + list(range(200, 384))),
+                  train_dataset=[{"prompt": "play", "seed": i} for i in range(16)], processing_class=tok,
+                  environment=episode_envs.LockInInfo)
+    with caplog.at_level("WARNING", logger="toolkit"):
+        t.train()
+    assert len(logged(t, "reward")) == 3 and len(seen) == 3 * 8
+    assert all(info["lock"].startswith("<not picklable: lock>") and info["error"].startswith("<not picklable: "
+               "NeedsCode>") and isinstance(info["chars"], int) for info in seen)
+    assert "could not be sent from the rollout worker" in caplog.text
+
+
 # ------------------------------------------------------------------------------------------------- warm start
 
 

@@ -293,6 +293,70 @@ def test_slow_failing_and_cut_environments_at_the_episode_level():
     assert eps[0].finish == "done" and eps[0].truncated and eps[0].reward == 0.5
 
 
+def test_a_rank_whose_episodes_ended_keeps_turning_while_another_rank_is_active():
+    """Under a sharded model every rank must make the same generate calls: with `any_rank` saying another rank is
+    still active, a rank whose episodes all ended samples an empty batch each remaining turn (its episodes are
+    untouched), and stops with the others. (The real collective: tests/test_multiprocess.py, case episodes.)"""
+    from toolkit.core.environments import TemplateDelta, run_episodes
+    from toolkit.core.generation import Completion
+
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    class OneTurn:
+        def reset(self, row):
+            return [{"role": "user", "content": "go"}]
+
+        def step(self, text):
+            return EnvResponse(reward=1.0, done=True)
+
+    calls, asked = [], []
+
+    def sample(contexts):
+        calls.append(len(contexts))
+        return [Completion([65, end], [-0.1, -0.1], "stop") for _ in contexts]
+
+    def other_rank_active_for_two_more_turns(flag):  # the other rank's episodes last 3 turns
+        asked.append(flag)
+        return flag or len(asked) <= 3
+
+    alone = run_episodes([OneTurn(), OneTurn()], [{}] * 2, sample, TemplateDelta(tok), max_turns=5)
+    assert calls == [2]
+    calls.clear()
+    eps = run_episodes([OneTurn(), OneTurn()], [{}] * 2, sample, TemplateDelta(tok), max_turns=5,
+                       any_rank=other_rank_active_for_two_more_turns)
+    assert calls == [2, 0, 0] and asked == [True, False, False, False]
+    assert [(ep.ids, ep.mask, ep.finish) for ep in eps] == [(ep.ids, ep.mask, ep.finish) for ep in alone]
+
+
+def test_an_environment_factory_that_raises_costs_its_episode_not_the_run():
+    from toolkit.core.environments import TemplateDelta, fresh_environments, run_episodes
+    from toolkit.core.generation import Completion
+
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    made = []
+
+    class Flaky:
+        def __init__(self):
+            made.append(self)
+            if len(made) % 2 == 0:
+                raise OSError("no sandbox slot left")
+
+        def reset(self, row):
+            return [{"role": "user", "content": "go"}]
+
+        def step(self, text):
+            return EnvResponse(reward=1.0, done=True)
+
+    envs = fresh_environments(Flaky, 4)
+    eps = run_episodes(envs, [{}] * 4, lambda cs: [Completion([65, end], [-0.1, -0.1], "stop") for _ in cs],
+                       TemplateDelta(tok), max_turns=2)
+    assert [ep.finish for ep in eps] == ["done", "env_error", "done", "env_error"]
+    assert "the environment factory raised OSError: no sandbox slot left" in eps[1].infos[-1]["env_error"]
+    assert eps[0].reward == 1.0 and eps[1].reward is None
+
+
 def test_failed_resets_train_as_placeholders_and_async_evaluates_in_process(tmp_path):
     class BadStart(Chatty):
         made = 0

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
-FSDP2_CASES = ["sft", "sft-stream", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-prompt-batch-accum"]
-CASES = ["sft", "sft-stream", "dpo", "ppo", "ppo-accum", "ppo-minibatches", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch", "grpo-prompt-batch-accum"]
+FSDP2_CASES = ["sft", "sft-stream", "dpo", "grpo-dapo-group", "grpo-grpo-batch", "grpo-prompt-batch-accum", "episodes"]
+CASES = ["sft", "sft-stream", "dpo", "ppo", "ppo-accum", "ppo-minibatches", "grpo-dapo-group", "grpo-grpo-batch", "grpo-dr_grpo-batch", "grpo-prompt-batch-accum", "episodes"]
 
 
 def _run(cmd, env):
@@ -68,7 +68,7 @@ def test_async_grpo_with_two_trainer_ranks(tmp_path):
            "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     # async-0-warm: warm start on (the trainer ranks generate the first rounds themselves, deciding together when
     # every rank's worker is ready; a tiny model's 3 steps may all be generated there)
-    cases = ["grpo-tfm", "async-0", "async-1", "async-0-warm"]
+    cases = ["grpo-tfm", "async-0", "async-1", "async-0-warm", "grpo-tfm-episodes", "async-0-episodes"]
     _run([torchrun, "--nproc_per_node", "2", "--master_port", "29537", WORKER, str(tmp_path), "2", ",".join(cases)],
          env)
     r = json.loads((tmp_path / "result.json").read_text())
@@ -81,6 +81,12 @@ def test_async_grpo_with_two_trainer_ranks(tmp_path):
         stale0 = torch.load(tmp_path / case / "params.pt")
         for k in sync:
             torch.testing.assert_close(stale0[k], sync[k], rtol=1e-5, atol=1e-5, msg=f"{case}: {k}")
+    # multi-turn episodes: each rank's worker runs its rank's episodes (the factory sent to it, pickled)
+    assert r["async-0-episodes"]["losses"] == pytest.approx(r["grpo-tfm-episodes"]["losses"], rel=1e-5, abs=2e-6)
+    assert max(r["grpo-tfm-episodes"]["turns"]) > 1
+    sync_ep, async_ep = (torch.load(tmp_path / c / "params.pt") for c in ("grpo-tfm-episodes", "async-0-episodes"))
+    for k in sync_ep:
+        torch.testing.assert_close(async_ep[k], sync_ep[k], rtol=1e-5, atol=1e-5, msg=f"episodes: {k}")
     for rank in (0, 1):
         expected = json.loads((tmp_path / "grpo-tfm" / f"rounds_rank{rank}.json").read_text())
         assert len(expected) == 3
@@ -98,6 +104,32 @@ def test_fsdp2_two_ranks_match_one_process(tmp_path):
     that stopped early crashed the collective before). The worker lifts accelerate's GPU-only gate for FSDP."""
     r2 = _two_ranks_against_one(tmp_path, FSDP2_CASES, 29535, TOOLKIT_TEST_FSDP2="1")
     assert all(r["sharded"] for r in r2.values())
+    # multi-turn episodes: some episodes were cut before their third turn, and a rank with fewer contexts than the
+    # other made up the difference with calls that only step placeholder batches (else the run would hang)
+    assert 1 < max(r2["episodes"]["turns"]) and min(r2["episodes"]["turns"]) < 3
+    assert r2["episodes"]["padded_calls"] > 0
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_with_different_numbers_of_prompts_generate_in_lockstep(tmp_path):
+    """TransformersBackend on an FSDP2 model (2 gloo processes): ranks bring different numbers of prompts to a call
+    (none; 2 batches against 1; the group path), one sequence per batch. The batch count is agreed before any
+    forward, and the rank with fewer batches steps placeholders: each rank samples exactly what one process samples
+    for its prompts and seed, and the run neither hangs nor crashes."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    worker = str(Path(__file__).with_name("lockstep_worker.py"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    _run([sys.executable, worker, str(tmp_path / "one.json")], env)
+    _run([torchrun, "--nproc_per_node", "2", "--master_port", "29538", worker, str(tmp_path / "two.json")], env)
+    one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    for rank in ("0", "1"):
+        for call_two, call_one in zip(two[rank][0], one[rank][0], strict=True):
+            assert [[ids for ids, _ in g] for g in call_two] == [[ids for ids, _ in g] for g in call_one], rank
+            flat = lambda call: [x for g in call for _, lp in g for x in lp]  # noqa: E731
+            assert flat(call_two) == pytest.approx(flat(call_one), abs=1e-5), rank
+    assert one["0"][1] == one["1"][1] == [0, 0, 0]  # one process never pads
+    assert two["0"][1] == [0, 0, 1] and two["1"][1] == [3, 1, 0]  # batches short of the other rank's, per call
+    assert sum(len(g) for call in two["1"][0] for g in call) == 0 + 1 + 2 * 2
 
 
 @pytest.mark.slow

@@ -139,7 +139,7 @@ class AsyncGRPOConfig(GRPOConfig):
 class AsyncGRPOTrainer(GRPOTrainer):
     """GRPO with generation in a separate worker process; see the module docstring and docs/async_grpo.md."""
 
-    # multi-turn episodes by a registered environment's name (the worker process builds it from the registry)
+    # multi-turn episodes: the worker process builds the environments (the trainer's factory, sent pickled; docs/agents.md)
     _supports_environments = True
 
     _tag_names = ["toolkit", "grpo", "async-grpo"]  # noqa: RUF012
@@ -156,6 +156,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         optimizers: tuple = (None, None),
         model_init_kwargs: dict | None = None,
         ref_model: Any = None,
+        environment: Any = None,
     ):
         args = args if args is not None else AsyncGRPOConfig()
         if not isinstance(args, AsyncGRPOConfig):
@@ -182,10 +183,26 @@ class AsyncGRPOTrainer(GRPOTrainer):
             raise ConfigError(f"reward_funcs: async GRPO runs rewards in the worker process, so they must be "
                               f"importable (module-level functions or built-in names), not lambdas or closures "
                               f"({type(e).__name__}: {e}).") from e
+        if environment is not None:
+            # the worker process builds the episodes' environments: it gets the factory itself, pickled
+            problem = _not_importable_in_worker(environment)
+            if problem is not None:
+                raise ConfigError(f"environment: async GRPO builds the environments in its worker process, so the "
+                                  f"factory must be importable there (a class or a module-level function in a .py "
+                                  f"module, or a functools.partial of one; not a lambda, a closure or a class "
+                                  f"defined in a notebook), or name a registered environment in "
+                                  f"AsyncGRPOConfig.environment; {problem}.")
+            if args.inflight_weight_updates:
+                raise ConfigError("inflight_weight_updates: not with multi-turn episodes (environment): an episode's "
+                                  "turns are separate generate calls whose per-token versions are not carried yet; "
+                                  "set it False (weights are then loaded between rounds).")
+        # what the worker process gets to build the environments, checked before any model loads
+        worker_env = self._environment_for_worker(self._environment_factory(environment, args), args.environment)
         callbacks = list(callbacks or []) + [_AsyncStateCallback(self)]
         super().__init__(model, funcs, args, train_dataset=train_dataset, processing_class=processing_class,
                          peft_config=peft_config, generation_backend=_InWorker(), callbacks=callbacks,
-                         optimizers=optimizers, model_init_kwargs=model_init_kwargs, ref_model=ref_model)
+                         optimizers=optimizers, model_init_kwargs=model_init_kwargs, ref_model=ref_model,
+                         environment=environment)
         if self.args.trainer_threads:
             torch.set_num_threads(self.args.trainer_threads)
         self._ctx = mp.get_context("spawn")
@@ -194,6 +211,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._dropped = 0
         self._restarts = 0
         self._last_get = None
+        self._worker_env_factory = worker_env
         # warm_start resolved (the config is not written to): on by default with the transformers backend only
         self.warm_start = (self.args.warm_start if self.args.warm_start is not None
                            else self.args.generation_backend == "transformers")
@@ -261,7 +279,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "backend": args.generation_backend, "backend_kwargs": self._worker_backend_kwargs(),
             "rank": self.accelerator.process_index, "num_processes": self.accelerator.num_processes,
             "inflight": args.inflight_weight_updates, "scoring_concurrency": args.scoring_concurrency,
-            "episodes": None if args.environment is None else {
+            "episodes": None if self.environment_factory is None else {
+                # the factory itself when it pickles (an `environment=` object, or a registered class or module-level
+                # function: then one registered at run time in this process works too); else the worker builds
+                # it by name from its own registry (entry-point plugins and built-ins)
+                "factory": self._worker_env_factory,
                 "name": args.environment, "kwargs": dict(args.environment_kwargs or {}),
                 "max_turns": args.max_turns, "max_tokens": args.max_episode_tokens,
                 "concurrency": args.environment_concurrency, "step_timeout": args.environment_step_timeout,
@@ -487,11 +509,41 @@ class AsyncGRPOTrainer(GRPOTrainer):
         super()._write_checkpoint_state(folder)
         write_atomic(folder / STATE_FILE, json.dumps({"next_round": self._next_round, "dropped": self._dropped}))
 
+    @staticmethod
+    def _environment_for_worker(factory: Any, name: str | None) -> Any:
+        """The environment factory the worker gets (None: no episodes, or the worker looks the name up itself).
+
+        The factory itself when it can reach the worker process: an `environment=` object (checked in __init__),
+        or a registered class or module-level function with its kwargs (so an environment registered at run
+        time in this process works there too). A registered factory that cannot (a lambda in a plugin) is looked
+        up by name in the worker's own registry, which holds entry-point plugins and built-ins only; a name that
+        is not there is refused here, before training starts."""
+        if factory is None:
+            return None
+        problem = _not_importable_in_worker(factory)
+        if problem is None:
+            return factory
+        from .plugins import PluginRegistry
+
+        if name in PluginRegistry().names("environment"):
+            logger.warning("async GRPO: environment '%s' cannot be sent to the rollout worker (%s); the worker builds "
+                           "it from its own registry (the plugin's entry point)", name, problem)
+            return None
+        raise ConfigError(f"environment: '{name}' was registered in this process only (not through an entry point), "
+                          f"and its factory cannot be sent to async GRPO's worker process: {problem}. Register a class "
+                          "or a module-level function (or a functools.partial of one), or install the plugin with "
+                          "an entry point.")
+
     # --------------------------------------------------------------------------------- rollout
 
     def generate_rollout(self, row_indices) -> Rollout:
         """The next scored round from the worker (the dataloader's indices are the same rounds; unused)."""
         item = self._next_scored_round()
+        if item.infos_replaced:
+            self._health._warn(self.state.global_step, "env_info",
+                               f"{item.infos_replaced} value(s) in the environment's step info could not be sent from "
+                               "the rollout worker (not picklable) and were replaced by their repr; return plain "
+                               "data (numbers, strings, lists, dicts) in EnvResponse.info")
         if item.episodes is not None:
             rollout = self.rollout_from_episodes(item.row_indices, item.episodes, item.gen_s)
             rollout.sampler_versions = [[item.version] * len(ids) for ids in rollout.completion_ids]
@@ -552,6 +604,26 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return super().train(resume_from_checkpoint=path, **kwargs)
         finally:
             self.stop_worker()
+
+
+def _not_importable_in_worker(obj: Any) -> str | None:
+    """Why `obj` cannot reach a spawned worker process (None: it can). Pickle sends a class or function by its
+    module and name, so it must unpickle, and its module must be importable there: a notebook's `__main__` is not
+    (a script's is: spawn runs it again as `__mp_main__`)."""
+    import functools
+    import sys
+
+    try:
+        pickle.loads(pickle.dumps(obj))
+    except Exception as e:  # noqa: BLE001 (anything pickle raises)
+        return f"it does not pickle ({type(e).__name__}: {e})"
+    inner = obj
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    if getattr(inner, "__module__", None) == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
+        return (f"{getattr(inner, '__qualname__', inner)!r} is defined in an interactive session (a notebook's "
+                "__main__), which the worker process cannot import")
+    return None
 
 
 class _InWorker:

@@ -36,7 +36,8 @@ ENVIRONMENT_PROTOCOL_VERSION = 1
 __all__ = ["CALCULATOR_SYSTEM_PROMPT", "ENVIRONMENT_PROTOCOL_VERSION", "EnvResponse", "Environment", "Episode",
            "TOOL_CALL_FORMATS", "TemplateDelta", "ToolBox", "ToolCall", "ToolEnvironment", "calc",
            "GymnasiumEnvironment", "TextArenaEnvironment", "calculator_environment", "calculator_tool_call",
-           "episode_metrics", "episode_reward", "group_sampler", "parse_tool_calls", "run_episode", "run_episodes"]
+           "episode_metrics", "episode_reward", "fresh_environments", "group_sampler", "parse_tool_calls",
+           "run_episode", "run_episodes"]
 
 
 @dataclass
@@ -163,7 +164,8 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
                  delta: TemplateDelta, *, max_turns: int = 8, max_tokens: int = 1024,
                  decode: Callable[[list[int]], str] | None = None, stop_token_ids: Sequence[int] = (),
                  concurrency: int = 32, step_timeout: float | None = None,
-                 on_wait: Callable[[], None] | None = None) -> list[Episode]:
+                 on_wait: Callable[[], None] | None = None,
+                 any_rank: Callable[[bool], bool] | None = None) -> list[Episode]:
     """Run one episode per (environment, row) in lockstep, token-exact as `run_episode`.
 
     Each turn, the contexts of all unfinished episodes go to `sample` together (one batched generate), then their
@@ -176,6 +178,11 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
     leaves the episode out of the loss. A call that timed out is abandoned on a daemon thread (Python cannot stop
     one; it neither holds a slot nor keeps the process alive). `on_wait` is called about every 0.1 s while
     environments are being waited for (async GRPO's worker reports its progress with it).
+
+    `any_rank(flag)` (a collective: whether flag holds on any rank) keeps the ranks of a sharded model in step:
+    every rank then runs a turn while any rank has an unfinished episode, a rank without one calling `sample`
+    with no contexts (the backend's generate still takes part in the other ranks' forwards; see
+    `toolkit.core.generation.any_rank`). Ranks without a sharded model pass nothing and end when they are done.
     """
     if max_turns < 1:
         raise ConfigError(f"max_turns: must be >= 1, got {max_turns}.")
@@ -205,7 +212,7 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
         for i in [i for i in active if len(episodes[i].ids) >= max_tokens]:
             episodes[i].finish = "max_tokens"
         active = [i for i in active if len(episodes[i].ids) < max_tokens]
-        if not active:
+        if not (any_rank(bool(active)) if any_rank is not None else active):
             break
         outs = sample([episodes[i].prompt_ids + episodes[i].ids for i in active])
         if len(outs) != len(active):
@@ -289,6 +296,32 @@ class _Calls:
                 if self.on_wait is not None:
                     self.on_wait()
         return [r if r is not None else (None, "lost") for r in results]
+
+
+class _FactoryFailed:
+    """Stands in for an environment whose factory raised: its reset raises the same error, so the episode ends as
+    `env_error` (out of the loss) like any failed reset, and the run and the other ranks go on."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        raise RuntimeError(self.error)
+
+    def step(self, text: str) -> EnvResponse:  # never reached: the episode ends at its reset
+        raise RuntimeError(self.error)
+
+
+def fresh_environments(factory: Callable[[], Any], n: int) -> list[Any]:
+    """`n` fresh environments from `factory`; one whose construction raises becomes a failed episode instead of an
+    exception (with several ranks, an exception on one rank would leave the others waiting in a collective)."""
+    envs: list[Any] = []
+    for _ in range(n):
+        try:
+            envs.append(factory())
+        except Exception as e:  # noqa: BLE001 (a broken environment costs its episode, not the run)
+            envs.append(_FactoryFailed(f"the environment factory raised {type(e).__name__}: {e}"[:500]))
+    return envs
 
 
 def group_sampler(backend: Any, sampling: Any, *, seed: int, n_rows: int, group_size: int = 1) -> BatchSampler:

@@ -22,6 +22,7 @@ __all__ = [
     "GenerationStats",
     "SamplingParams",
     "TransformersBackend",
+    "any_rank",
     "sample_tokens",
     "truncate_logits",
 ]
@@ -194,15 +195,29 @@ def _decodes_in_lockstep(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def _all_ranks_finished(finished: bool, device: torch.device) -> bool:
-    """True when every rank's sequences are done; a rank that finished first keeps stepping its (padded) rows."""
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest `value` of all ranks (a collective: every rank must call it)."""
     import torch.distributed as dist
 
     if dist.get_backend() == "nccl" and device.type != "cuda":  # e.g. an FSDP2 model offloaded to CPU
         device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([0 if finished else 1], dtype=torch.int32, device=device)  # on the device nccl needs
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item()) == 0
+    t = torch.tensor([value], dtype=torch.int64, device=device)  # on the device nccl needs
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _all_ranks_finished(finished: bool, device: torch.device) -> bool:
+    """True when every rank's sequences are done; a rank that finished first keeps stepping its (padded) rows."""
+    return _max_over_ranks(0 if finished else 1, device) == 0
+
+
+def any_rank(flag: bool, model: torch.nn.Module) -> bool:
+    """Whether `flag` holds on any rank, for callers that must keep a sharded model's ranks in step (multi-turn
+    episodes: every rank runs a turn while any rank has an episode left, see `TransformersBackend`). Without a
+    sharded model (one process, DDP) it is `flag` itself, with no collective."""
+    if not _decodes_in_lockstep(model):
+        return flag
+    return _max_over_ranks(int(bool(flag)), next(model.parameters()).device) == 1
 
 
 class TransformersBackend:
@@ -212,7 +227,10 @@ class TransformersBackend:
     (GRPO's G generations of one prompt differ only after the prompt); all sequences then decode
     together, one forward per token, computing the LM head for the last position only; finished
     sequences stop counting and the loop ends when all are done (under FSDP2, when all are done on
-    every rank: each forward all-gathers the sharded weights, so the ranks decode in lockstep).
+    every rank: each forward all-gathers the sharded weights, so the ranks decode in lockstep). Under FSDP2 a
+    call also runs as many batches (chunks of `max_batch_size` sequences) on every rank: a rank with fewer
+    prompts, none included (multi-turn episodes end at different turns on different ranks), steps a one-token
+    placeholder batch that is done from its first token and returns nothing.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, max_batch_size: int = 256,
@@ -241,17 +259,28 @@ class TransformersBackend:
         generator.manual_seed(seed if seed is not None else torch.seed() % (2**63))
         per_call = max(1, self.max_batch_size // n)
         results: list[list[Completion]] = []
-        for start in range(0, len(prompts), per_call):
-            results += self._generate_chunk([list(p) for p in prompts[start:start + per_call]], params, n, generator)
+        chunks = [[list(p) for p in prompts[s:s + per_call]] for s in range(0, len(prompts), per_call)]
+        # Under FSDP2 every rank must run the same forwards (each all-gathers): the batch count is agreed first,
+        # before any forward (a collective issued while another rank is in a forward would be matched against its
+        # all-gather), and placeholder batches make up the difference after this rank's own. A rank whose rows
+        # are done draws no more samples while the others decode, so its samples never depend on theirs.
+        batches = len(chunks)
+        if _decodes_in_lockstep(self.model):
+            batches = _max_over_ranks(len(chunks), next(self.model.parameters()).device)
+        for chunk in chunks:
+            results += self._generate_chunk(chunk, params, n, generator)
+        for _ in range(batches - len(chunks)):
+            self._generate_chunk([[self.pad_token_id]], params, 1, generator, placeholder=True)
         self.last_stats = GenerationStats(
             seconds=time.perf_counter() - started,
             generated_tokens=sum(len(c.token_ids) for group in results for c in group),
             prompt_tokens=sum(len(p) for p in prompts),
+            extra={"placeholder_batches": batches - len(chunks)} if batches > len(chunks) else {},
         )
         return results
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                        generator: torch.Generator) -> list[list[Completion]]:
+                        generator: torch.Generator, *, placeholder: bool = False) -> list[list[Completion]]:
         from transformers import DynamicCache
 
         model = self.model
@@ -281,14 +310,22 @@ class TransformersBackend:
             logits = out.logits[:, -1].repeat_interleave(n, dim=0)
             total = b * n
             stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
-            done = torch.zeros(total, dtype=torch.bool, device=device)
+            # a placeholder batch (lockstep padding, see generate) is done before it starts: it only keeps the
+            # forwards (and their all-gathers) in step with the other ranks until they finish
+            done = torch.full((total,), placeholder, dtype=torch.bool, device=device)
             tokens_out = torch.full((total, params.max_tokens), self.pad_token_id, dtype=torch.long)
             logps_out = torch.zeros((total, params.max_tokens), dtype=torch.float32)
             lengths = torch.zeros(total, dtype=torch.long)
             versions_out = torch.zeros((total, params.max_tokens), dtype=torch.long)
             lockstep = _decodes_in_lockstep(model)
             for step in range(params.max_tokens):
-                tok, lp = sample_tokens(logits, params, generator)
+                if lockstep and bool(done.all()):
+                    # this rank is done and only steps along with the others: no draw from the generator (the
+                    # number of steps depends on the other ranks, and the next batch samples from it)
+                    tok = torch.full((total,), self.pad_token_id, dtype=torch.long, device=device)
+                    lp = torch.zeros(total, device=device)
+                else:
+                    tok, lp = sample_tokens(logits, params, generator)
                 tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
                 active = ~done
                 tokens_out[:, step] = tok.cpu()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import warnings
 import json
@@ -279,10 +280,6 @@ class GRPOConfig(TrainingArguments):
             raise ConfigError(f"environment_concurrency: must be >= 1, got {self.environment_concurrency}.")
         if not self.environment_step_timeout > 0:
             raise ConfigError(f"environment_step_timeout: must be > 0 seconds, got {self.environment_step_timeout}.")
-        if env_world_size() > 1:
-            # ranks would run different numbers of generate calls (episodes end at different turns), which
-            # hangs a sharded (FSDP) decode; not built yet
-            raise ConfigError("environment: multi-turn episodes run in one process for now; launch one process.")
 
     def _check_objective(self) -> None:
         """Every loss/estimator setting, checked by the objects' own settings dataclasses before any model loads.
@@ -486,7 +483,9 @@ class GRPOTrainer(Trainer):
         except TypeError as e:
             raise ConfigError(f"environment_kwargs: {e} (environment '{args.environment}' takes "
                               f"{inspect.signature(make)}).") from None
-        return lambda: make(**kwargs)
+        # a partial, not a lambda: async GRPO sends the factory to its worker process (picklable when `make` is a
+        # class or a module-level function, so an environment registered at run time reaches the worker too)
+        return functools.partial(make, **kwargs)
 
     def _episode_delta(self, tokenizer: Any, args: GRPOConfig) -> Any:
         """The template's ids between turns, for this tokenizer, stop token and the environment's tools; checked at
@@ -514,15 +513,21 @@ class GRPOTrainer(Trainer):
                      group_size: int = 1, backend: GenerationBackend | None = None) -> list[Any]:
         """One episode per row with fresh environments (toolkit.core.environments.run_episodes). Rows come in
         groups of `group_size` equal rows: their first turns share one prompt prefill (n=group_size)."""
-        from .environments import group_sampler, run_episodes
+        from .environments import fresh_environments, group_sampler, run_episodes
+        from .generation import any_rank
 
         args = self.args
         backend = backend if backend is not None else self.generation_backend
         sample = group_sampler(backend, sampling, seed=seed, n_rows=len(rows), group_size=group_size)
-        return run_episodes([self.environment_factory() for _ in rows], list(rows), sample, self.episode_delta,
+        # several ranks: episodes end at different turns on different ranks. With DDP each rank decodes on its
+        # own; a sharded (FSDP2) model all-gathers in every forward, so every rank then runs a turn while any
+        # rank has an episode left (`any_rank`), and its backend pads the forwards (TransformersBackend)
+        return run_episodes(fresh_environments(self.environment_factory, len(rows)), list(rows), sample,
+                            self.episode_delta,
                             max_turns=args.max_turns, max_tokens=args.max_episode_tokens,
                             stop_token_ids=sampling.stop_token_ids, concurrency=args.environment_concurrency,
-                            step_timeout=args.environment_step_timeout)
+                            step_timeout=args.environment_step_timeout,
+                            any_rank=lambda flag: any_rank(flag, self.model))
 
     @torch.no_grad()
     def generate_episodes(self, row_indices: Sequence[int]) -> Rollout:

@@ -188,6 +188,9 @@ class VLLMBackend(_SyncEvery):
                  seed: int | None = None) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
+        if not prompts:  # e.g. a rank whose episodes ended while another rank's go on: nothing to ask the engine
+            self.last_stats = GenerationStats()
+            return []
         started = time.perf_counter()
         with self._lock:
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
@@ -266,6 +269,9 @@ class VLLMServerBackend(_SyncEvery):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
                  seed: int | None = None) -> list[list[Completion]]:
+        if not prompts:  # e.g. a rank whose episodes ended while another rank's go on: no request
+            self.last_stats = GenerationStats()
+            return []
         started = time.perf_counter()
         body = json.dumps({"prompts": [list(map(int, p)) for p in prompts], "n": n,
                            "params": {"max_tokens": params.max_tokens, "temperature": params.temperature,
