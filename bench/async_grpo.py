@@ -2,6 +2,7 @@
 
     python bench/async_grpo.py                  # about 25 minutes on 2 CPU cores; writes bench/results/async_grpo.*
     python bench/async_grpo.py --steps 40       # more steps per run (latency case; compute case: 2/3 of it)
+    python bench/async_grpo.py --cases latency --seeds 3,4,5 --out async_grpo_seeds_3_5   # more seeds, own file
 
 * latency-bound: the reward is a judge over HTTP on loopback (toolkit.testing.JudgeServer, a real server)
   that answers each round after 0.5-2 s (uniform, seeded), as a remote LLM judge does; 2 prompts x 4
@@ -149,6 +150,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--worker", default=None)
+    ap.add_argument("--cases", default=",".join(CASES), help="which cases to run (comma-separated)")
+    ap.add_argument("--seeds", default=None, help="the seeds of every case run (comma-separated; default: each "
+                                                  "case's own)")
+    ap.add_argument("--out", default="async_grpo", help="results file name in bench/results (without suffix)")
     args = ap.parse_args()
     if args.worker:
         case = args.worker.split("-")[0]
@@ -158,7 +163,11 @@ def main() -> None:
     script = os.path.abspath(__file__)
     results: dict[str, dict] = {}
     started = time.perf_counter()
-    for case, c in CASES.items():
+    cases = {name: dict(CASES[name]) for name in args.cases.split(",")}
+    if args.seeds is not None:
+        for c in cases.values():
+            c["seeds"] = tuple(int(x) for x in args.seeds.split(","))
+    for case, c in cases.items():
         for seed in c["seeds"]:
             for mode in ("sync", "async"):
                 kind = f"{case}-{mode}-{seed}"
@@ -169,7 +178,7 @@ def main() -> None:
                 print(f"  {r['wall_s']:.0f} s, {r['samples_per_s']:.2f} samples/s, held-out "
                       f"{r['heldout_accuracy']:.3f}", flush=True)
     summary = {}
-    for case, c in CASES.items():
+    for case, c in cases.items():
         rows = [(results[f"{case}-sync-{s}"], results[f"{case}-async-{s}"]) for s in c["seeds"]]
         steps = rows[0][0]["samples"] // (c["prompts_per_step"] * c["num_generations"])
         summary[case] = {
@@ -184,13 +193,14 @@ def main() -> None:
             "async_heldout": [a["heldout_accuracy"] for _, a in rows],
             "model": [_model_rows(case, c, steps, s, a) for s, a in rows],
         }
-    out = {"settings": {"cases": CASES, **COMMON, "model": "smollm2-135m-instruct"}, "results": results,
+    out = {"settings": {"cases": cases, **COMMON, "model": "smollm2-135m-instruct", "steps": args.steps,
+                        "command": " ".join(["python", "bench/async_grpo.py"] + sys.argv[1:])}, "results": results,
            "summary": summary, "run_seconds": time.perf_counter() - started, "provenance": provenance()}
     text = _table(out)
     print(text)
-    with open(os.path.join(ROOT, "bench", "results", "async_grpo.json"), "w") as f:
+    with open(os.path.join(ROOT, "bench", "results", f"{args.out}.json"), "w") as f:
         json.dump(out, f, indent=1)
-    with open(os.path.join(ROOT, "bench", "results", "async_grpo.txt"), "w") as f:
+    with open(os.path.join(ROOT, "bench", "results", f"{args.out}.txt"), "w") as f:
         f.write(text + "\n")
 
 
@@ -204,7 +214,8 @@ def _table(out: dict) -> str:
     p, res = out["provenance"], out["results"]
     lines = [f"# bench/async_grpo.py at {p['commit'][:10]}{' (tree changed)' if p['tree_changed'] else ''} "
              f"({p['date']}, {p['cpu_cores']} cores, torch {p['versions']['torch']}); run time "
-             f"{out['run_seconds'] / 60:.0f} min", ""]
+             f"{out['run_seconds'] / 60:.0f} min; `{out['settings'].get('command', 'python bench/async_grpo.py')}`",
+             ""]
     for case, s in out["summary"].items():
         c = out["settings"]["cases"][case]
         judge = (f"HTTP judge on loopback, {c['judge_latency'][0]}-{c['judge_latency'][1]} s per round"
@@ -219,7 +230,8 @@ def _table(out: dict) -> str:
                   f"| samples/s, steady state (steps 2..N) | {_fmt(s['sync_steady_samples_per_s'])} | "
                   f"{_fmt(s['async_steady_samples_per_s'])} | {_fmt(s['steady_ratio_per_seed'])}x (per seed: "
                   f"{', '.join(f'{x:.2f}' for x in s['steady_ratio_per_seed'])}) |",
-                  f"| held-out accuracy (128) | {_fmt(s['sync_heldout'], 3)} | {_fmt(s['async_heldout'], 3)} | |"]
+                  f"| held-out accuracy (128) | {_fmt(s['sync_heldout'], 3)} | {_fmt(s['async_heldout'], 3)} | "
+                  f"per seed, sync/async: {', '.join(f'{a:.3f}/{b:.3f}' for a, b in zip(s['sync_heldout'], s['async_heldout']))} |"]
         for key, label in (("generation_s_per_step", "generation s/round"), ("scoring_s_per_step", "scoring s/round"),
                            ("train_s_per_step", "train s/step"), ("completion_tokens", "completion tokens (all steps)")):
             sv = [res[f"{case}-sync-{x}"][key] or 0.0 for x in c["seeds"]]
