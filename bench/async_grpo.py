@@ -155,6 +155,8 @@ def main() -> None:
                                                   "case's own)")
     ap.add_argument("--out", default="async_grpo", help="results file name in bench/results (without suffix)")
     args = ap.parse_args()
+    if (args.cases != ",".join(CASES) or args.seeds is not None) and args.out == "async_grpo":
+        ap.error("--cases/--seeds run a subset: name its own results file with --out (async_grpo.* holds the full run)")
     if args.worker:
         case = args.worker.split("-")[0]
         steps = args.steps if case == "latency" else max(1, round(args.steps * 2 / 3))

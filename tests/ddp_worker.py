@@ -198,7 +198,7 @@ def run(case: str, out: Path, world: int) -> dict:
         # the worker process needs it.
         import ddp_worker
 
-        # -episodes: multi-turn episodes (an environment by name, made again in each worker process)
+        # -episodes: multi-turn episodes (a registered environment; its factory is sent to each worker process)
         episodes = case.endswith("episodes")
         common = dict(output_dir=str(out), max_steps=3, per_device_train_batch_size=2 * per_device, num_generations=2,
                       max_completion_length=6, stop_token_ids=list(range(0, 384, 4)), loss_type="dapo", beta=0.0,

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from toolkit import ConfigError, TrainingHealthError
+from toolkit.core import async_grpo as async_grpo_module
 from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from toolkit.core.checkpoint import COMPLETE_MARKER
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer
@@ -387,6 +388,27 @@ def test_a_run_time_environment_the_worker_cannot_get_is_refused_before_any_mode
                              train_dataset=[{"prompt": "play"}] * 8, processing_class=tiny_tokenizer())
     finally:
         registry().unregister("run-time-lambda-env")
+
+
+def test_a_factory_from_a_notebook_is_refused_even_inside_a_partial(tmp_path, monkeypatch):
+    """A notebook's classes live in an interactive `__main__` (no file), which the spawned worker cannot import;
+    pickle sends them by reference all the same. Found wherever it sits: the factory, or a partial's argument."""
+    import functools
+    import sys
+    import types
+
+    from toolkit.core.environments import GymnasiumEnvironment
+
+    notebook = types.ModuleType("__main__")  # what Jupyter's kernel has: no __file__
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    Game = type("Game", (), {"__module__": "__main__"})
+    notebook.Game = Game
+    for factory in (Game, functools.partial(GymnasiumEnvironment, Game)):
+        with pytest.raises(ConfigError, match="defined in an interactive session"):
+            AsyncGRPOTrainer(str(tmp_path / "no-model-here"), [], async_cfg(tmp_path), train_dataset=[{"prompt": "p"}],
+                             processing_class=tiny_tokenizer(), environment=factory)
+    monkeypatch.setattr(notebook, "__file__", "/tmp/script.py", raising=False)  # a script: spawn runs it again
+    assert async_grpo_module._not_importable_in_worker(Game) is None
 
 
 def test_an_episode_info_that_does_not_pickle_is_sent_as_text_not_lost(tmp_path, caplog):

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from toolkit import ConfigError
+from toolkit import ConfigError, ToolkitError
 from toolkit.core.environments import EnvResponse
 from toolkit.core.generation import TransformersBackend
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer
@@ -355,6 +355,12 @@ def test_an_environment_factory_that_raises_costs_its_episode_not_the_run():
     assert [ep.finish for ep in eps] == ["done", "env_error", "done", "env_error"]
     assert "the environment factory raised OSError: no sandbox slot left" in eps[1].infos[-1]["env_error"]
     assert eps[0].reward == 1.0 and eps[1].reward is None
+
+    def gone():
+        raise OSError("sandbox pool shut down")
+
+    with pytest.raises(ToolkitError, match="the factory raised for every one of the 3 episodes.*sandbox pool"):
+        fresh_environments(gone, 3)  # every one: not transient, and nothing to train on
 
 
 def test_failed_resets_train_as_placeholders_and_async_evaluates_in_process(tmp_path):

@@ -127,6 +127,12 @@ def test_fsdp2_ranks_with_different_numbers_of_prompts_generate_in_lockstep(tmp_
             assert [[ids for ids, _ in g] for g in call_two] == [[ids for ids, _ in g] for g in call_one], rank
             flat = lambda call: [x for g in call for _, lp in g for x in lp]  # noqa: E731
             assert flat(call_two) == pytest.approx(flat(call_one), abs=1e-5), rank
+    # In call 1 or 2, the first batch of the rank with two ended before the other rank's batch: that rank stepped on
+    # drawing nothing (it drew before, and its second batch then sampled differently from one process)
+    def first_batch_steps(rank, call):  # the batch (one prompt, n samples) decodes until its longest sample ends
+        return max(len(ids) for ids, _ in two[rank][0][call][0])
+
+    assert first_batch_steps("0", 1) < first_batch_steps("1", 1) or first_batch_steps("1", 2) < first_batch_steps("0", 2)
     assert one["0"][1] == one["1"][1] == [0, 0, 0]  # one process never pads
     assert two["0"][1] == [0, 0, 1] and two["1"][1] == [3, 1, 0]  # batches short of the other rank's, per call
     assert sum(len(g) for call in two["1"][0] for g in call) == 0 + 1 + 2 * 2

@@ -610,19 +610,21 @@ def _not_importable_in_worker(obj: Any) -> str | None:
     """Why `obj` cannot reach a spawned worker process (None: it can). Pickle sends a class or function by its
     module and name, so it must unpickle, and its module must be importable there: a notebook's `__main__` is not
     (a script's is: spawn runs it again as `__mp_main__`)."""
-    import functools
+    import pickletools
     import sys
 
     try:
-        pickle.loads(pickle.dumps(obj))
+        data = pickle.dumps(obj)
+        pickle.loads(data)
     except Exception as e:  # noqa: BLE001 (anything pickle raises)
         return f"it does not pickle ({type(e).__name__}: {e})"
-    inner = obj
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    if getattr(inner, "__module__", None) == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
-        return (f"{getattr(inner, '__qualname__', inner)!r} is defined in an interactive session (a notebook's "
-                "__main__), which the worker process cannot import")
+    # anything in it (a partial's function or arguments, an instance's class) defined in `__main__` is pickled by
+    # reference to that module, and an interactive session's cannot be imported in the worker
+    refers_to_main = any(arg == "__main__" or (isinstance(arg, str) and arg.startswith("__main__ "))
+                         for _, arg, _ in pickletools.genops(data))
+    if refers_to_main and not getattr(sys.modules.get("__main__"), "__file__", None):
+        return ("it refers to something defined in an interactive session (a notebook's __main__), which the worker "
+                "process cannot import")
     return None
 
 

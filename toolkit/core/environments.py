@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import ConfigError
+from .errors import ConfigError, ToolkitError
 from .generation import Completion
 
 ENVIRONMENT_PROTOCOL_VERSION = 1
@@ -182,7 +182,8 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
     `any_rank(flag)` (a collective: whether flag holds on any rank) keeps the ranks of a sharded model in step:
     every rank then runs a turn while any rank has an unfinished episode, a rank without one calling `sample`
     with no contexts (the backend's generate still takes part in the other ranks' forwards; see
-    `toolkit.core.generation.any_rank`). Ranks without a sharded model pass nothing and end when they are done.
+    `toolkit.core.generation.any_rank_if_sharded`). Ranks without a sharded model pass nothing and end when they
+    are done.
     """
     if max_turns < 1:
         raise ConfigError(f"max_turns: must be >= 1, got {max_turns}.")
@@ -313,14 +314,22 @@ class _FactoryFailed:
 
 
 def fresh_environments(factory: Callable[[], Any], n: int) -> list[Any]:
-    """`n` fresh environments from `factory`; one whose construction raises becomes a failed episode instead of an
-    exception (with several ranks, an exception on one rank would leave the others waiting in a collective)."""
+    """`n` fresh environments from `factory`. One whose construction raises becomes a failed episode (`env_error`)
+    instead of an exception, as a failed reset does: a transient failure (a sandbox slot, a connection) costs its
+    episode, not the run. When every one of the `n` raises, nothing could be trained on and the failure is not
+    transient: that raises a ToolkitError with the last error."""
     envs: list[Any] = []
+    failed = 0
     for _ in range(n):
         try:
             envs.append(factory())
         except Exception as e:  # noqa: BLE001 (a broken environment costs its episode, not the run)
+            failed += 1
+            last = e
             envs.append(_FactoryFailed(f"the environment factory raised {type(e).__name__}: {e}"[:500]))
+    if n and failed == n:
+        raise ToolkitError(f"environment: the factory raised for every one of the {n} episodes of this round "
+                           f"(last: {type(last).__name__}: {last}); nothing could be trained on.") from last
     return envs
 
 

@@ -22,7 +22,6 @@ __all__ = [
     "GenerationStats",
     "SamplingParams",
     "TransformersBackend",
-    "any_rank",
     "sample_tokens",
     "truncate_logits",
 ]
@@ -86,7 +85,10 @@ class GenerationBackend(Protocol):
     """What a generation backend must do. Implementations do not inherit behaviour from anything.
 
     generate: for each prompt (a list of token ids), `n` completions, returned grouped by prompt:
-        `result[i][j]` is completion j of prompt i. `seed` makes sampling reproducible.
+        `result[i][j]` is completion j of prompt i. `seed` makes sampling reproducible. No prompts: return
+        [] (multi-turn episodes call it so on a rank whose episodes ended while another rank's go on). A
+        backend that runs a sharded (FSDP2) training model must run the same forwards on every rank, whatever
+        each rank's prompt count, as `TransformersBackend` does; otherwise the ranks wait forever.
     sync_weights: make the backend sample from `model`'s current weights (a no-op for backends
         that sample with the training model itself).
     """
@@ -211,10 +213,11 @@ def _all_ranks_finished(finished: bool, device: torch.device) -> bool:
     return _max_over_ranks(0 if finished else 1, device) == 0
 
 
-def any_rank(flag: bool, model: torch.nn.Module) -> bool:
-    """Whether `flag` holds on any rank, for callers that must keep a sharded model's ranks in step (multi-turn
-    episodes: every rank runs a turn while any rank has an episode left, see `TransformersBackend`). Without a
-    sharded model (one process, DDP) it is `flag` itself, with no collective."""
+def any_rank_if_sharded(flag: bool, model: torch.nn.Module) -> bool:
+    """For callers that must keep a sharded model's ranks in step (multi-turn episodes: every rank runs a turn while
+    any rank has an episode left, see `TransformersBackend`): with a sharded (FSDP2) model, whether `flag` holds on
+    any rank (a collective: every rank must call it); without one (one process, DDP), `flag` itself, with no
+    collective. Internal (not in `__all__`)."""
     if not _decodes_in_lockstep(model):
         return flag
     return _max_over_ranks(int(bool(flag)), next(model.parameters()).device) == 1

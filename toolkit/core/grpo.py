@@ -514,20 +514,21 @@ class GRPOTrainer(Trainer):
         """One episode per row with fresh environments (toolkit.core.environments.run_episodes). Rows come in
         groups of `group_size` equal rows: their first turns share one prompt prefill (n=group_size)."""
         from .environments import fresh_environments, group_sampler, run_episodes
-        from .generation import any_rank
+        from .generation import any_rank_if_sharded
 
         args = self.args
         backend = backend if backend is not None else self.generation_backend
         sample = group_sampler(backend, sampling, seed=seed, n_rows=len(rows), group_size=group_size)
         # several ranks: episodes end at different turns on different ranks. With DDP each rank decodes on its
         # own; a sharded (FSDP2) model all-gathers in every forward, so every rank then runs a turn while any
-        # rank has an episode left (`any_rank`), and its backend pads the forwards (TransformersBackend)
+        # rank has an episode left, and its backend pads the forwards (TransformersBackend; a plugin backend that
+        # runs the sharded training model must keep its forwards in step the same way, see GenerationBackend)
         return run_episodes(fresh_environments(self.environment_factory, len(rows)), list(rows), sample,
                             self.episode_delta,
                             max_turns=args.max_turns, max_tokens=args.max_episode_tokens,
                             stop_token_ids=sampling.stop_token_ids, concurrency=args.environment_concurrency,
                             step_timeout=args.environment_step_timeout,
-                            any_rank=lambda flag: any_rank(flag, self.model))
+                            any_rank=lambda flag: any_rank_if_sharded(flag, self.model))
 
     @torch.no_grad()
     def generate_episodes(self, row_indices: Sequence[int]) -> Rollout:
