@@ -169,6 +169,8 @@ def picklable_infos(episodes: list[Any]) -> int:
             shown = "(no repr)"
         return f"<not picklable: {type(value).__name__}> {shown}"
 
+    if round_trips([ep.infos for ep in episodes]):  # the usual case: plain data, one check for the round
+        return 0
     replaced = 0
     for ep in episodes:
         if round_trips(ep.infos):
