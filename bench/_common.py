@@ -104,9 +104,22 @@ def provenance() -> dict:
             versions[name] = version(name)
         except PackageNotFoundError:
             versions[name] = None
+    # Which CPU, and whether it has AVX-512: these 2-core machines differ by up to 4x in matmul throughput
+    # (bench/ceiling.py measured 399 GFLOP/s on one with AVX-512 and about 96 on one with AVX2 only).
+    cpu, flags = None, set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and cpu is None:
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:  # not Linux: the processor string is what the platform says
+        cpu = platform.processor() or None
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma") if f in flags]
     # results and the table are what benchmarks write: they do not make the measured code differ from the commit
     changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!bench/README.md")
     return {"commit": git("rev-parse", "HEAD") or "unknown", "tree_changed": None if changed is None else bool(changed),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu_cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+            "cpu_cores": os.cpu_count(), "machine": platform.machine(), "cpu": cpu, "cpu_flags": isa,
+            "python": platform.python_version(),
             "versions": versions}

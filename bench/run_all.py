@@ -81,7 +81,8 @@ def header(script: str, prov: dict, seconds: float) -> str:
     libs = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "trl") if v.get(k))
     changed = " (tree changed)" if prov.get("tree_changed") else " (tree state unknown)" if prov.get(
         "tree_changed") is None else ""
-    return (f"# bench/{script} at {prov['commit'][:10]}{changed} ({prov['date']}, {prov['cpu_cores']} cores, {libs}); "
+    cpu = f", {prov['cpu']}{_cpu(prov)}" if prov.get("cpu") else ""
+    return (f"# bench/{script} at {prov['commit'][:10]}{changed} ({prov['date']}, {prov['cpu_cores']} cores{cpu}, {libs}); "
             f"run time {seconds / 60:.1f} min; written by bench/run_all.py\n\n")
 
 
@@ -142,10 +143,18 @@ def _load(name: str) -> dict | None:
 def _when(d: dict) -> str:
     prov = d.get("provenance")
     if prov:
-        return f"{prov['commit'][:8]}{' (tree changed)' if prov.get('tree_changed') else ''}, {prov['date'][:10]}"
+        return (f"{prov['commit'][:8]}{' (tree changed)' if prov.get('tree_changed') else ''}, {prov['date'][:10]}"
+                f"{_cpu(prov)}")
     if d.get("commit"):
         return f"{str(d['commit'])[:8]}, {d.get('date', 'date not recorded')}"
     return "not recorded (before run_all.py)"
+
+
+def _cpu(prov: dict) -> str:
+    """Which kind of CPU a result was measured on, where recorded: the machines here differ up to 4x in matmul."""
+    if "cpu_flags" not in prov:
+        return ""
+    return ", AVX-512 CPU" if "avx512f" in prov["cpu_flags"] else ", AVX2 CPU (no AVX-512)"
 
 
 def _f(x, nd=1):
@@ -157,9 +166,16 @@ def table_rows() -> list[list[str]]:
     ceiling = _load("ceiling")
     rows = []
 
-    def ceil_train(tokens_per_s, seq_len):
+    def comparable(d):
+        """Whether a result and the ceiling were measured on the same kind of CPU (as far as both recorded it)."""
+        a, b = (x.get("provenance", {}).get("cpu_flags") for x in (d, ceiling))
+        return a == b
+
+    def ceil_train(tokens_per_s, seq_len, d):
         if not ceiling:
             return "-"
+        if not comparable(d):
+            return "- (ceiling measured on another CPU)"
         return f"{tokens_per_s / ceiling['train_tokens_per_s'][str(seq_len)]:.2f}"
 
     d = _load("sft_vs_trl")
@@ -176,7 +192,7 @@ def table_rows() -> list[list[str]]:
                              f"{t['tokens_per_s']:.0f}; {t['peak_rss_mb']:.0f} MB (TRL defaults: gradient "
                              f"checkpointing {'on' if gc else 'off'})",
                              f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x speed, {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory",
-                             ceil_train(o["tokens_per_s"], seq), _when(d)])
+                             ceil_train(o["tokens_per_s"], seq, d), _when(d)])
     d = _load("dpo_vs_trl")
     if d:
         o, t = d["results"]["toolkit"], d["results"]["trl"]
@@ -190,7 +206,8 @@ def table_rows() -> list[list[str]]:
         o, t = d["results"]["toolkit"], d["results"]["trl"]
         frac = "-"
         if ceiling and o.get("generation_tokens_per_s"):
-            frac = f"decode {o['generation_tokens_per_s'] / ceiling['decode_batch32']['tokens_per_s']:.2f}"
+            frac = (f"decode {o['generation_tokens_per_s'] / ceiling['decode_batch32']['tokens_per_s']:.2f}"
+                    if comparable(d) else "- (ceiling measured on another CPU)")
         tokens = (f"; generated tokens {o['generated_tokens']} vs {t['generated_tokens']}"
                   if o.get("generated_tokens") is not None else "")
         rows.append(["grpo_vs_trl", "GRPO s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",
@@ -285,6 +302,9 @@ def write_table(run_info: dict | None) -> None:
              "commit and date its numbers were measured at; rows measured before run_all.py existed say so.",
              "Ratios are from one run on this machine (2 CPU cores); timings here are noisy, ratios within one",
              "run are what we trust. The reference (TRL) runs at its own defaults unless the row says otherwise.",
+             "The machines differ: one kind has AVX-512 (fp32 matmul about 400 GFLOP/s on 2 threads), another AVX2",
+             "only (about 100); where a result recorded its CPU, the last column says which. Compare ratios within a",
+             "row, and absolute numbers only between rows measured on the same kind.",
              ""]
     if run_info:
         lines += [f"Last run: `python bench/run_all.py {run_info['argv']}` at {run_info['commit'][:10]}, "

@@ -93,6 +93,15 @@ def test_grpo_and_dpo_pack_by_the_layout_of_their_models():
     assert dpo.packed_layout == "separate"
     assert GRPOTrainer(tiny_model(), grpo.reward_runner.funcs, grpo.args, train_dataset=[{"prompt": "a"}] * 4,
                        processing_class=tok).packed_layout == "shared_prompt"
+    from toolkit.core.ppo import PPOConfig, PPOTrainer
+
+    ppo_args = PPOConfig(per_device_train_batch_size=2, **common)
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    ppo = PPOTrainer(model_with("flash_attention_2"), grpo.reward_runner.funcs, ppo_args, train_dataset=rows,
+                     processing_class=tok)
+    assert ppo.packed_layout == "separate" and "cu_seq_lens" in ppo._pack([[5, 6], [5, 7]], [[1], [2]])
+    ppo = PPOTrainer(tiny_model(), grpo.reward_runner.funcs, ppo_args, train_dataset=rows, processing_class=tok)
+    assert ppo.packed_layout == "shared_prompt" and ppo._pack([[5, 6], [5, 7]], [[1], [2]])["shared_context"] == (0, 1)
 
 
 def test_separate_layout_log_probs_equal_the_shared_layout_on_cpu():

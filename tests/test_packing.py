@@ -39,6 +39,50 @@ def test_shared_prompt_layout_equals_separate_sequences():
     assert shared["input_ids"].shape[1] == 7 + 5 + sum(map(len, completions))  # each prompt once
 
 
+def _common_prefix_case():
+    """Prompts that start alike (a chat template's system prompt): one is the common prefix itself (nothing of it
+    left for its group's span), one has two completions, and a completion of one token."""
+    g = torch.Generator().manual_seed(1)
+    head = torch.randint(3, 384, (6,), generator=g).tolist()
+    p1 = head + torch.randint(3, 384, (4,), generator=g).tolist()
+    p2 = head + torch.randint(3, 384, (2,), generator=g).tolist()
+    prompts = [p1, p2, head, p1, p2]
+    completions = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (3, 1, 4, 2, 5)]
+    return head, prompts, completions
+
+
+def test_common_prefix_layout_equals_separate_sequences():
+    head, prompts, completions = _common_prefix_case()
+    model = tiny_model()
+    padded = pack_completions(prompts, completions, pad_token_id=0, padding_free=False)
+    ref, ref_grads = _logps_and_grads(model, padded)
+    use_varlen_attention(model)
+    for groups in (group_by_prompt(prompts), [[i] for i in range(len(prompts))]):  # PPO: every row its own group
+        batch = pack_shared_prompts(prompts, completions, groups, common_prefix=True)
+        assert batch["shared_context"] == (0, len(head))
+        flat = batch["input_ids"][0].tolist()
+        assert flat[:len(head)] == head and batch["input_ids"].shape[1] == len(head) + sum(
+            len(prompts[g[0]]) - len(head) for g in groups) + sum(map(len, completions))  # the head once
+        # each sequence's last token, where a reward model reads its score
+        assert [flat[e] for e in batch["sequence_ends"].tolist()] == [c[-1] for c in completions]
+        lp, grads = _logps_and_grads(model, batch)
+        torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
+        for k in ref_grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-5, msg=k)
+    # nothing in common, or one group: no context
+    assert "shared_context" not in pack_shared_prompts([[5, 6], [7, 6]], [[1], [2]], [[0], [1]], common_prefix=True)
+    assert "shared_context" not in pack_shared_prompts([[5, 6], [5, 6]], [[1], [2]], [[0, 1]], common_prefix=True)
+
+
+def test_sequence_ends_in_every_layout():
+    prompts, completions = _case()
+    for batch in (pack_completions(prompts, completions, pad_token_id=0),
+                  pack_completions(prompts, completions, pad_token_id=0, padding_free=False),
+                  pack_shared_prompts(prompts, completions, group_by_prompt(prompts))):
+        flat = batch["input_ids"].reshape(-1).tolist()
+        assert [flat[e] for e in batch["sequence_ends"].tolist()] == [c[-1] for c in completions]
+
+
 def test_shared_layout_rejects_bad_groups():
     prompts, completions = _case()
     with pytest.raises(ValueError, match="identical prompts"):

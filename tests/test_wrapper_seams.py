@@ -16,7 +16,8 @@ def sequences_of(batch):
     """(prompt ids, completion ids) per row from either toolkit layout (shared-prompt packed or per-row packed)."""
     flat = batch["input_ids"][0].tolist()
     if "shared_prefix" in batch:
-        return [(flat[p0:p1], flat[c0:c1]) for p0, p1, spans in batch["shared_prefix"] for c0, c1 in spans]
+        head = flat[slice(*batch["shared_context"])] if "shared_context" in batch else []  # the prompts' common start
+        return [(head + flat[p0:p1], flat[c0:c1]) for p0, p1, spans in batch["shared_prefix"] for c0, c1 in spans]
     cu, lengths = batch["cu_seq_lens"].tolist(), batch["completion_lengths"].tolist()
     return [(flat[a:b - n], flat[b - n:b]) for a, b, n in zip(cu[:-1], cu[1:], lengths)]
 

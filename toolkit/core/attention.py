@@ -41,42 +41,62 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 VARLEN_ATTENTION = "toolkit_varlen"
 
 
-def _shared_prefix_attention(query, key, value, groups, dropout: float, scaling: float | None, gqa: bool):
-    """Attention for rows laid out as [prompt | completion_1 | ... | completion_G] per group.
+def _shared_prefix_attention(query, key, value, groups, dropout: float, scaling: float | None, gqa: bool,
+                             context: tuple[int, int] | None = None):
+    """Attention for rows laid out as [context] [prompt | completion_1 | ... | completion_G] per group.
 
     The prompt attends causally to itself; each completion attends to the whole prompt and causally
     to itself, never to its siblings. Mathematically the same as G separate prompt+completion
     sequences, with the prompt computed once (and its gradient the sum over the G completions).
+    A `context` (start, end) before the groups is a prefix of every group's prompt: it attends causally
+    to itself, and every group's prompt and completions attend to all of it first.
     """
     outs = []
+    ctx_k = ctx_v = None
+    if context is not None and context[1] > context[0]:
+        c0, c1 = context
+        outs.append(F.scaled_dot_product_attention(query[:, :, c0:c1], key[:, :, c0:c1], value[:, :, c0:c1],
+                                                   is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+        ctx_k, ctx_v = key[:, :, c0:c1], value[:, :, c0:c1]
+
+    def after(prefix_k, prefix_v, start, end):
+        """query[start:end] attending to all of prefix_k/v, then causally to itself."""
+        n, n_prefix = end - start, prefix_k.shape[2]
+        k = torch.cat([prefix_k, key[:, :, start:end]], dim=2)
+        v = torch.cat([prefix_v, value[:, :, start:end]], dim=2)
+        mask = torch.ones(n, n_prefix + n, dtype=torch.bool, device=query.device)
+        mask[:, n_prefix:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+        return F.scaled_dot_product_attention(query[:, :, start:end], k, v, attn_mask=mask, dropout_p=dropout,
+                                              scale=scaling, enable_gqa=gqa)
+
     for p_start, p_end, completions in groups:
-        qp, kp, vp = query[:, :, p_start:p_end], key[:, :, p_start:p_end], value[:, :, p_start:p_end]
-        outs.append(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, dropout_p=dropout, scale=scaling,
-                                                   enable_gqa=gqa))
-        n_prompt = p_end - p_start
+        kp, vp = key[:, :, p_start:p_end], value[:, :, p_start:p_end]
+        if p_end > p_start:
+            if ctx_k is None:
+                outs.append(F.scaled_dot_product_attention(query[:, :, p_start:p_end], kp, vp, is_causal=True,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+            else:
+                outs.append(after(ctx_k, ctx_v, p_start, p_end))
+        if ctx_k is not None:  # the whole prompt: the shared context, then this group's own part of it
+            kp, vp = torch.cat([ctx_k, kp], dim=2), torch.cat([ctx_v, vp], dim=2)
         for c_start, c_end in completions:
-            n = c_end - c_start
-            if n <= 0:
-                continue
-            k = torch.cat([kp, key[:, :, c_start:c_end]], dim=2)
-            v = torch.cat([vp, value[:, :, c_start:c_end]], dim=2)
-            mask = torch.ones(n, n_prompt + n, dtype=torch.bool, device=query.device)
-            mask[:, n_prompt:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-            outs.append(F.scaled_dot_product_attention(query[:, :, c_start:c_end], k, v, attn_mask=mask,
-                                                       dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+            if c_end > c_start:
+                outs.append(after(kp, vp, c_start, c_end))
     return torch.cat(outs, dim=2)
 
 
 def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                cu_seq_lens_q: torch.Tensor | None = None, toolkit_shared_prefix: list | None = None, **kwargs):
+                cu_seq_lens_q: torch.Tensor | None = None, toolkit_shared_prefix: list | None = None,
+                toolkit_shared_context: tuple[int, int] | None = None, **kwargs):
     """query [1, heads, T, d], key/value [1, kv_heads, T, d]; `cu_seq_lens_q` [n+1] boundaries of the packed examples.
 
     With `toolkit_shared_prefix` (list of (prompt_start, prompt_end, [(completion_start, completion_end)])),
-    completions that share a prompt are laid out once after it (see `_shared_prefix_attention`).
+    completions that share a prompt are laid out once after it (see `_shared_prefix_attention`);
+    `toolkit_shared_context` (start, end) is a prefix all groups' prompts share, laid out once before them.
     """
     if toolkit_shared_prefix is not None and query.shape[0] == 1:
         out = _shared_prefix_attention(query, key, value, toolkit_shared_prefix, dropout, scaling,
-                                       query.shape[1] != key.shape[1])
+                                       query.shape[1] != key.shape[1], context=toolkit_shared_context)
         return out.transpose(1, 2).contiguous(), None
     if cu_seq_lens_q is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

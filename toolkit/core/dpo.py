@@ -254,8 +254,9 @@ class DPOTrainer(Trainer):
     def _batch(self, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
         prompts = inputs["prompt_ids"] + inputs["prompt_ids"]
         completions = inputs["chosen_ids"] + inputs["rejected_ids"]  # [chosen..., rejected...]
-        if self.packed_layout == "shared_prompt":  # chosen and rejected share one copy of their prompt
-            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts))
+        if self.packed_layout == "shared_prompt":  # chosen and rejected share one copy of their prompt, and all
+            # pairs one copy of the start their prompts share (a chat template's system prompt)
+            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts), common_prefix=True)
         return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
                                 padding_free=self.packed_layout == "separate")
 

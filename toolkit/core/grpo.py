@@ -746,8 +746,9 @@ class GRPOTrainer(Trainer):
         completions = [rollout.completion_ids[r] for r in rows]
         if self.packed_layout == "shared_prompt":
             # The G completions of a prompt share one copy of it in the row: (G-1) x prompt tokens less
-            # forward and backward work, same log-probs and gradients (tests/test_packing.py).
-            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts))
+            # forward and backward work, same log-probs and gradients (tests/test_packing.py); the start all
+            # prompts share (the chat template's system prompt) is laid out once for the whole micro-batch.
+            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts), common_prefix=True)
         return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
                                 padding_free=self.packed_layout == "separate")
 

@@ -51,7 +51,7 @@ from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
-from .attention import supports_varlen, use_varlen_attention
+from .attention import packed_layout, supports_varlen, use_varlen_attention
 from .checkpoint import begin_checkpoint, commit_checkpoint, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
 from .console import install_console
@@ -81,7 +81,7 @@ from .numerics import (
     masked_whiten,
 )
 from .objectives import ClipSettings, PolicyLossInputs, clipped_surrogate_term, resolve_settings
-from .packing import completion_hidden, completion_logps, pack_completions
+from .packing import completion_hidden, completion_logps, group_by_prompt, pack_completions, pack_shared_prompts
 from .plugins import notify_checkpoint_saved, notify_step_metrics, registry, resolve_reward
 from .rewards import RewardRunner, score_completions
 from .rollout import generation_seed, order_seed
@@ -405,11 +405,14 @@ class PPOTrainer(Trainer):
             rm = reward_model if isinstance(reward_model, nn.Module) else load_classifier(reward_model, dtype)
             self.reward_model = ScalarHead(hidden_size, *sequence_classifier_parts(rm)).eval().requires_grad_(False)
         self.padding_free = supports_varlen(base)
+        scorers = (base, self.ref_model, self.critic.backbone,
+                   self.reward_model.backbone if self.reward_model is not None else None)
         if self.padding_free:
-            for m in (base, self.ref_model, self.critic.backbone,
-                      self.reward_model.backbone if self.reward_model is not None else None):
+            for m in scorers:
                 if m is not None:
                     use_varlen_attention(m)
+        # how every forward over prompt + completion lays out its batch: all four models must run it
+        self.packed_layout = packed_layout(*scorers) if self.padding_free else "padded"
         self.sampling = SamplingParams(
             max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p,
@@ -535,8 +538,14 @@ class PPOTrainer(Trainer):
                 dist.broadcast(p.data, src=0)
 
     def _pack(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> dict[str, Any]:
+        if self.packed_layout == "shared_prompt":
+            # Each completion has its own prompt, but the prompts start alike (the chat template's system prompt
+            # and the task's instruction): that common start is laid out once per batch and every sequence
+            # attends to it. Same log-probs, values and gradients as separate sequences, fewer tokens through
+            # every forward and backward (bench/ppo_vs_trl.py: 27 of 58 tokens per sequence).
+            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts), common_prefix=True)
         return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
-                                padding_free=self.padding_free)
+                                padding_free=self.packed_layout == "separate")
 
     # ----------------------------------------------------------------------------------- rollout
 
@@ -611,9 +620,7 @@ class PPOTrainer(Trainer):
             total += (per_func * self.reward_weights[:, None]).sum(0)
         if self.reward_model is not None:
             batch = self._pack(prompts, completions)
-            ends = batch["completion_lengths"].cumsum(0) - 1
-            last_positions = batch["completion_positions"][ends] + 1   # the last token of each sequence
-            rm_scores = self.reward_model(batch, positions=last_positions)
+            rm_scores = self.reward_model(batch, positions=batch["sequence_ends"])  # at each sequence's last token
             self._step_metrics["rewards/reward_model/mean"].append(float(rm_scores.mean()))
             total += self.args.reward_model_weight * rm_scores
         return total
