@@ -14,30 +14,43 @@ def _prompts(tok):
     return [tok(t).input_ids for t in texts]
 
 
+def _shared_start_prompts(tok):
+    """Prompts that start alike, as a chat template's system prompt makes them: the backend prefills the start once."""
+    head = "You are a careful assistant. Think, then answer in one short line. Question: "
+    return [tok(head + t).input_ids for t in ("What is 1 + 2?", "The quick brown fox", "Hello world! This is")]
+
+
 def test_backend_satisfies_the_protocol():
     tok = tiny_tokenizer()
     assert isinstance(TransformersBackend(tiny_model(), pad_token_id=tok.pad_token_id), GenerationBackend)
 
 
-def test_greedy_matches_transformers_generate():
+@pytest.mark.parametrize("shared_start", [False, True])
+def test_greedy_matches_transformers_generate(shared_start):
     tok, model = tiny_tokenizer(), tiny_model()
     model.eval()
-    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id)
-    out = backend.generate(_prompts(tok), SamplingParams(max_tokens=12, top_k=1), n=1, seed=0)
-    for p, group in zip(_prompts(tok), out):
+    forwards = []
+    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id, on_decode_step=lambda: forwards.append(1))
+    prompts = _shared_start_prompts(tok) if shared_start else _prompts(tok)
+    out = backend.generate(prompts, SamplingParams(max_tokens=12, top_k=1), n=1, seed=0)
+    # 11 decode forwards after the prefill, which is two forwards when the shared start is prefilled on its own
+    assert len(forwards) == 11 + (2 if shared_start else 1)
+    for p, group in zip(prompts, out):
         ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                              pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
         assert group[0].token_ids == ref
         assert group[0].finish_reason == "length"
 
 
-def test_sampler_logprobs_equal_trainer_logprobs_of_the_same_ids():
+@pytest.mark.parametrize("shared_start", [False, True])
+def test_sampler_logprobs_equal_trainer_logprobs_of_the_same_ids(shared_start):
     """Token ids end to end: the trainer's log-prob of each sampled id equals the sampler's (same temperature)."""
     tok, model = tiny_tokenizer(), tiny_model()
     backend = TransformersBackend(model, pad_token_id=tok.pad_token_id)
     params = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9)
-    groups = backend.generate(_prompts(tok), params, n=3, seed=1)
-    for p, group in zip(_prompts(tok), groups):
+    prompts = _shared_start_prompts(tok) if shared_start else _prompts(tok)
+    groups = backend.generate(prompts, params, n=3, seed=1)
+    for p, group in zip(prompts, groups):
         assert len(group) == 3
         for c in group:
             ids = torch.tensor([p + c.token_ids])

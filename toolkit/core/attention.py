@@ -41,6 +41,27 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 VARLEN_ATTENTION = "toolkit_varlen"
 
 
+class _Segments:
+    """Per-segment views of q, k or v [1, heads, T, d] along T, from one `split` where the segments tile the row.
+
+    Slicing each segment out (the obvious way) costs, in backward, a zero-filled gradient of the whole row per
+    slice, added up: measured at 6% of a PPO update (aten::fill_, 13k calls) with 9 segments per row. A split's
+    backward is one concatenation. Segments that do not tile the row fall back to slices.
+    """
+
+    def __init__(self, t: torch.Tensor, bounds: list[tuple[int, int]]):
+        self.t, self.parts = t, None
+        cuts = sorted((int(a), int(b)) for a, b in bounds if b > a)
+        if cuts and cuts[0][0] == 0 and cuts[-1][1] == t.shape[2] and all(
+                x[1] == y[0] for x, y in zip(cuts, cuts[1:])):
+            self.parts = dict(zip(cuts, t.split([b - a for a, b in cuts], dim=2)))
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        if self.parts is not None and (start, end) in self.parts:
+            return self.parts[(start, end)]
+        return self.t[:, :, start:end]
+
+
 def _shared_prefix_attention(query, key, value, groups, dropout: float, scaling: float | None, gqa: bool,
                              context: tuple[int, int] | None = None):
     """Attention for rows laid out as [context] [prompt | completion_1 | ... | completion_G] per group.
@@ -51,29 +72,32 @@ def _shared_prefix_attention(query, key, value, groups, dropout: float, scaling:
     A `context` (start, end) before the groups is a prefix of every group's prompt: it attends causally
     to itself, and every group's prompt and completions attend to all of it first.
     """
+    bounds = ([tuple(context)] if context is not None else []) + [
+        b for p_start, p_end, completions in groups for b in [(p_start, p_end), *completions]]
+    q, k_, v_ = (_Segments(t, bounds) for t in (query, key, value))
     outs = []
     ctx_k = ctx_v = None
     if context is not None and context[1] > context[0]:
         c0, c1 = context
-        outs.append(F.scaled_dot_product_attention(query[:, :, c0:c1], key[:, :, c0:c1], value[:, :, c0:c1],
+        outs.append(F.scaled_dot_product_attention(q(c0, c1), k_(c0, c1), v_(c0, c1),
                                                    is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
-        ctx_k, ctx_v = key[:, :, c0:c1], value[:, :, c0:c1]
+        ctx_k, ctx_v = k_(c0, c1), v_(c0, c1)
 
     def after(prefix_k, prefix_v, start, end):
         """query[start:end] attending to all of prefix_k/v, then causally to itself."""
         n, n_prefix = end - start, prefix_k.shape[2]
-        k = torch.cat([prefix_k, key[:, :, start:end]], dim=2)
-        v = torch.cat([prefix_v, value[:, :, start:end]], dim=2)
+        k = torch.cat([prefix_k, k_(start, end)], dim=2)
+        v = torch.cat([prefix_v, v_(start, end)], dim=2)
         mask = torch.ones(n, n_prefix + n, dtype=torch.bool, device=query.device)
         mask[:, n_prefix:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-        return F.scaled_dot_product_attention(query[:, :, start:end], k, v, attn_mask=mask, dropout_p=dropout,
+        return F.scaled_dot_product_attention(q(start, end), k, v, attn_mask=mask, dropout_p=dropout,
                                               scale=scaling, enable_gqa=gqa)
 
     for p_start, p_end, completions in groups:
-        kp, vp = key[:, :, p_start:p_end], value[:, :, p_start:p_end]
+        kp, vp = k_(p_start, p_end), v_(p_start, p_end)
         if p_end > p_start:
             if ctx_k is None:
-                outs.append(F.scaled_dot_product_attention(query[:, :, p_start:p_end], kp, vp, is_causal=True,
+                outs.append(F.scaled_dot_product_attention(q(p_start, p_end), kp, vp, is_causal=True,
                                                            dropout_p=dropout, scale=scaling, enable_gqa=gqa))
             else:
                 outs.append(after(ctx_k, ctx_v, p_start, p_end))
@@ -102,15 +126,15 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     gqa = query.shape[1] != key.shape[1]
-    bounds = cu_seq_lens_q.tolist()
+    cu = cu_seq_lens_q.tolist()
+    bounds = list(zip(cu[:-1], cu[1:]))
+    q, k, v = (_Segments(t, bounds) for t in (query, key, value))
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in bounds:
         if end <= start:
             continue
-        outs.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
-        ))
+        outs.append(F.scaled_dot_product_attention(q(start, end), k(start, end), v(start, end),
+                                                   is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
     out = torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

@@ -26,6 +26,7 @@ __all__ = [
     "truncate_logits",
 ]
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -292,17 +293,33 @@ class TransformersBackend:
         device = next(model.parameters()).device
         try:
             b = len(prompts)
-            longest = max(len(p) for p in prompts)
-            ids = torch.full((b, longest), self.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((b, longest), dtype=torch.long)
-            for i, p in enumerate(prompts):  # left padding: every prompt ends at the last column
-                ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-                mask[i, longest - len(p):] = 1
+            lockstep = _decodes_in_lockstep(model)
+            # The start all prompts share (a chat template's system prompt) is prefilled once and its cache copied
+            # to every row: prefill is most of a PPO rollout's generation (16 prompts of 45 tokens, 27 of them
+            # shared, against 16 new tokens each). Not under FSDP2, where every rank must run the same forwards.
+            shared = 0
+            if b > 1 and not lockstep:
+                shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+                shared = shared if (b - 1) * shared >= 16 else 0
+            longest = max(len(p) for p in prompts) - shared
+            ids = torch.full((b, shared + longest), self.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((b, shared + longest), dtype=torch.long)
+            ids[:, :shared] = torch.tensor(prompts[0][:shared], dtype=torch.long)
+            mask[:, :shared] = 1
+            for i, p in enumerate(prompts):  # left padding after the shared start: every prompt ends at the last column
+                ids[i, shared + longest - (len(p) - shared):] = torch.tensor(p[shared:], dtype=torch.long)
+                mask[i, shared + longest - (len(p) - shared):] = 1
             ids, mask = ids.to(device), mask.to(device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             cache = DynamicCache(config=model.config)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                        **{_cache_kwarg(model): cache})
+            if shared:
+                model(input_ids=ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
+                      logits_to_keep=1, **{_cache_kwarg(model): cache})
+                if self.on_decode_step is not None:
+                    self.on_decode_step()
+                cache.batch_repeat_interleave(b)
+            out = model(input_ids=ids[:, shared:], attention_mask=mask, position_ids=positions[:, shared:],
+                        use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
             if self.on_decode_step is not None:
                 self.on_decode_step()
             # Share each prompt's cache with its n samples: repeat_interleave the batch dimension.
@@ -320,7 +337,6 @@ class TransformersBackend:
             logps_out = torch.zeros((total, params.max_tokens), dtype=torch.float32)
             lengths = torch.zeros(total, dtype=torch.long)
             versions_out = torch.zeros((total, params.max_tokens), dtype=torch.long)
-            lockstep = _decodes_in_lockstep(model)
             for step in range(params.max_tokens):
                 if lockstep and bool(done.all()):
                     # this rank is done and only steps along with the others: no draw from the generator (the
