@@ -150,11 +150,18 @@ def _when(d: dict) -> str:
     return "not recorded (before run_all.py)"
 
 
+def _cpu_kind(prov: dict | None) -> str | None:
+    """"AVX-512", "AVX2" or "other" where a result recorded its CPU flags; None where it did not."""
+    flags = (prov or {}).get("cpu_flags")
+    if flags is None:
+        return None
+    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+
+
 def _cpu(prov: dict) -> str:
     """Which kind of CPU a result was measured on, where recorded: the machines here differ up to 4x in matmul."""
-    if "cpu_flags" not in prov:
-        return ""
-    return ", AVX-512 CPU" if "avx512f" in prov["cpu_flags"] else ", AVX2 CPU (no AVX-512)"
+    kind = _cpu_kind(prov)
+    return {None: "", "AVX-512": ", AVX-512 CPU", "AVX2": ", AVX2 CPU (no AVX-512)"}.get(kind, ", CPU without AVX2")
 
 
 def _f(x, nd=1):
@@ -167,15 +174,15 @@ def table_rows() -> list[list[str]]:
     rows = []
 
     def comparable(d):
-        """Whether a result and the ceiling were measured on the same kind of CPU (as far as both recorded it)."""
-        a, b = (x.get("provenance", {}).get("cpu_flags") for x in (d, ceiling))
-        return a == b
+        """Whether a result and the ceiling were measured on the same kind of CPU; results from before the CPU was
+        recorded count as the ceiling's kind only when the ceiling did not record it either."""
+        return _cpu_kind(d.get("provenance")) == _cpu_kind(ceiling.get("provenance"))
 
     def ceil_train(tokens_per_s, seq_len, d):
         if not ceiling:
             return "-"
         if not comparable(d):
-            return "- (ceiling measured on another CPU)"
+            return "- (ceiling measured on another CPU kind, or not recorded)"
         return f"{tokens_per_s / ceiling['train_tokens_per_s'][str(seq_len)]:.2f}"
 
     d = _load("sft_vs_trl")
@@ -207,7 +214,7 @@ def table_rows() -> list[list[str]]:
         frac = "-"
         if ceiling and o.get("generation_tokens_per_s"):
             frac = (f"decode {o['generation_tokens_per_s'] / ceiling['decode_batch32']['tokens_per_s']:.2f}"
-                    if comparable(d) else "- (ceiling measured on another CPU)")
+                    if comparable(d) else "- (ceiling measured on another CPU kind, or not recorded)")
         tokens = (f"; generated tokens {o['generated_tokens']} vs {t['generated_tokens']}"
                   if o.get("generated_tokens") is not None else "")
         rows.append(["grpo_vs_trl", "GRPO s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",

@@ -99,9 +99,11 @@ def test_grpo_and_dpo_pack_by_the_layout_of_their_models():
     rows = [{"prompt": "a"}, {"prompt": "b"}]
     ppo = PPOTrainer(model_with("flash_attention_2"), grpo.reward_runner.funcs, ppo_args, train_dataset=rows,
                      processing_class=tok)
-    assert ppo.packed_layout == "separate" and "cu_seq_lens" in ppo._pack([[5, 6], [5, 7]], [[1], [2]])
+    head = list(range(30, 50))
+    assert ppo.packed_layout == "separate" and "cu_seq_lens" in ppo._pack([head + [6], head + [7]], [[1], [2]])
     ppo = PPOTrainer(tiny_model(), grpo.reward_runner.funcs, ppo_args, train_dataset=rows, processing_class=tok)
-    assert ppo.packed_layout == "shared_prompt" and ppo._pack([[5, 6], [5, 7]], [[1], [2]])["shared_context"] == (0, 1)
+    assert ppo.packed_layout == "shared_prompt"
+    assert ppo._pack([head + [6], head + [7]], [[1], [2]])["shared_context"] == (0, 20)
 
 
 def test_separate_layout_log_probs_equal_the_shared_layout_on_cpu():

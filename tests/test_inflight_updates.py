@@ -20,7 +20,10 @@ def _token_logps(model, prompt, completion):
     return lp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
-def test_a_completion_continues_under_new_weights_and_each_token_carries_its_versions_logprob():
+@pytest.mark.parametrize("shared_start", [False, True])
+def test_a_completion_continues_under_new_weights_and_each_token_carries_its_versions_logprob(shared_start):
+    """Also with prompts that start alike (the backend prefills that start once, then the rest of each prompt
+    after it: the rebuilt cache must hold the same layout)."""
     old, new = tiny_model(seed=0), tiny_model(seed=1)
     model = tiny_model(seed=0).eval()
     calls = []
@@ -32,10 +35,14 @@ def test_a_completion_continues_under_new_weights_and_each_token_carries_its_ver
             return 7
         return None
 
-    backend = TransformersBackend(model, pad_token_id=2, refresh_weights=refresh, version=6)
-    prompts_ = [[5, 9, 11, 4], [7, 8]]
+    forwards = []
+    backend = TransformersBackend(model, pad_token_id=2, refresh_weights=refresh, version=6,
+                                  on_decode_step=lambda: forwards.append(1))
+    head = list(range(30, 50)) if shared_start else []
+    prompts_ = [head + [5, 9, 11, 4], head + [7, 8]]
     groups = backend.generate(prompts_, SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=()), n=2,
                               seed=0)
+    assert len(forwards) == 9 + (2 if shared_start else 1)  # the shared start is one more prefill forward
     for prompt, group in zip(prompts_, groups):
         for c in group:
             assert c.versions == [6, 6, 6] + [7] * 7  # one rollout, two policy versions, nothing restarted

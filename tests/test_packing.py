@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from toolkit.core.attention import use_varlen_attention
-from toolkit.core.packing import completion_logps, group_by_prompt, pack_completions, pack_shared_prompts
+from toolkit.core.packing import (common_start, completion_logps, group_by_prompt, pack_completions,
+                                  pack_shared_prompts)
 from toolkit.testing import tiny_model
 
 
@@ -40,10 +41,10 @@ def test_shared_prompt_layout_equals_separate_sequences():
 
 
 def _common_prefix_case():
-    """Prompts that start alike (a chat template's system prompt): one is the common prefix itself (nothing of it
-    left for its group's span), one has two completions, and a completion of one token."""
+    """Prompts that start alike (a chat template's system prompt): one is the common start itself (only its last
+    token left for its group's span), one has two completions, and a completion of one token."""
     g = torch.Generator().manual_seed(1)
-    head = torch.randint(3, 384, (6,), generator=g).tolist()
+    head = torch.randint(3, 384, (10,), generator=g).tolist()  # worth sharing: (groups - 1) x 10 >= 16 tokens
     p1 = head + torch.randint(3, 384, (4,), generator=g).tolist()
     p2 = head + torch.randint(3, 384, (2,), generator=g).tolist()
     prompts = [p1, p2, head, p1, p2]
@@ -59,19 +60,30 @@ def test_common_prefix_layout_equals_separate_sequences():
     use_varlen_attention(model)
     for groups in (group_by_prompt(prompts), [[i] for i in range(len(prompts))]):  # PPO: every row its own group
         batch = pack_shared_prompts(prompts, completions, groups, common_prefix=True)
-        assert batch["shared_context"] == (0, len(head))
+        shared = len(head) - 1  # the prompt that is all head keeps its last token in its own span
+        assert batch["shared_context"] == (0, shared)
         flat = batch["input_ids"][0].tolist()
-        assert flat[:len(head)] == head and batch["input_ids"].shape[1] == len(head) + sum(
-            len(prompts[g[0]]) - len(head) for g in groups) + sum(map(len, completions))  # the head once
+        assert flat[:shared] == head[:shared] and batch["input_ids"].shape[1] == shared + sum(
+            len(prompts[g[0]]) - shared for g in groups) + sum(map(len, completions))  # the head once
         # each sequence's last token, where a reward model reads its score
         assert [flat[e] for e in batch["sequence_ends"].tolist()] == [c[-1] for c in completions]
         lp, grads = _logps_and_grads(model, batch)
         torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
         for k in ref_grads:
             torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-5, msg=k)
-    # nothing in common, or one group: no context
+    # nothing in common, one group, or too little in common to be worth it: no context
     assert "shared_context" not in pack_shared_prompts([[5, 6], [7, 6]], [[1], [2]], [[0], [1]], common_prefix=True)
     assert "shared_context" not in pack_shared_prompts([[5, 6], [5, 6]], [[1], [2]], [[0, 1]], common_prefix=True)
+    assert "shared_context" not in pack_shared_prompts([[5, 6], [5, 7]], [[1], [2]], [[0], [1]], common_prefix=True)
+
+
+def test_common_start_keeps_each_prompts_last_token_and_pays_off():
+    head = list(range(30, 50))
+    assert common_start([head + [1], head + [2]]) == 20
+    assert common_start([head, head + [2]]) == 19  # the shorter prompt keeps its last token
+    assert common_start([head[:8] + [1], head[:8] + [2]]) == 0  # saves 8 < 16 tokens
+    assert common_start([head[:8] + [1], head[:8] + [2], head[:8] + [3]]) == 8  # saves 16
+    assert common_start([head + [1]]) == 0
 
 
 def test_sequence_ends_in_every_layout():

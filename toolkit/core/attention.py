@@ -7,8 +7,9 @@ packed rows must never reach plain sdpa. `varlen_sdpa` runs causal sdpa once per
 (boundaries from `cu_seq_lens_q`), so each example attends only to itself, attention costs what it
 would without packing, and no padding is computed.
 
-It also serves the shared-prompt layout of GRPO and DPO (`toolkit_shared_prefix`: a prompt once, then
-its completions, each seeing the prompt and itself). Only `varlen_sdpa` reads that argument;
+It also serves the shared-prompt layout of GRPO, DPO and PPO (`toolkit_shared_prefix`: a prompt once, then
+its completions, each seeing the prompt and itself; `toolkit_shared_context`: the start all the row's
+prompts share, once before them). Only `varlen_sdpa` reads that argument;
 flash-attention derives boundaries from `position_ids` alone (a sequence starts where position_ids is
 0), so under it the shared layout would let the second completion of a group attend to the first.
 `packed_layout` is the one place that decides: the shared-prompt layout only for `toolkit_varlen`;

@@ -59,7 +59,7 @@ from .models import (
 from .numerics import DEFAULT_CHUNK_SIZE
 from .objectives import PreferenceLossInputs, resolve_preference_loss_settings
 from .objectives.preference import check_loss_kwargs_used
-from .packing import completion_logps, group_by_prompt, pack_completions, pack_shared_prompts, sequence_sums
+from .packing import completion_logps, pack_for_layout, sequence_sums
 from .plugins import notify_checkpoint_saved, notify_step_metrics, registry
 
 logger = logging.getLogger(__name__)
@@ -254,11 +254,9 @@ class DPOTrainer(Trainer):
     def _batch(self, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
         prompts = inputs["prompt_ids"] + inputs["prompt_ids"]
         completions = inputs["chosen_ids"] + inputs["rejected_ids"]  # [chosen..., rejected...]
-        if self.packed_layout == "shared_prompt":  # chosen and rejected share one copy of their prompt, and all
-            # pairs one copy of the start their prompts share (a chat template's system prompt)
-            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts), common_prefix=True)
-        return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
-                                padding_free=self.packed_layout == "separate")
+        # with toolkit_varlen, chosen and rejected share one copy of their prompt, and all pairs one copy of the
+        # start their prompts share (a chat template's system prompt)
+        return pack_for_layout(self.packed_layout, prompts, completions, pad_token_id=self.processing_class.pad_token_id)
 
     def compute_sequence_logps(self, model: torch.nn.Module, inputs: dict[str, Any]
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

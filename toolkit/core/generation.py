@@ -26,7 +26,6 @@ __all__ = [
     "truncate_logits",
 ]
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .errors import ConfigError, TrainingHealthError
+from .packing import common_start
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,17 @@ def _decodes_in_lockstep(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _plain_kv_cache(model: torch.nn.Module) -> bool:
+    """Whether every layer keeps plain full-attention keys and values, so that pad columns between the shared start
+    and the rest of a prompt are only masked out. Recurrent or convolutional layers (hybrid models) and sliding
+    windows would count them: those prefill each prompt whole, left-padded."""
+    config = getattr(model, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        return False
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
+
+
 def _max_over_ranks(value: int, device: torch.device) -> int:
     """The largest `value` of all ranks (a collective: every rank must call it)."""
     import torch.distributed as dist
@@ -297,10 +308,7 @@ class TransformersBackend:
             # The start all prompts share (a chat template's system prompt) is prefilled once and its cache copied
             # to every row: prefill is most of a PPO rollout's generation (16 prompts of 45 tokens, 27 of them
             # shared, against 16 new tokens each). Not under FSDP2, where every rank must run the same forwards.
-            shared = 0
-            if b > 1 and not lockstep:
-                shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
-                shared = shared if (b - 1) * shared >= 16 else 0
+            shared = common_start(prompts) if not lockstep and _plain_kv_cache(model) else 0
             longest = max(len(p) for p in prompts) - shared
             ids = torch.full((b, shared + longest), self.pad_token_id, dtype=torch.long)
             mask = torch.zeros((b, shared + longest), dtype=torch.long)

@@ -86,7 +86,7 @@ from .objectives import (
     resolve_policy_loss_settings,
     resolve_settings,
 )
-from .packing import completion_hidden, completion_logps, group_by_prompt, pack_completions, pack_shared_prompts
+from .packing import completion_hidden, completion_logps, pack_for_layout
 from .plugins import notify_checkpoint_saved, notify_step_metrics, registry, resolve_reward
 from .rewards import RewardRunner, score_completions, weighted_total
 from .rollout import RoundSampler, generate_and_score, generation_seed
@@ -744,13 +744,10 @@ class GRPOTrainer(Trainer):
     def _pack(self, rollout: Rollout, rows: Sequence[int]) -> dict[str, Any]:
         prompts = [rollout.prompt_ids[r] for r in rows]
         completions = [rollout.completion_ids[r] for r in rows]
-        if self.packed_layout == "shared_prompt":
-            # The G completions of a prompt share one copy of it in the row: (G-1) x prompt tokens less
-            # forward and backward work, same log-probs and gradients (tests/test_packing.py); the start all
-            # prompts share (the chat template's system prompt) is laid out once for the whole micro-batch.
-            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts), common_prefix=True)
-        return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
-                                padding_free=self.packed_layout == "separate")
+        # With toolkit_varlen the G completions of a prompt share one copy of it in the row ((G-1) x prompt
+        # tokens less forward and backward work) and the start all prompts share (the chat template's system
+        # prompt) is laid out once for the micro-batch: same log-probs and gradients (tests/test_packing.py).
+        return pack_for_layout(self.packed_layout, prompts, completions, pad_token_id=self.processing_class.pad_token_id)
 
     def _micro_batch(self, rollout: Rollout, rows: Sequence[int], step_counts: dict[str, float]) -> dict[str, Any]:
         batch = self._pack(rollout, rows)

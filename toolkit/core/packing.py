@@ -10,10 +10,12 @@ rows get a right-padded batch instead; the log-probs are the same (tested).
 from __future__ import annotations
 
 __all__ = [
+    "common_start",
     "completion_hidden",
     "completion_logps",
     "group_by_prompt",
     "pack_completions",
+    "pack_for_layout",
     "pack_shared_prompts",
     "sequence_sums",
     "to_padded",
@@ -64,6 +66,17 @@ def pack_completions(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
     return batch if padding_free else to_padded(batch, pad_token_id)
 
 
+def common_start(prompts: Sequence[Sequence[int]], *, min_saved: int = 16) -> int:
+    """How many leading tokens all `prompts` share, when computing them once instead of len(prompts) times saves
+    at least `min_saved` tokens; else 0. Below that the separate layout is as cheap (and each prompt keeps the
+    plain causal kernel). Never the whole of the shortest prompt: each keeps at least its last token, whose
+    hidden state predicts the first completion token."""
+    if len(prompts) < 2:
+        return 0
+    n = min(len(os.path.commonprefix([list(p) for p in prompts])), min(len(p) for p in prompts) - 1)
+    return n if n > 0 and (len(prompts) - 1) * n >= min_saved else 0
+
+
 def pack_shared_prompts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                         groups: Sequence[Sequence[int]], *, common_prefix: bool = False) -> dict[str, Any]:
     """Like `pack_completions`, but rows of a group (same prompt) share one copy of the prompt.
@@ -90,7 +103,7 @@ def pack_shared_prompts(prompts: Sequence[Sequence[int]], completions: Sequence[
         if any(list(prompts[r]) != p for r in group):
             raise ValueError("pack_shared_prompts: rows of a group must have identical prompts")
         group_prompts.append(p)
-    shared = len(os.path.commonprefix(group_prompts)) if common_prefix and len(groups) > 1 else 0
+    shared = common_start(group_prompts) if common_prefix else 0
     ids: list[int] = list(group_prompts[0][:shared])
     pos: list[int] = list(range(shared))
     layout = []
@@ -101,8 +114,7 @@ def pack_shared_prompts(prompts: Sequence[Sequence[int]], completions: Sequence[
         ids += p[shared:]
         pos += range(shared, len(p))
         p_end = len(ids)
-        # the flat index of the prompt's last token: in this group's span, or (all of it shared) the context's
-        last_prompt = len(ids) - 1 if len(p) > shared else shared - 1
+        last_prompt = len(ids) - 1  # the flat index of the prompt's last token (common_start leaves it here)
         spans = []
         for r in group:
             c = list(completions[r])
@@ -127,6 +139,16 @@ def pack_shared_prompts(prompts: Sequence[Sequence[int]], completions: Sequence[
     if shared:
         batch["shared_context"] = (0, shared)
     return batch
+
+
+def pack_for_layout(layout: str, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
+                    pad_token_id: int) -> dict[str, Any]:
+    """The batch for `attention.packed_layout`'s answer: "shared_prompt" puts each distinct prompt once, followed by
+    its completions, after the start all prompts share (`pack_shared_prompts(common_prefix=True)`); "separate"
+    packs prompt + completion per row (flash-attention); "padded" pads. Same log-probs in all three."""
+    if layout == "shared_prompt":
+        return pack_shared_prompts(prompts, completions, group_by_prompt(prompts), common_prefix=True)
+    return pack_completions(prompts, completions, pad_token_id=pad_token_id, padding_free=layout == "separate")
 
 
 def group_by_prompt(prompts: Sequence[Sequence[int]]) -> list[list[int]]:

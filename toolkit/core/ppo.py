@@ -81,7 +81,7 @@ from .numerics import (
     masked_whiten,
 )
 from .objectives import ClipSettings, PolicyLossInputs, clipped_surrogate_term, resolve_settings
-from .packing import completion_hidden, completion_logps, group_by_prompt, pack_completions, pack_shared_prompts
+from .packing import completion_hidden, completion_logps, pack_for_layout
 from .plugins import notify_checkpoint_saved, notify_step_metrics, registry, resolve_reward
 from .rewards import RewardRunner, score_completions
 from .rollout import generation_seed, order_seed
@@ -538,14 +538,11 @@ class PPOTrainer(Trainer):
                 dist.broadcast(p.data, src=0)
 
     def _pack(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> dict[str, Any]:
-        if self.packed_layout == "shared_prompt":
-            # Each completion has its own prompt, but the prompts start alike (the chat template's system prompt
-            # and the task's instruction): that common start is laid out once per batch and every sequence
-            # attends to it. Same log-probs, values and gradients as separate sequences, fewer tokens through
-            # every forward and backward (bench/ppo_vs_trl.py: 27 of 58 tokens per sequence).
-            return pack_shared_prompts(prompts, completions, group_by_prompt(prompts), common_prefix=True)
-        return pack_completions(prompts, completions, pad_token_id=self.processing_class.pad_token_id,
-                                padding_free=self.packed_layout == "separate")
+        # Each completion has its own prompt, but the prompts start alike (the chat template's system prompt and
+        # the task's instruction): with toolkit_varlen that start is laid out once per batch and every sequence
+        # attends to it. Same log-probs, values and gradients as separate sequences, fewer tokens through every
+        # forward and backward (bench/ppo_vs_trl.py: 27 of 58 tokens per sequence).
+        return pack_for_layout(self.packed_layout, prompts, completions, pad_token_id=self.processing_class.pad_token_id)
 
     # ----------------------------------------------------------------------------------- rollout
 
