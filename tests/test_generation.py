@@ -42,6 +42,35 @@ def test_greedy_matches_transformers_generate(shared_start):
         assert group[0].finish_reason == "length"
 
 
+def test_the_shared_start_is_prefilled_apart_only_for_plain_attention_caches():
+    """Pad columns after the shared start would shift a sliding window or a recurrent layer: such models prefill
+    each prompt whole (one prefill forward). The attributes are set on a tiny Llama only to steer the check."""
+    from types import SimpleNamespace
+
+    from toolkit.core.generation import _plain_kv_cache
+
+    tok, model = tiny_tokenizer(), tiny_model().eval()
+    assert _plain_kv_cache(model)
+    model.config.sliding_window = 4
+    assert not _plain_kv_cache(model)
+    forwards = []
+    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id, on_decode_step=lambda: forwards.append(1))
+    backend.generate(_shared_start_prompts(tok), SamplingParams(max_tokens=12, top_k=1), n=1, seed=0)
+    assert len(forwards) == 11 + 1
+    model.config.use_sliding_window = False  # Qwen2-style: a window configured but switched off
+    assert _plain_kv_cache(model)
+    for types in (["full_attention", "linear_attention"], ["sliding_attention", "full_attention"]):
+        model.config.layer_types = types
+        assert not _plain_kv_cache(model)
+    model.config.layer_types = ["full_attention"] * 2
+    assert _plain_kv_cache(model)
+
+    class Composite:  # a vision-language model: the decoder's settings live in text_config
+        config = SimpleNamespace(get_text_config=lambda decoder: SimpleNamespace(layer_types=["sliding_attention"]))
+
+    assert not _plain_kv_cache(Composite())
+
+
 @pytest.mark.parametrize("shared_start", [False, True])
 def test_sampler_logprobs_equal_trainer_logprobs_of_the_same_ids(shared_start):
     """Token ids end to end: the trainer's log-prob of each sampled id equals the sampler's (same temperature)."""

@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .errors import ConfigError, TrainingHealthError
+from .models import unwrap_model
 from .packing import common_start
 
 
@@ -202,7 +203,9 @@ def _plain_kv_cache(model: torch.nn.Module) -> bool:
     """Whether every layer keeps plain full-attention keys and values, so that pad columns between the shared start
     and the rest of a prompt are only masked out. Recurrent or convolutional layers (hybrid models) and sliding
     windows would count them: those prefill each prompt whole, left-padded."""
-    config = getattr(model, "config", None)
+    config = getattr(unwrap_model(model), "config", None)
+    if hasattr(config, "get_text_config"):  # composite models (vision-language) keep the decoder's in text_config
+        config = config.get_text_config(decoder=True)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         return False
@@ -239,7 +242,8 @@ class TransformersBackend:
     """Batched, KV-cached sampling with the training model itself (so weights never need syncing).
 
     Efficient on CPU: each prompt is prefilled once and its KV cache shared by its `n` samples
-    (GRPO's G generations of one prompt differ only after the prompt); all sequences then decode
+    (GRPO's G generations of one prompt differ only after the prompt), and the start all of a batch's prompts
+    share (a chat template's system prompt) is prefilled once for all of them; all sequences then decode
     together, one forward per token, computing the LM head for the last position only; finished
     sequences stop counting and the loop ends when all are done (under FSDP2, when all are done on
     every rank: each forward all-gathers the sharded weights, so the ranks decode in lockstep). Under FSDP2 a

@@ -100,6 +100,9 @@ def pack_shared_prompts(prompts: Sequence[Sequence[int]], completions: Sequence[
     group_prompts = []
     for group in groups:
         p = list(prompts[group[0]])
+        if not p:
+            raise ValueError("pack_shared_prompts: a prompt is empty; its first completion token has nothing to be "
+                             "predicted from")
         if any(list(prompts[r]) != p for r in group):
             raise ValueError("pack_shared_prompts: rows of a group must have identical prompts")
         group_prompts.append(p)
