@@ -99,6 +99,8 @@ def test_shared_layout_rejects_bad_groups():
     prompts, completions = _case()
     with pytest.raises(ValueError, match="identical prompts"):
         pack_shared_prompts(prompts, completions, [[0, 1], [2, 3, 4]])
+    with pytest.raises(ValueError, match="prompt of row 1 is empty"):
+        pack_shared_prompts([[5], []], [[1], [2]], [[0], [1]], common_prefix=True)
     with pytest.raises(ValueError, match="every row exactly once"):
         pack_shared_prompts(prompts, completions, [[0, 2], [1, 4]])
 

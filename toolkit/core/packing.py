@@ -101,8 +101,8 @@ def pack_shared_prompts(prompts: Sequence[Sequence[int]], completions: Sequence[
     for group in groups:
         p = list(prompts[group[0]])
         if not p:
-            raise ValueError("pack_shared_prompts: a prompt is empty; its first completion token has nothing to be "
-                             "predicted from")
+            raise ValueError(f"pack_shared_prompts: the prompt of row {group[0]} is empty; its first completion token "
+                             "has nothing to be predicted from. Give every row at least one prompt token.")
         if any(list(prompts[r]) != p for r in group):
             raise ValueError("pack_shared_prompts: rows of a group must have identical prompts")
         group_prompts.append(p)
