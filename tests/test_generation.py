@@ -119,3 +119,58 @@ def test_truncate_logits_top_k_top_p_min_p():
 def test_sampling_params_name_the_bad_field(kw, field):
     with pytest.raises(ConfigError, match=field):
         SamplingParams(**kw)
+
+
+class _RecordMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten matmuls a region runs, with their operands' shapes: which layout `F.linear` really took."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            operands = args[-2:]
+            self.calls.append((func.__name__.split(".")[0], tuple(operands[0].shape), tuple(operands[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(32, 1, 24), (5, 24), (24,)])
+def test_decode_shaped_linear_is_the_same_product_with_the_weight_first(bias, shape):
+    from toolkit.core.generation import _DecodeShapedLinear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40, bias=bias)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        expected = layer(x)
+        with _DecodeShapedLinear(), _RecordMatmuls() as seen:
+            got = layer(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert got.shape == expected.shape and got.is_contiguous()
+    rows = x.numel() // 24
+    assert seen.calls == [("addmm" if bias else "mm", (40, 24), (24, rows))]
+
+
+def test_decode_shaped_linear_leaves_everything_else_to_the_ordinary_path():
+    from toolkit.core.generation import _DecodeShapedLinear
+
+    layer = torch.nn.Linear(24, 40)
+    cases = {"autograd on": (torch.randn(8, 24), torch.enable_grad, layer),
+             "more rows than decode": (torch.randn(65, 24), torch.no_grad, layer),
+             "float64": (torch.randn(8, 24, dtype=torch.float64), torch.no_grad, torch.nn.Linear(24, 40).double())}
+    for name, (x, grad_mode, module) in cases.items():
+        with grad_mode(), _DecodeShapedLinear(), _RecordMatmuls() as seen:
+            module(x)
+        assert seen.calls and all(call[1][0] == x.shape[0] for call in seen.calls), name  # rows first: untouched
+
+
+def test_generation_runs_decode_matmuls_with_the_weight_first_on_cpu():
+    tok, model = tiny_tokenizer(), tiny_model()
+    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id)
+    with _RecordMatmuls() as seen:
+        backend.generate(_prompts(tok), SamplingParams(max_tokens=4), n=2, seed=0)
+    lm_head = tuple(model.lm_head.weight.shape)
+    # the LM head of every decode step (6 rows: 3 prompts x 2 samples) ran as W @ x.T
+    assert sum(1 for _, a, b in seen.calls if a == lm_head and b == (lm_head[1], 6)) == 3

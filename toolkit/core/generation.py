@@ -26,6 +26,7 @@ __all__ = [
     "truncate_logits",
 ]
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -238,6 +239,40 @@ def any_rank_if_sharded(flag: bool, model: torch.nn.Module) -> bool:
     return _max_over_ranks(int(bool(flag)), next(model.parameters()).device) == 1
 
 
+class _DecodeShapedLinear(torch.overrides.TorchFunctionMode):
+    """Runs `F.linear` on a few rows as `W @ x.T` on CPU: the same product, 1.2-2x faster at decode's shapes.
+
+    A decode step multiplies a handful of rows (batch 32, one token each) by every weight matrix. MKL computes
+    `x @ W.T` at those shapes far below this machine's matmul rate (measured on a 2-core AVX2 EPYC: the LM
+    head, 32 x 576 by 576 x 49152, at 26 GFLOP/s; the MLP's 576 x 1536 at 35), and the transposed product
+    `W @ x.T` of the same operands 1.2-2x faster (bench/README.md's GRPO row says what it buys a whole step).
+    Only for float32 CPU tensors, without autograd, and at most `max_rows` rows: prefill and training forwards
+    (hundreds of rows) keep the ordinary path, and so does anything else (tensor subclasses such as FSDP2's
+    DTensor, quantized or half-precision weights). The result is the same product to float32 rounding.
+    A function mode is scoped to the backend's own forwards: nothing in the model or in torch is patched.
+    """
+
+    def __init__(self, max_rows: int = 64):
+        super().__init__()
+        self.max_rows = max_rows
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and not torch.is_grad_enabled():
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
+                    and (bias is None or type(bias) in (torch.Tensor, torch.nn.Parameter))
+                    and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
+                    and x.dtype == weight.dtype == torch.float32 and x.dim() >= 1
+                    and x.numel() // max(x.shape[-1], 1) <= self.max_rows):
+                rows = x.reshape(-1, x.shape[-1])
+                out_t = torch.mm(weight, rows.T) if bias is None else torch.addmm(bias[:, None], weight, rows.T)
+                # contiguous: the model's next ops view the result (heads, vocabulary) as the ordinary layout
+                return out_t.T.contiguous().view(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
 class TransformersBackend:
     """Batched, KV-cached sampling with the training model itself (so weights never need syncing).
 
@@ -306,7 +341,10 @@ class TransformersBackend:
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
+        scope = contextlib.ExitStack()
         try:
+            if device.type == "cpu":
+                scope.enter_context(_DecodeShapedLinear())
             b = len(prompts)
             lockstep = _decodes_in_lockstep(model)
             # The start all prompts share (a chat template's system prompt) is prefilled once and its cache copied
@@ -394,6 +432,7 @@ class TransformersBackend:
                     self.on_decode_step()
                 logits = out.logits[:, -1]
         finally:
+            scope.close()
             model.train(was_training)
         results: list[list[Completion]] = []
         stop_set = set(params.stop_token_ids)
