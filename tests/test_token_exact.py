@@ -318,3 +318,31 @@ def test_real_model_episode_is_token_exact():
         assert trained[:len(context)] == context and trained[len(context):len(context) + len(ids)] == ids
     # the backend's own log-probs of the sampled ids are what the episode keeps for the importance ratio
     assert len(ep.logprobs) == len(ep.ids) and all(lp <= 0 for lp, m in zip(ep.logprobs, ep.mask) if m)
+
+
+def test_a_turn_ended_by_another_stop_token_gets_the_template_end_of_turn_as_an_environment_id(tokenizer):
+    delta = make_delta(tokenizer, "chatml-default-system")
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    between = delta.after_turn([{"role": "tool", "content": "4"}])
+    sampled = [[100, 101, other], [102, end_id], [103, other]]
+
+    def policy(context):
+        turn = sampled[min(policy.calls, len(sampled) - 1)]
+        policy.calls += 1
+        return Completion(token_ids=turn, logprobs=[-0.5] * len(turn), finish_reason="stop")
+
+    policy.calls = 0
+
+    class Tool:
+        def reset(self, row):
+            return [{"role": "user", "content": "q"}]
+
+        def step(self, text):
+            return EnvResponse(messages=[{"role": "tool", "content": "4"}], reward=0.0, done=policy.calls >= 3)
+
+    ep = run_episode(Tool(), {}, policy, delta, max_turns=5, stop_token_ids=[end_id, other])
+    # turn 1 ended on <|endoftext|>: <|im_end|> is added (masked); turn 2 ended on <|im_end|>: nothing is added
+    assert ep.ids == [100, 101, other, end_id] + between + [102, end_id] + between + [103, other]
+    assert ep.mask == [1, 1, 1, 0] + [0] * len(between) + [1, 1] + [0] * len(between) + [1, 1]
+    assert ep.finish == "done" and len(ep.turns) == 3

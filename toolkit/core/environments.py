@@ -246,6 +246,11 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
                 # done; or cut at its token limit (no end of turn to append an answer to); or out of turns
                 ep.finish = "done" if response.done else ("length" if ep.truncated else "max_turns")
                 continue
+            if ep.ids[-1] != end_id:
+                # the turn ended on another stop token (e.g. <|endoftext|> where the template closes turns with
+                # <|im_end|>): the template's end of turn goes in as an environment id, so the next turn reads the
+                # conversation the template would render; the sampled stop token stays, as sampled
+                ids = [end_id] + ids
             ep.ids += ids
             ep.mask += [0] * len(ids)
             ep.logprobs += [0.0] * len(ids)
