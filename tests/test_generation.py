@@ -164,6 +164,30 @@ def test_decode_shaped_linear_leaves_everything_else_to_the_ordinary_path():
         with grad_mode(), _DecodeShapedLinear(), _RecordMatmuls() as seen:
             module(x)
         assert seen.calls and all(call[1][0] == x.shape[0] for call in seen.calls), name  # rows first: untouched
+    # bfloat16 weights: untouched, same result as without the mode
+    half = torch.nn.Linear(24, 40).to(torch.bfloat16)
+    xh = torch.randn(4, 24, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = half(xh)
+        with _DecodeShapedLinear():
+            torch.testing.assert_close(half(xh), expected, rtol=0, atol=0)
+
+
+def test_decode_shaped_linear_takes_keyword_calls_inference_mode_and_empty_batches():
+    from toolkit.core.generation import _DecodeShapedLinear
+
+    torch.manual_seed(0)
+    w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(3, 24)
+    F = torch.nn.functional
+    expected = F.linear(x, w, b)
+    with torch.inference_mode(), _DecodeShapedLinear(), _RecordMatmuls() as seen:
+        by_keyword = F.linear(input=x, weight=w, bias=b)
+        mixed = F.linear(x, weight=w)
+        empty = F.linear(torch.empty(0, 24), w, b)
+    torch.testing.assert_close(by_keyword, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mixed, expected - b, rtol=1e-5, atol=1e-5)
+    assert empty.shape == (0, 40)
+    assert [c[1] for c in seen.calls[:2]] == [(40, 24), (40, 24)]  # the weight first in both
 
 
 def test_generation_runs_decode_matmuls_with_the_weight_first_on_cpu():

@@ -320,29 +320,63 @@ def test_real_model_episode_is_token_exact():
     assert len(ep.logprobs) == len(ep.ids) and all(lp <= 0 for lp, m in zip(ep.logprobs, ep.mask) if m)
 
 
-def test_a_turn_ended_by_another_stop_token_gets_the_template_end_of_turn_as_an_environment_id(tokenizer):
-    delta = make_delta(tokenizer, "chatml-default-system")
-    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    between = delta.after_turn([{"role": "tool", "content": "4"}])
-    sampled = [[100, 101, other], [102, end_id], [103, other]]
+LLAMA31_LIKE = (  # closes a built-in tool call turn with <|eom_id|> and every other turn with <|eot_id|>
+    "{{- '<|begin_of_text|>' }}"
+    "{%- for m in messages %}{%- set role = 'ipython' if m.role == 'tool' else m.role %}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + m.content | trim }}"
+    "{%- if m.role == 'assistant' and m.get('tool_call') %}{{- '<|eom_id|>' }}{%- else %}{{- '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+def _scripted_episode(delta, turns, stop_token_ids):
+    """One episode whose policy samples `turns` in order and whose tool answers "4"; the texts the tool read."""
+    read = []
 
     def policy(context):
-        turn = sampled[min(policy.calls, len(sampled) - 1)]
-        policy.calls += 1
+        turn = turns[len(read)]
         return Completion(token_ids=turn, logprobs=[-0.5] * len(turn), finish_reason="stop")
-
-    policy.calls = 0
 
     class Tool:
         def reset(self, row):
             return [{"role": "user", "content": "q"}]
 
         def step(self, text):
-            return EnvResponse(messages=[{"role": "tool", "content": "4"}], reward=0.0, done=policy.calls >= 3)
+            read.append(text)
+            return EnvResponse(messages=[{"role": "tool", "content": "4"}], reward=0.0, done=len(read) >= len(turns))
 
-    ep = run_episode(Tool(), {}, policy, delta, max_turns=5, stop_token_ids=[end_id, other])
+    return run_episode(Tool(), {}, policy, delta, max_turns=len(turns) + 1, stop_token_ids=stop_token_ids), read
+
+
+def test_a_turn_ended_by_another_stop_token_gets_the_template_end_of_turn_as_an_environment_id(tokenizer):
+    delta = make_delta(tokenizer, "chatml-default-system")
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert delta.end_id == end_id and not delta.closes_turn(other) and delta.closes_turn(end_id)
+    between = delta.after_turn([{"role": "tool", "content": "4"}])
+    ep, read = _scripted_episode(delta, [[100, 101, other], [102, end_id], [103, other]], [end_id, other])
     # turn 1 ended on <|endoftext|>: <|im_end|> is added (masked); turn 2 ended on <|im_end|>: nothing is added
     assert ep.ids == [100, 101, other, end_id] + between + [102, end_id] + between + [103, other]
     assert ep.mask == [1, 1, 1, 0] + [0] * len(between) + [1, 1] + [0] * len(between) + [1, 1]
+    assert ep.logprobs[3] == 0.0 and ep.logprobs[2] == -0.5
+    assert read == [tokenizer.decode([100, 101]), tokenizer.decode([102]), tokenizer.decode([103])]  # stop dropped
     assert ep.finish == "done" and len(ep.turns) == 3
+
+
+def test_a_stop_token_the_template_closes_turns_with_gets_nothing_inserted():
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_path()))
+    tok.add_special_tokens({"additional_special_tokens": EXTRA_SPECIAL + ["<|eom_id|>"]})
+    delta = TemplateDelta(tok, end_text="<|eot_id|>", chat_template_kwargs={"chat_template": LLAMA31_LIKE})
+    eot, eom = tok.convert_tokens_to_ids("<|eot_id|>"), tok.convert_tokens_to_ids("<|eom_id|>")
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert delta.closes_turn(eom) and not delta.closes_turn(endoftext)
+    between = delta.after_turn([{"role": "tool", "content": "4"}])
+    ep, _ = _scripted_episode(delta, [[100, eom], [101, endoftext], [102, eot]], [eot, eom, endoftext])
+    assert ep.ids == [100, eom] + between + [101, endoftext, eot] + between + [102, eot]
+
+
+def test_no_stop_tokens_and_an_end_text_of_several_tokens_is_refused(tokenizer):
+    delta = TemplateDelta(tokenizer, end_text="<|im_end|>\n", chat_template_kwargs=None)
+    assert delta.end_id is None
+    with pytest.raises(ConfigError, match="stop_token_ids"):
+        _scripted_episode(delta, [[100]], [])
