@@ -187,6 +187,8 @@ def test_decode_shaped_linear_takes_keyword_calls_inference_mode_and_empty_batch
     torch.testing.assert_close(by_keyword, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(mixed, expected - b, rtol=1e-5, atol=1e-5)
     assert empty.shape == (0, 40)
+    with torch.no_grad(), _DecodeShapedLinear():  # no input features: the bias alone, as F.linear gives
+        torch.testing.assert_close(F.linear(torch.empty(3, 0), torch.empty(40, 0), b), b.expand(3, 40))
     assert [c[1] for c in seen.calls[:2]] == [(40, 24), (40, 24)]  # the weight first in both
 
 

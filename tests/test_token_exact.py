@@ -375,8 +375,20 @@ def test_a_stop_token_the_template_closes_turns_with_gets_nothing_inserted():
     assert ep.ids == [100, eom] + between + [101, endoftext, eot] + between + [102, eot]
 
 
-def test_no_stop_tokens_and_an_end_text_of_several_tokens_is_refused(tokenizer):
-    delta = TemplateDelta(tokenizer, end_text="<|im_end|>\n", chat_template_kwargs=None)
-    assert delta.end_id is None
-    with pytest.raises(ConfigError, match="stop_token_ids"):
-        _scripted_episode(delta, [[100]], [])
+def test_a_stop_token_inside_a_turn_that_the_template_writes_still_gets_the_end_of_turn():
+    """Qwen-style: </tool_call> is an added, non-special token the template writes inside assistant turns; a turn
+    stopped on it is not closed, so <|im_end|> goes in before the tool's answer."""
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_path()))
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # added, not special
+    template = QWEN3_LIKE.replace("+ c + '<|im_end|>", "+ c + ('<tool_call>x</tool_call>' if m.tool_calls else '') + '<|im_end|>")
+    delta = TemplateDelta(tok, end_text="<|im_end|>", chat_template_kwargs={"chat_template": template})
+    end_id, call_end = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("</tool_call>")
+    assert "</tool_call>" in delta._template_source and not delta.closes_turn(call_end)
+    between = delta.after_turn([{"role": "tool", "content": "4"}])
+    ep, _ = _scripted_episode(delta, [[100, call_end], [101, end_id]], [end_id, call_end])
+    assert ep.ids == [100, call_end, end_id] + between + [101, end_id]
+
+
+def test_an_end_text_of_several_tokens_is_refused_when_the_delta_is_built(tokenizer):
+    with pytest.raises(ConfigError, match="end_text.*not one"):
+        TemplateDelta(tokenizer, end_text="<|im_end|>\n", chat_template_kwargs=None)

@@ -119,23 +119,34 @@ class TemplateDelta:
         self._anchor = [{"role": "user", "content": "A"}, {"role": "assistant", "content": self._SENTINEL}]
         for probe in ([{"role": "tool", "content": "1"}], [{"role": "user", "content": "2"}]):
             self.after_turn(probe)
-        # the id of the end-of-turn token, when `end_text` is one token (None when it is not: nothing is inserted)
-        ids = tokenizer(self.end_text, add_special_tokens=False)["input_ids"] if self.end_text else []
-        self.end_id: int | None = ids[0] if len(ids) == 1 else None
-        source = self.kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None) or ""
-        self._template_source = " ".join(source.values()) if isinstance(source, dict) else str(source)
+        # the id of the end-of-turn token: the policy samples it as one token, so it must be one
+        if self.end_text in tokenizer.get_vocab():
+            self.end_id: int = tokenizer.convert_tokens_to_ids(self.end_text)
+        else:
+            ids = tokenizer(self.end_text, add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise ConfigError(f"end_text: {self.end_text!r} is {len(ids)} tokens of this tokenizer, not one; the "
+                                  "end of a turn is the one stop token the policy samples (e.g. '<|im_end|>').")
+            self.end_id = ids[0]
+        try:  # the template apply_chat_template uses (a name in chat_template_kwargs picks a stored one)
+            self._template_source = tokenizer.get_chat_template(self.kwargs.get("chat_template"), self.tools)
+        except Exception:  # noqa: BLE001 (no template to read: nothing counts as written by it)
+            self._template_source = ""
 
     def closes_turn(self, token_id: int) -> bool:
-        """Whether the template's ids between turns may follow `token_id` directly: the end-of-turn token, or an
-        added token the chat template writes itself (Llama 3.1 closes a tool-call turn with <|eom_id|>, not
+        """Whether the template's ids between turns may follow `token_id` directly: the end-of-turn token, or a
+        special token the chat template writes itself (Llama 3.1 closes a tool-call turn with <|eom_id|>, not
         <|eot_id|>).
         After any other stop token (an <|endoftext|> in `stop_token_ids`) `run_episodes` places the end-of-turn
         token first."""
         if token_id == self.end_id:
             return True
-        added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(int(token_id))  # special/added tokens only
-        text = getattr(added, "content", None) if added is not None else None
-        return bool(text) and text in self._template_source
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(int(token_id))
+        # special tokens only: Qwen's <tool_call> and </tool_call> are in its template too, but as non-special added
+        # tokens inside a turn, and a turn stopped on </tool_call> still needs its <|im_end|>
+        if added is None or not getattr(added, "special", False):
+            return False
+        return bool(added.content) and added.content in self._template_source
 
     def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -207,9 +218,6 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
     if len(envs) != len(rows):
         raise ValueError(f"run_episodes: {len(envs)} environments for {len(rows)} rows")
     tok = delta.tokenizer
-    if not stop_token_ids and delta.end_id is None:
-        raise ConfigError(f"stop_token_ids: none given, and the end-of-turn text {delta.end_text!r} is not one token "
-                          "of this tokenizer, so no turn could end; pass stop_token_ids or a one-token end_text.")
     stops = set(stop_token_ids) if stop_token_ids else {delta.end_id}
     # The text the environment reads keeps special tokens (tool-call markers such as [TOOL_CALLS] or
     # <|python_tag|> are special in their tokenizers) and drops only the stop token that ended the turn.
@@ -265,7 +273,7 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
                 # done; or cut at its token limit (no end of turn to append an answer to); or out of turns
                 ep.finish = "done" if response.done else ("length" if ep.truncated else "max_turns")
                 continue
-            if delta.end_id is not None and not delta.closes_turn(ep.ids[-1]):
+            if not delta.closes_turn(ep.ids[-1]):
                 # the turn ended on a stop token the template does not close turns with (an <|endoftext|> where it
                 # closes them with <|im_end|>): its end of turn goes in as an environment id, so the next turn reads
                 # the turn closed as the template closes turns; the sampled stop token stays, as sampled
