@@ -1,16 +1,18 @@
 """Benchmark: GRPO steps per minute with each generation backend, one run, in .venv-vllm.
 
-    bash scripts/setup-vllm.sh && .venv-vllm/bin/python bench/grpo_vllm.py     # ~8 minutes on 2 CPU cores
+    bash scripts/setup-vllm.sh && .venv-vllm/bin/python bench/grpo_vllm.py     # ~14 minutes on 2 CPU cores
 
 Same model (the embedded SmolLM2-135M-Instruct), prompts (generated arithmetic), 4 prompts x 8
 completions per step, max 16 new tokens, temperature 0.7, dapo loss, no KL, numeric-match reward,
 for: our GRPOTrainer with the transformers backend, with the colocated vLLM engine
 (generation_backend="vllm", weights pushed every step), and with `toolkit vllm-serve` in its own
-process (generation_backend="vllm-server", weights uploaded over HTTP every step); and TRL's
+process (generation_backend="vllm-server", weights uploaded over HTTP every step), the same with LoRA
+as `--lora_r 16` makes it (every linear layer of the blocks: after the first sync, only the blocks
+holding adapters are uploaded); and TRL's
 GRPOTrainer with use_vllm=True, vllm_mode="colocate" (reported as failed if it does not run on
 this CPU). Each configuration runs in its own process; engine start-up is excluded (the first step
-is excluded from timing). Printed: steps per minute, generation and weight-sync seconds per step,
-and ratios to our transformers backend.
+is excluded from timing). Printed: steps per minute, generation and weight-sync seconds per step, the
+last sync's size, and ratios to our transformers backend.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import bench_args, provenance, run_each, step_timer  # noqa: E402
 
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
-KINDS = ("transformers", "vllm", "vllm-server", "trl-vllm-colocate")
+KINDS = ("transformers", "vllm", "vllm-server", "vllm-server-lora", "trl-vllm-colocate")
+# LoRA as `toolkit grpo --lora_r 16` makes it (all linear layers of the blocks): after the first sync only the
+# blocks holding adapters are sent
+LORA = dict(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 def worker(kind: str, steps: int) -> dict:
@@ -66,7 +71,7 @@ def worker(kind: str, steps: int) -> dict:
         kwargs = {}
         if kind == "vllm":
             kwargs = {"max_model_len": 256}
-        elif kind == "vllm-server":
+        elif kind.startswith("vllm-server"):
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
@@ -74,8 +79,11 @@ def worker(kind: str, steps: int) -> dict:
                                        "--port", str(port), "--max_model_len", "256", "--token", "bench-token"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             kwargs = {"url": f"http://127.0.0.1:{port}", "startup_timeout": 300, "token": "bench-token"}
-        trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common, generation_backend=kind,
+        from peft import LoraConfig
+
+        trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common, generation_backend=kind.removesuffix("-lora"),
                                                                 generation_backend_kwargs=kwargs),
+                              peft_config=LoraConfig(**LORA) if kind.endswith("lora") else None,
                               train_dataset=rows, callbacks=[timer])
     try:
         trainer.train()
@@ -90,6 +98,7 @@ def worker(kind: str, steps: int) -> dict:
     return {"kind": kind, "steps_per_min": 60 / per_step, "sec_per_step": per_step,
             "generation_s_per_step": sum(gen) / len(gen) if gen else None,
             "last_weight_sync_s": getattr(backend, "last_sync_s", None),
+            "last_weight_sync_mb": getattr(backend, "last_sync_bytes", 0) / 1e6 or None,
             "mean_reward": sum(h.get("reward", 0) for h in hist) / max(len(hist), 1)}
 
 
@@ -102,17 +111,19 @@ def main() -> None:
     s = SETTINGS
     print(f"\nGRPO, SmolLM2-135M-Instruct, {s['prompts_per_step']} prompts x {s['num_generations']} completions, "
           f"max {s['max_completion_length']} new tokens, {args.steps} steps (first excluded)")
-    print("| backend | steps/min | s/step | generation s/step | weight sync s | vs transformers |")
-    print("|---|---|---|---|---|---|")
+    print("| backend | steps/min | s/step | generation s/step | weight sync s | sync MB | vs transformers |")
+    print("|---|---|---|---|---|---|---|")
     for kind in KINDS:
         r = results[kind]
         if "failed" in r:
-            print(f"| {kind} | failed | | | | see below |")
+            print(f"| {kind} | failed | | | | | see below |")
             continue
         gen = f"{r['generation_s_per_step']:.1f}" if r["generation_s_per_step"] is not None else "-"
         sync = f"{r['last_weight_sync_s']:.2f}" if r["last_weight_sync_s"] is not None else "-"
-        print(f"| {kind} | {r['steps_per_min']:.2f} | {r['sec_per_step']:.1f} | {gen} | {sync} | "
-              f"{r['steps_per_min'] / base['steps_per_min']:.2f}x |")
+        mb = f"{r['last_weight_sync_mb']:.0f}" if r.get("last_weight_sync_mb") else "-"
+        # LoRA trains something else than the full model: its step time is not compared
+        ratio = "-" if kind.endswith("lora") else f"{r['steps_per_min'] / base['steps_per_min']:.2f}x"
+        print(f"| {kind} | {r['steps_per_min']:.2f} | {r['sec_per_step']:.1f} | {gen} | {sync} | {mb} | {ratio} |")
     for kind in KINDS:
         if "failed" in results[kind]:
             print(f"{kind}: {results[kind]['failed']}")

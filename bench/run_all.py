@@ -57,7 +57,7 @@ BENCHES = [
     Bench("dpo_vs_trl", "dpo_vs_trl.py", "core", 7),
     Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 4),
     Bench("ppo_vs_trl", "ppo_vs_trl.py", "core", 5, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
-    Bench("grpo_vllm", "grpo_vllm.py", "vllm", 8, python=".venv-vllm",
+    Bench("grpo_vllm", "grpo_vllm.py", "vllm", 14, python=".venv-vllm",
           needs=[(".venv-vllm/bin/python", "bash scripts/setup-vllm.sh")]),
     Bench("multiprocess", "multi_process.py", "long", 8, args=["--steps", "3"]),
     Bench("experimental_vs_trl", "experimental_vs_trl.py", "long", 15),
@@ -243,9 +243,17 @@ def table_rows() -> list[list[str]]:
             r = res.get(kind, {})
             if "steps_per_min" in r and base:
                 sync = r.get("weight_sync_s", r.get("last_weight_sync_s"))
+                mb = f" ({r['last_weight_sync_mb']:.0f} MB)" if r.get("last_weight_sync_mb") else ""
                 rows.append(["grpo_vllm", f"GRPO steps/min, {kind} backend; weight sync s",
-                             f"{r['steps_per_min']:.2f}; {_f(sync, 2)}", f"{base:.2f} (our transformers backend)",
-                             f"{r['steps_per_min'] / base:.2f}x", "-", _when(d)])
+                             f"{r['steps_per_min']:.2f}; {_f(sync, 2)}{mb}", f"{base:.2f} (our transformers backend)",
+                             f"{r['steps_per_min'] / base:.2f}x", "sync < 1 s" if kind == "vllm-server" else "-",
+                             _when(d)])
+        r = res.get("vllm-server-lora", {})
+        if "steps_per_min" in r:
+            rows.append(["grpo_vllm", "GRPO with LoRA (r=16, all linear), vllm-server backend: steps/min; weight sync s",
+                         f"{r['steps_per_min']:.2f}; {_f(r['last_weight_sync_s'], 2)} "
+                         f"({r['last_weight_sync_mb']:.0f} MB: the blocks holding adapters)", "-", "-",
+                         "sync < 1 s", _when(d)])
     d = _load("experimental_vs_trl")
     if d:
         for name in ("reward", "simpo", "kto", "orpo"):

@@ -45,8 +45,14 @@ def main(out: str) -> None:
     from toolkit.core.vllm_backend import engine_weights
 
     sent = {k: v.clone() for k, v in engine_weights(model)}
+    # a later sync sends what can change: with the embedding (and its tied head), block 0 and the final norm
+    # frozen, block 1 only; every rank selects the same names (each gathers what it sends: a collective)
+    for module in (model.model.embed_tokens, model.model.layers[0], model.model.norm):
+        module.requires_grad_(False)
+    partial = sorted(k for k, _ in engine_weights(model, trainable_only=True))
     if rank == 0:
-        torch.save({"params": params, "head_type_after_forward": head_type, "engine_weights": sent}, out)
+        torch.save({"params": params, "head_type_after_forward": head_type, "engine_weights": sent,
+                    "partial_names": partial}, out)
 
 
 if __name__ == "__main__":

@@ -174,3 +174,4 @@ def test_the_lm_head_read_outside_forward_is_whole_when_fsdp2_resharded_it(tmp_p
         torch.testing.assert_close(one["params"][k], two["params"][k], rtol=1e-5, atol=1e-6, msg=k)
         torch.testing.assert_close(two["engine_weights"][k], two["params"][k], rtol=0, atol=0, msg=k)
     assert set(two["engine_weights"]) == set(one["params"])
+    assert two["partial_names"] == one["partial_names"] == sorted(k for k in one["params"] if ".layers.1." in k)

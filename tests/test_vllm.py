@@ -95,26 +95,39 @@ def test_weight_sync_makes_the_engine_follow_the_new_weights(engine, path, tok):
     assert [g[0].token_ids for g in engine.generate(prompts, params)] == before
 
 
-def test_peft_merged_weights_are_pushed(engine, path, tok):
+def _lora_syncs_follow_the_adapters(backend, path, tok):
+    """First sync: every weight, adapters merged. Later syncs: only the attention blocks holding adapters (the
+    engine keeps the rest), and the engine still generates exactly what the adapted model does."""
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(load_model(path), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                        task_type="CAUSAL_LM"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
     prompts = prompt_ids(tok)
     params = greedy(tok)
     names = [n for n, _ in engine_weights(model)]
     assert not any("lora" in n or "base_layer" in n for n in names)
-    before_train = {n: p.clone() for n, p in model.named_parameters() if "lora" in n}
-    engine.sync_weights(model)
-    assert all(torch.equal(p, before_train[n]) for n, p in model.named_parameters() if "lora" in n)
-    model.eval()
-    assert [g[0].token_ids for g in engine.generate(prompts, params)] == transformers_greedy(model, tok, prompts,
-                                                                                             params)
-    engine.sync_weights(load_model(path))
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        with torch.no_grad():  # what a training step does to the adapters
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        before_train = {n: p.clone() for n, p in model.named_parameters() if "lora" in n}
+        backend.sync_weights(model)
+        assert all(torch.equal(p, before_train[n]) for n, p in model.named_parameters() if "lora" in n)
+        model.eval()
+        assert [g_[0].token_ids for g_ in backend.generate(prompts, params)] == transformers_greedy(
+            model, tok, prompts, params), f"sync {step}"
+        if step == 0:
+            full = backend.last_sync_bytes
+    # the second sync carried the 30 attention blocks only (q, k, v, o: 26.5M of the 162.6M values of a full one)
+    assert backend.last_sync_bytes < 0.2 * full
+    backend.sync_weights(load_model(path))  # a different model: everything again, for the next tests
+    assert backend.last_sync_bytes == full
+
+
+def test_peft_merged_weights_are_pushed_then_only_the_adapted_blocks(engine, path, tok):
+    _lora_syncs_follow_the_adapters(engine, path, tok)
 
 
 def test_submit_returns_futures_in_order(engine, tok):
@@ -185,6 +198,11 @@ def test_server_weight_upload_changes_its_outputs(server, path, tok):
     after = [g[0].token_ids for g in client.generate(prompts, greedy(tok))]
     assert after != before and after == transformers_greedy(model, tok, prompts, greedy(tok))
     client.sync_weights(load_model(path))
+
+
+def test_server_lora_syncs_upload_only_the_adapted_blocks(server, path, tok):
+    _, url = server
+    _lora_syncs_follow_the_adapters(VLLMServerBackend(url, startup_timeout=240, timeout=120), path, tok)
 
 
 def test_a_server_that_never_started_or_died_is_reported_within_the_timeout(server, tok):

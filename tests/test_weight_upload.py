@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from toolkit.core.vllm_backend import VLLMServerBackend, parse_safetensors, safetensors_stream
+from toolkit.core.vllm_backend import VLLMServerBackend, engine_weights, parse_safetensors, safetensors_stream
 from toolkit.core.vllm_server import serve_in_thread
 
 
@@ -24,8 +24,9 @@ class Recorder:
     def generate(self, prompts, params, *, n=1, seed=None):
         raise AssertionError("not used")
 
-    def load_weights(self, weights):
+    def load_weights(self, weights, *, partial=False):
         self.got = [(name, t.clone()) for name, t in weights]  # the views die with the request's buffer
+        self.partial = partial
         self.weights_version += 1
 
 
@@ -150,3 +151,99 @@ def test_a_name_listed_twice_is_refused_before_anything_is_sent():
 
     with pytest.raises(ConfigError, match="'w' is listed twice"):
         safetensors_stream([("w", torch.ones(2)), ("w", torch.zeros(2))])
+
+
+# ----------------------------------------------------------------- what a sync sends: all, then what can change
+
+
+def _names(pairs):
+    return {n for n, _ in pairs}
+
+
+def test_full_fine_tuning_sends_every_weight_and_frozen_blocks_are_left_out():
+    from toolkit.testing import tiny_model
+
+    model = tiny_model()  # tied: lm_head.weight is the embedding's memory
+    everything = _names(engine_weights(model))
+    assert "lm_head.weight" in everything and "model.embed_tokens.weight" in everything
+    assert _names(engine_weights(model, trainable_only=True)) == everything
+    frozen = [model.model.embed_tokens, model.model.layers[0], model.model.norm]
+    for module in frozen:
+        module.requires_grad_(False)
+    part = _names(engine_weights(model, trainable_only=True))
+    # layer 1 changes, so the parent of its modules, the whole layer, goes; layer 0, the final norm and the
+    # embedding do not, and neither does the tied head, which is the embedding's memory
+    assert part == {n for n in everything if n.startswith("model.layers.1.")}
+    # the final norm's parent is the whole model: training it sends everything (the rule is conservative)
+    model.model.norm.requires_grad_(True)
+    assert _names(engine_weights(model, trainable_only=True)) == everything
+
+
+def test_lora_sends_the_merged_blocks_that_hold_adapters_whole_and_the_tied_head_with_its_embedding():
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.testing import tiny_model
+
+    model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    full = dict(engine_weights(model))
+    part = dict(engine_weights(model, trainable_only=True))
+    # every attention projection of every layer (q/k/v are one merged layer in vLLM), nothing else
+    assert set(part) == {n for n in full if ".self_attn." in n}
+    assert len(part) == 2 * 4
+    merged = model.get_base_model().model.layers[0].self_attn
+    for name in ("q_proj", "v_proj"):
+        w = part[f"model.layers.0.self_attn.{name}.weight"]
+        lin = getattr(merged, name)
+        delta = (lin.lora_B["default"].weight @ lin.lora_A["default"].weight) * lin.scaling["default"]
+        assert torch.allclose(w, lin.base_layer.weight + delta, atol=1e-6)  # merged, and the model unmerged again
+    assert torch.equal(part["model.layers.0.self_attn.k_proj.weight"], merged.k_proj.weight)
+    # an adapted embedding brings the tied head with it
+    emb = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["embed_tokens"], task_type="CAUSAL_LM"))
+    assert _names(engine_weights(emb, trainable_only=True)) == {"model.embed_tokens.weight", "lm_head.weight"} | {
+        n for n in full if n.startswith("model.") and n != "model.embed_tokens.weight"}
+
+
+def test_modules_to_save_sends_the_trained_copy_under_the_module_name():
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.testing import tiny_model
+
+    model = get_peft_model(tiny_model(tie_word_embeddings=False),
+                           LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                      task_type="CAUSAL_LM"))
+    head = model.get_base_model().lm_head
+    with torch.no_grad():
+        head.modules_to_save["default"].weight.add_(1.0)  # the trained copy differs from the frozen original
+    full = dict(engine_weights(model))
+    assert "lm_head.weight" in full and not any("original_module" in n or "modules_to_save" in n for n in full)
+    assert torch.equal(full["lm_head.weight"], head.modules_to_save["default"].weight)
+    part = _names(engine_weights(model, trainable_only=True))
+    assert "lm_head.weight" in part and "model.embed_tokens.weight" not in part
+
+
+def test_a_sync_sends_all_weights_first_then_only_what_training_changes_through_the_server():
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.testing import tiny_model
+
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    client = VLLMServerBackend(url, token=token)
+    model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    everything = _names(engine_weights(model))
+    client.sync_weights(model)
+    assert _names(engine.got) == everything and engine.partial is False
+    full_bytes = client.last_sync_bytes
+    client.sync_weights(model)
+    assert _names(engine.got) == {n for n in everything if ".self_attn." in n} and engine.partial is True
+    assert client.last_sync_bytes < full_bytes
+    client.load_weights(weights())  # the engine got something else: the next sync sends everything again
+    client.sync_weights(model)
+    assert _names(engine.got) == everything and engine.partial is False
+    other = get_peft_model(tiny_model(seed=1), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    client.sync_weights(other)  # a different model: everything
+    assert _names(engine.got) == everything and engine.partial is False

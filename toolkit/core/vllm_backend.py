@@ -45,6 +45,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,27 +84,83 @@ def require_vllm():
     return vllm
 
 
-def engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs in the checkpoint's naming, as vLLM loads them; PEFT adapters merged in."""
+def _engine_name(name: str, adapter: str | None) -> str | None:
+    """`name` (in the base model's state dict, under PEFT) in the checkpoint's naming; None if not sent.
+
+    LoRA's own tensors are merged in, not sent. A module in `modules_to_save` keeps a frozen original and a
+    trained copy per adapter: the active adapter's copy is sent under the module's own name.
+    """
+    if "lora_" in name or ".original_module." in name:
+        return None
+    if ".modules_to_save." in name:
+        head, _, rest = name.partition(".modules_to_save.")
+        which, _, rest = rest.partition(".")
+        return f"{head}.{rest}" if which == adapter else None
+    return name.replace(".base_layer.", ".")
+
+
+def _changing_groups(model: torch.nn.Module) -> set[str]:
+    """Module prefixes whose weights training can change: the parent of every module with a trainable parameter.
+
+    The parent, not the module: vLLM merges sibling projections into one layer (q/k/v into qkv_proj,
+    gate/up into gate_up_proj), and a merged layer must be sent whole: its reload allocates the layer anew
+    and only the parts sent are filled in. A top-level module (lm_head) is its own group.
+    """
+    groups = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        for marker in (".lora_", ".modules_to_save.", ".original_module.", ".base_layer."):
+            if marker in name:
+                name = name[:name.index(marker)] + ".weight"  # the wrapped module's own parameter
+        module = name.rpartition(".")[0]
+        groups.add(module.rpartition(".")[0] or module)
+    return groups
+
+
+def engine_weights(model: torch.nn.Module, *, trainable_only: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs in the checkpoint's naming, as vLLM loads them; PEFT adapters merged in.
+
+    `trainable_only`: only the weights training can have changed since the engine last received all of them:
+    every weight under the parent module of a trainable parameter (so a merged vLLM layer goes whole), and
+    every name tied to one of those (a tied output head). With LoRA on q_proj and v_proj that is the 30
+    attention blocks of the 135M model, 27M of its 162M parameters; for full fine-tuning it is everything.
+    """
     while hasattr(model, "module"):
         model = model.module
-    if hasattr(model, "merge_adapter") and hasattr(model, "get_base_model"):
+    peft = hasattr(model, "merge_adapter") and hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    groups = _changing_groups(base) if trainable_only else None
+    adapter = getattr(model, "active_adapter", None) if peft else None
+
+    def select(state: dict[str, torch.Tensor]) -> list[tuple[str, str, torch.Tensor]]:
+        named = [(key, name, t) for key, t in state.items()
+                 if (name := _engine_name(key, adapter) if peft else key) is not None]
+        if groups is None:
+            return named
+        chosen = {key for key, name, _ in named if any(name == g or name.startswith(g + ".") for g in groups)}
+        # a name tied to a chosen tensor (the output head of a tied embedding) shares its memory: it goes too
+        storages = {_storage(t) for key, _, t in named if key in chosen}
+        return [(key, name, t) for key, name, t in named if key in chosen or _storage(t) in storages]
+
+    if peft:
         # Merge, copy out, unmerge: the training weights stay exactly as they were.
         with torch.no_grad():
             model.merge_adapter()
             try:
-                out = []
-                for name, t in model.get_base_model().state_dict().items():
-                    if "lora_" in name or "modules_to_save" in name:
-                        continue
-                    out.append((name.replace(".base_layer.", "."), t.detach().clone()))
+                return [(name, t.detach().clone()) for _, name, t in select(base.state_dict())]
             finally:
                 model.unmerge_adapter()
-        return out
-    # FSDP2 holds DTensor shards: gather each whole (a collective, so every rank must call this; the engine
-    # needs the full weights, and the server backend lets only rank 0 send them)
+    # FSDP2 holds DTensor shards: gather each whole (a collective, so every rank must call this, and with the
+    # same selection, which depends only on requires_grad; the engine needs the full weights, and the server
+    # backend lets only rank 0 send them)
     return [(name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach())
-            for name, t in model.state_dict().items()]
+            for _, name, t in select(model.state_dict())]
+
+
+def _storage(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr()
 
 
 def _vllm_sampling(params: SamplingParams, n: int):
@@ -131,19 +188,43 @@ def _reload(worker, weights):
 
 
 class _SyncEvery:
-    """The sync cadence both vLLM backends share: push weights on every `sync_every`-th sync_weights call."""
+    """What both vLLM backends share: push weights on every `sync_every`-th sync_weights call; all of them the
+    first time a model is synced, then only those training can change (`engine_weights(trainable_only=True)`:
+    with LoRA, the blocks holding adapters). Any other `load_weights` call makes the next sync send all again.
+    """
 
     sync_every: int = 1
     _sync_calls: int = 0
+    _synced: weakref.ref | None = None  # the model whose weights the engine holds whole, if synced from one
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self._sync_calls += 1
         if (self._sync_calls - 1) % self.sync_every:
             return
-        self.load_weights(engine_weights(model))
+        partial = self._holds(model)
+        self.load_weights(engine_weights(model, trainable_only=partial), partial=partial)
+        self._synced = weakref.ref(model)
 
-    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def _holds(self, model: torch.nn.Module) -> bool:
+        return self._synced is not None and self._synced() is model
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, partial: bool = False) -> None:
         raise NotImplementedError
+
+
+class _QuietPartialReload(logging.Filter):
+    """vLLM warns "<Layer>: Failed to load weights" for every layer a reload leaves out, and keeps that layer's
+    weights: right for a partial upload, which leaves most layers out on purpose (~250 warnings per sync).
+    Dropped only while a partial upload loads; a full one that misses a layer still warns."""
+
+    active = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.active and "Failed to load weights" in record.getMessage())
+
+
+_QUIET = _QuietPartialReload()
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QUIET)
 
 
 class VLLMBackend(_SyncEvery):
@@ -176,13 +257,22 @@ class VLLMBackend(_SyncEvery):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkit-vllm")
         self.last_stats = GenerationStats()
         self.last_sync_s = 0.0
+        self.last_sync_bytes = 0  # of the last upload: all weights, or with `partial` those training changes
 
-    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, partial: bool = False) -> None:
+        """Load `weights` into the engine in place. `partial`: only some of the model's weights (the layers left
+        out keep theirs; a merged layer such as qkv_proj must get all its parts)."""
         started = time.perf_counter()
+        self._synced = None
         with self._lock:
-            self.llm.collective_rpc(_reload, args=(weights,))
+            _QUIET.active += partial
+            try:
+                self.llm.collective_rpc(_reload, args=(weights,))
+            finally:
+                _QUIET.active -= partial
             self.weights_version += 1
         self.last_sync_s = time.perf_counter() - started
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in weights)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
                  seed: int | None = None) -> list[list[Completion]]:
@@ -225,6 +315,7 @@ class VLLMServerBackend(_SyncEvery):
         self.weights_version = 0
         self.last_stats = GenerationStats()
         self.last_sync_s = 0.0
+        self.last_sync_bytes = 0  # of the last upload: all weights, or with `partial` those training changes
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="toolkit-vllm-client")
         self.info = self.wait_until_ready(startup_timeout)
 
@@ -300,20 +391,30 @@ class VLLMServerBackend(_SyncEvery):
         self._sync_calls += 1
         if (self._sync_calls - 1) % self.sync_every:
             return
-        weights = engine_weights(model)  # on every rank: under FSDP2 gathering the shards is a collective
-        if dist.get_rank() == 0:
-            self.load_weights(weights)
         device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        # Partial only if every rank agrees (rank 0 alone may have loaded other weights in between): the ranks
+        # must select the same weights, since gathering FSDP2 shards is a collective per tensor.
+        partial = torch.tensor([int(self._holds(model))], dtype=torch.int64, device=device)
+        dist.all_reduce(partial, op=dist.ReduceOp.MIN)
+        partial = bool(partial.item())
+        weights = engine_weights(model, trainable_only=partial)  # on every rank (FSDP2: a collective)
+        if dist.get_rank() == 0:
+            self.load_weights(weights, partial=partial)
+        self._synced = weakref.ref(model)
         version = torch.tensor([self.weights_version], dtype=torch.int64, device=device)
         dist.broadcast(version, src=0)
         self.weights_version = int(version.item())
 
-    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, partial: bool = False) -> None:
+        """Upload `weights`; `partial`: only some of the model's weights (see VLLMBackend.load_weights)."""
         started = time.perf_counter()
+        self._synced = None
         chunks, length = safetensors_stream(weights)
-        out = self._request("/update_weights", chunks, content_type="application/octet-stream", length=length)
+        out = self._request("/update_weights" + ("?partial=1" if partial else ""), chunks,
+                            content_type="application/octet-stream", length=length)
         self.weights_version = out["weights_version"]
         self.last_sync_s = time.perf_counter() - started
+        self.last_sync_bytes = length
 
 
 # safetensors' dtype names (the format: an 8-byte little-endian header length, a JSON header of

@@ -8,7 +8,8 @@ Endpoints (JSON unless said otherwise):
                            stop_token_ids}} -> {"completions": [[{"token_ids", "logprobs", "finish_reason"}]]}
     POST /update_weights  body: a safetensors file of (name -> tensor) in the checkpoint's naming (the client
                           streams it from the tensors' memory; the server reads it into one buffer it reuses)
-                           -> {"weights_version": n}
+                           -> {"weights_version": n, "seconds"}. `?partial=1`: only some of the model's
+                          weights (the layers left out keep theirs; the client sends whole merged layers).
 
 Token ids in, token ids and log-probs out: no text crosses the wire, so nothing is re-tokenized. The
 engine serves one request at a time (requests queue on a lock); the HTTP server is threaded, so a
@@ -40,6 +41,7 @@ import os
 import secrets
 import sys
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .generation import SamplingParams
@@ -108,7 +110,7 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                 self._send(413, {"error": f"body of {int(length)} bytes is over this endpoint's limit of {limit} "
                                           "bytes (--max_request_mib / --max_upload_gib)."})
                 return None
-            if self.path != "/update_weights":
+            if self._route()[0] != "/update_weights":
                 return self.rfile.read(int(length))
             # Weights (under upload_lock): read into the reused buffer that the tensors then view
             # (parse_safetensors makes no copy).
@@ -131,11 +133,16 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
             else:
                 self._send(404, {"error": f"no such endpoint {self.path}; GET /health"})
 
+        def _route(self) -> tuple[str, dict]:
+            parts = urllib.parse.urlsplit(self.path)
+            return parts.path, urllib.parse.parse_qs(parts.query)
+
         def do_POST(self):
             if not self._authorized():
                 return
+            path, query = self._route()
             try:
-                if self.path == "/generate":
+                if path == "/generate":
                     body = self._body(max_request_bytes)
                     if body is None:
                         return
@@ -145,7 +152,8 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                     groups = backend.generate(req["prompts"], params, n=int(req.get("n", 1)))
                     self._send(200, {"completions": [[{"token_ids": c.token_ids, "logprobs": c.logprobs,
                                                        "finish_reason": c.finish_reason} for c in g] for g in groups]})
-                elif self.path == "/update_weights":
+                elif path == "/update_weights":
+                    partial = query.get("partial") == ["1"]
                     refused = None
                     with upload_lock:
                         body = self._body(max_upload_bytes)
@@ -156,7 +164,7 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                         except ValueError as e:
                             refused = f"/update_weights: {e}"
                         else:
-                            backend.load_weights(weights)
+                            backend.load_weights(weights, partial=partial)
                         del body  # views of the buffer: none outlives the upload
                         weights = None
                     # answered after the lock is released: a client slow to read its reply holds no one up
