@@ -42,14 +42,14 @@ def main(out: str) -> None:
                 p.grad = None
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
     # what a vLLM backend is sent: whole tensors on every rank (a collective), never this rank's shards
-    from toolkit.core.vllm_backend import engine_weights
+    from toolkit.core.vllm_backend import changing_groups, engine_weights
 
     sent = {k: v.clone() for k, v in engine_weights(model)}
     # a later sync sends what can change: with the embedding (and its tied head), block 0 and the final norm
     # frozen, block 1 only; every rank selects the same names (each gathers what it sends: a collective)
     for module in (model.model.embed_tokens, model.model.layers[0], model.model.norm):
         module.requires_grad_(False)
-    partial = sorted(k for k, _ in engine_weights(model, trainable_only=True))
+    partial = sorted(k for k, _ in engine_weights(model, only=changing_groups(model)))
     if rank == 0:
         torch.save({"params": params, "head_type_after_forward": head_type, "engine_weights": sent,
                     "partial_names": partial}, out)

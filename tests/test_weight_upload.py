@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from toolkit.core.vllm_backend import VLLMServerBackend, engine_weights, parse_safetensors, safetensors_stream
+from toolkit.core.vllm_backend import (VLLMServerBackend, changing_groups, engine_weights, parse_safetensors,
+                                       safetensors_stream)
 from toolkit.core.vllm_server import serve_in_thread
 
 
@@ -160,23 +161,27 @@ def _names(pairs):
     return {n for n, _ in pairs}
 
 
+def _changing(model):
+    return engine_weights(model, only=changing_groups(model))
+
+
 def test_full_fine_tuning_sends_every_weight_and_frozen_blocks_are_left_out():
     from toolkit.testing import tiny_model
 
     model = tiny_model()  # tied: lm_head.weight is the embedding's memory
     everything = _names(engine_weights(model))
     assert "lm_head.weight" in everything and "model.embed_tokens.weight" in everything
-    assert _names(engine_weights(model, trainable_only=True)) == everything
+    assert _names(_changing(model)) == everything
     frozen = [model.model.embed_tokens, model.model.layers[0], model.model.norm]
     for module in frozen:
         module.requires_grad_(False)
-    part = _names(engine_weights(model, trainable_only=True))
+    part = _names(_changing(model))
     # layer 1 changes, so the parent of its modules, the whole layer, goes; layer 0, the final norm and the
     # embedding do not, and neither does the tied head, which is the embedding's memory
     assert part == {n for n in everything if n.startswith("model.layers.1.")}
     # the final norm's parent is the whole model: training it sends everything (the rule is conservative)
     model.model.norm.requires_grad_(True)
-    assert _names(engine_weights(model, trainable_only=True)) == everything
+    assert _names(_changing(model)) == everything
 
 
 def test_lora_sends_the_merged_blocks_that_hold_adapters_whole_and_the_tied_head_with_its_embedding():
@@ -190,7 +195,7 @@ def test_lora_sends_the_merged_blocks_that_hold_adapters_whole_and_the_tied_head
             if "lora_B" in name:
                 p.normal_(0, 0.5)
     full = dict(engine_weights(model))
-    part = dict(engine_weights(model, trainable_only=True))
+    part = dict(_changing(model))
     # every attention projection of every layer (q/k/v are one merged layer in vLLM), nothing else
     assert set(part) == {n for n in full if ".self_attn." in n}
     assert len(part) == 2 * 4
@@ -203,7 +208,7 @@ def test_lora_sends_the_merged_blocks_that_hold_adapters_whole_and_the_tied_head
     assert torch.equal(part["model.layers.0.self_attn.k_proj.weight"], merged.k_proj.weight)
     # an adapted embedding brings the tied head with it
     emb = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["embed_tokens"], task_type="CAUSAL_LM"))
-    assert _names(engine_weights(emb, trainable_only=True)) == {"model.embed_tokens.weight", "lm_head.weight"} | {
+    assert _names(_changing(emb)) == {"model.embed_tokens.weight", "lm_head.weight"} | {
         n for n in full if n.startswith("model.") and n != "model.embed_tokens.weight"}
 
 
@@ -221,7 +226,7 @@ def test_modules_to_save_sends_the_trained_copy_under_the_module_name():
     full = dict(engine_weights(model))
     assert "lm_head.weight" in full and not any("original_module" in n or "modules_to_save" in n for n in full)
     assert torch.equal(full["lm_head.weight"], head.modules_to_save["default"].weight)
-    part = _names(engine_weights(model, trainable_only=True))
+    part = _names(_changing(model))
     assert "lm_head.weight" in part and "model.embed_tokens.weight" not in part
 
 
@@ -247,3 +252,123 @@ def test_a_sync_sends_all_weights_first_then_only_what_training_changes_through_
     other = get_peft_model(tiny_model(seed=1), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
     client.sync_weights(other)  # a different model: everything
     assert _names(engine.got) == everything and engine.partial is False
+
+
+def test_a_module_frozen_since_the_last_full_sync_still_gets_its_new_weights_once_more():
+    from toolkit.testing import tiny_model
+
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    client = VLLMServerBackend(url, token=token)
+    model = tiny_model()
+    model.requires_grad_(False)
+    model.model.layers[0].requires_grad_(True)
+    client.sync_weights(model)  # first: all
+    everything = _names(engine.got)
+    client.sync_weights(model)
+    assert _names(engine.got) == {n for n in everything if ".layers.0." in n} and engine.partial
+    # layer 0 trained until now and is frozen from here on (a freezing schedule; switching PEFT adapters): its
+    # last update still goes, and from now on so does layer 1
+    model.model.layers[0].requires_grad_(False)
+    model.model.layers[1].requires_grad_(True)
+    client.sync_weights(model)
+    assert _names(engine.got) == {n for n in everything if ".layers.0." in n or ".layers.1." in n}
+
+
+def test_a_partial_upload_on_top_of_other_weights_is_refused_and_the_client_sends_all():
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.testing import tiny_model
+
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    client = VLLMServerBackend(url, token=token)
+    model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    everything = _names(engine_weights(model))
+    client.sync_weights(model)
+    # the server restarted (its weights are the checkpoint's again, version 0): the client's check sees it
+    engine.weights_version = 0
+    client.sync_weights(model)
+    assert _names(engine.got) == everything and not engine.partial
+    # another client uploads between this client's check and its upload: the server refuses the partial upload
+    # (409, naming both versions) and the client sends everything
+    client._engine_unchanged = lambda: True
+    engine.weights_version += 5
+    client.sync_weights(model)
+    assert _names(engine.got) == everything and not engine.partial
+    assert client.weights_version == engine.weights_version
+    chunks, _ = safetensors_stream(weights())
+    status, answer = _post_to(url, "/update_weights?partial=1&base=3", token, b"".join(bytes(c) for c in chunks))
+    assert status == 409 and "completes weights version 3" in answer["error"]
+
+
+def _post_to(url, path, token, body):
+    req = urllib.request.Request(url + path, data=body, method="POST", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_a_server_without_partial_uploads_always_gets_all_weights():
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.testing import tiny_model
+
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    client = VLLMServerBackend(url, token=token)
+    assert client.info["partial_uploads"] is True
+    del client.info["partial_uploads"]  # what /health of a server before partial uploads answers
+    model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    for _ in range(2):
+        client.sync_weights(model)
+        assert _names(engine.got) == _names(engine_weights(model)) and not engine.partial
+
+
+def test_experts_go_as_one_list_and_a_root_parameter_sends_everything():
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Module()
+            self.mlp.gate = nn.Linear(4, 3, bias=False)
+            self.mlp.experts = nn.ModuleList(nn.Linear(4, 4, bias=False) for _ in range(3))
+            self.norm = nn.LayerNorm(4)
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList(Block() for _ in range(2))
+    model.requires_grad_(False)
+    model.model.layers[1].mlp.experts[2].requires_grad_(True)
+    # vLLM fuses a block's experts into one layer: the whole list goes, not expert 2's own parent (itself)
+    assert changing_groups(model) == {"model.layers.1.mlp.experts"}
+    assert _changing(model) and {n for n, _ in _changing(model)} == {
+        f"model.layers.1.mlp.experts.{i}.weight" for i in range(3)}
+    model.scale = nn.Parameter(torch.ones(1))  # a parameter of the root module: everything
+    assert changing_groups(model) == {"model.layers.1.mlp.experts", ""}
+    assert _names(_changing(model)) == _names(engine_weights(model))
+
+
+def test_partial_reload_warnings_are_dropped_in_the_loading_thread_only(caplog):
+    import logging
+    import threading
+
+    from toolkit.core.vllm_backend import _QUIET
+
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    caplog.set_level(logging.WARNING)
+    _QUIET.local.partial = True
+    try:
+        log.warning("%s: Failed to load weights", "RMSNorm")  # dropped
+        elsewhere = threading.Thread(target=log.warning, args=("%s: Failed to load weights", "Other thread"))
+        elsewhere.start()
+        elsewhere.join()
+        log.warning("something else")
+    finally:
+        _QUIET.local.partial = False
+    log.warning("%s: Failed to load weights", "After")  # a full load's warning stays
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["Other thread: Failed to load weights", "something else", "After: Failed to load weights"]

@@ -28,6 +28,7 @@ __all__ = [
     "TOKEN_ENV",
     "VLLMBackend",
     "VLLMServerBackend",
+    "changing_groups",
     "engine_weights",
     "parse_safetensors",
     "require_vllm",
@@ -46,7 +47,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,68 +100,68 @@ def _engine_name(name: str, adapter: str | None) -> str | None:
     return name.replace(".base_layer.", ".")
 
 
-def _changing_groups(model: torch.nn.Module) -> set[str]:
-    """Module prefixes whose weights training can change: the parent of every module with a trainable parameter.
+def changing_groups(model: torch.nn.Module) -> set[str]:
+    """Module prefixes whose weights training can change, from the trainable parameters of `model` (named as in
+    `engine_weights`, for a PEFT model too): for each, the parent of the module holding it ("" for a parameter
+    of the root module: everything).
 
     The parent, not the module: vLLM merges sibling projections into one layer (q/k/v into qkv_proj,
-    gate/up into gate_up_proj), and a merged layer must be sent whole: its reload allocates the layer anew
-    and only the parts sent are filled in. A top-level module (lm_head) is its own group.
+    gate/up into gate_up_proj), and its in-place reload fills a layer that got only some of its parts with
+    whatever memory it allocated for the rest, so a merged layer must be sent whole. An item of a list
+    inside a block (an expert, `layers.3.mlp.experts.5`) stands for the whole list (`layers.3.mlp.experts`):
+    vLLM fuses a block's experts into one layer. A top-level module (lm_head) is its own group.
     """
     groups = set()
-    for name, p in model.named_parameters():
+    for name, p in _unwrapped_base(model).named_parameters():
         if not p.requires_grad:
             continue
         for marker in (".lora_", ".modules_to_save.", ".original_module.", ".base_layer."):
             if marker in name:
                 name = name[:name.index(marker)] + ".weight"  # the wrapped module's own parameter
-        module = name.rpartition(".")[0]
-        groups.add(module.rpartition(".")[0] or module)
+        parts = name.split(".")[:-1]  # the module's path
+        numbered = [i for i, part in enumerate(parts) if part.isdigit()]
+        if len(numbered) >= 2:  # a list inside a numbered block: the whole list
+            groups.add(".".join(parts[:numbered[-1]]))
+        else:
+            groups.add(".".join(parts[:-1]) or ".".join(parts))
     return groups
 
 
-def engine_weights(model: torch.nn.Module, *, trainable_only: bool = False) -> list[tuple[str, torch.Tensor]]:
+def engine_weights(model: torch.nn.Module, *, only: Collection[str] | None = None) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs in the checkpoint's naming, as vLLM loads them; PEFT adapters merged in.
 
-    `trainable_only`: only the weights training can have changed since the engine last received all of them:
-    every weight under the parent module of a trainable parameter (so a merged vLLM layer goes whole), and
-    every name tied to one of those (a tied output head). With LoRA on q_proj and v_proj that is the 30
-    attention blocks of the 135M model, 27M of its 162M parameters; for full fine-tuning it is everything.
+    `only`: module prefixes (`changing_groups`); then only the weights under them, and every name tied to one
+    of those (the output head of a tied embedding). With LoRA on q_proj and v_proj that is the 30 attention
+    blocks of the 135M model: 26.5M of the 162.6M values a full sync sends (the tied head counted twice).
     """
     while hasattr(model, "module"):
         model = model.module
     peft = hasattr(model, "merge_adapter") and hasattr(model, "get_base_model")
     base = model.get_base_model() if peft else model
-    groups = _changing_groups(base) if trainable_only else None
     adapter = getattr(model, "active_adapter", None) if peft else None
+    everything = only is None or "" in only
 
-    def select(state: dict[str, torch.Tensor]) -> list[tuple[str, str, torch.Tensor]]:
-        named = [(key, name, t) for key, t in state.items()
+    def select(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        named = [(name, t) for key, t in state.items()
                  if (name := _engine_name(key, adapter) if peft else key) is not None]
-        if groups is None:
+        if everything:
             return named
-        chosen = {key for key, name, _ in named if any(name == g or name.startswith(g + ".") for g in groups)}
-        # a name tied to a chosen tensor (the output head of a tied embedding) shares its memory: it goes too
-        storages = {_storage(t) for key, _, t in named if key in chosen}
-        return [(key, name, t) for key, name, t in named if key in chosen or _storage(t) in storages]
+        # the state dict holds Parameters themselves (keep_vars): a tied name is the same object
+        chosen = {id(t) for name, t in named if any(name == g or name.startswith(g + ".") for g in only)}
+        return [(name, t) for name, t in named if id(t) in chosen]
 
     if peft:
         # Merge, copy out, unmerge: the training weights stay exactly as they were.
         with torch.no_grad():
             model.merge_adapter()
             try:
-                return [(name, t.detach().clone()) for _, name, t in select(base.state_dict())]
+                return [(name, t.detach().clone()) for name, t in select(base.state_dict(keep_vars=True))]
             finally:
                 model.unmerge_adapter()
     # FSDP2 holds DTensor shards: gather each whole (a collective, so every rank must call this, and with the
-    # same selection, which depends only on requires_grad; the engine needs the full weights, and the server
-    # backend lets only rank 0 send them)
+    # same selection; the engine needs the full weights, and the server backend lets only rank 0 send them)
     return [(name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach())
-            for _, name, t in select(model.state_dict())]
-
-
-def _storage(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.untyped_storage().data_ptr()
+            for name, t in select(model.state_dict(keep_vars=True))]
 
 
 def _vllm_sampling(params: SamplingParams, n: int):
@@ -187,44 +188,106 @@ def _reload(worker, weights):
     return True
 
 
+class _EngineMoved(ToolkitError):
+    """The engine's weights are not the ones a partial upload was made against (a restarted server, another
+    client's upload): all weights must go."""
+
+
 class _SyncEvery:
     """What both vLLM backends share: push weights on every `sync_every`-th sync_weights call; all of them the
-    first time a model is synced, then only those training can change (`engine_weights(trainable_only=True)`:
-    with LoRA, the blocks holding adapters). Any other `load_weights` call makes the next sync send all again.
+    first time a model is synced, then only those training can change: the `changing_groups` of this sync and
+    of every sync since the last full one (a module frozen since, e.g. by switching PEFT adapters, still gets
+    its new weights once). Any other `load_weights` call makes the next sync send all again. With several
+    processes the ranks agree before selecting (gathering FSDP2 shards is a collective per tensor).
     """
 
     sync_every: int = 1
     _sync_calls: int = 0
     _synced: weakref.ref | None = None  # the model whose weights the engine holds whole, if synced from one
+    _groups: frozenset[str] = frozenset()  # changing_groups since that full sync
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self._sync_calls += 1
         if (self._sync_calls - 1) % self.sync_every:
             return
-        partial = self._holds(model)
-        self.load_weights(engine_weights(model, trainable_only=partial), partial=partial)
-        self._synced = weakref.ref(model)
+        held = self._synced() if self._synced is not None else None
+        partial = _all_ranks(held is model and self._engine_unchanged())
+        groups = frozenset(changing_groups(model))
+        groups = self._groups | groups if partial else groups
+        weights = engine_weights(model, only=groups if partial else None)  # on every rank (FSDP2: a collective)
+        if self._loads_here():
+            try:
+                self.load_weights(weights, partial=partial)
+            except _EngineMoved:
+                if _world() > 1:  # the other ranks cannot gather all weights again now
+                    raise
+                self.load_weights(engine_weights(model))
+        self._after_sync()
+        self._synced, self._groups = weakref.ref(model), groups
 
-    def _holds(self, model: torch.nn.Module) -> bool:
-        return self._synced is not None and self._synced() is model
+    def _engine_unchanged(self) -> bool:
+        """Whether the engine still holds what this backend last loaded (a server may have restarted)."""
+        return True
+
+    def _loads_here(self) -> bool:
+        return True
+
+    def _after_sync(self) -> None:
+        pass
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, partial: bool = False) -> None:
         raise NotImplementedError
 
 
-class _QuietPartialReload(logging.Filter):
-    """vLLM warns "<Layer>: Failed to load weights" for every layer a reload leaves out, and keeps that layer's
-    weights: right for a partial upload, which leaves most layers out on purpose (~250 warnings per sync).
-    Dropped only while a partial upload loads; a full one that misses a layer still warns."""
+def _unwrapped_base(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "merge_adapter") and hasattr(model, "get_base_model") else model
 
-    active = 0
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _collective_device() -> str:
+    import torch.distributed as dist
+
+    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _all_ranks(flag: bool) -> bool:
+    """`flag` if it holds on every rank (a MIN all-reduce; every rank calls this at the same point)."""
+    if _world() == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+class _QuietPartialReload(logging.Filter):
+    """vLLM warns "<Layer>: Failed to load weights" for every layer a reload leaves out (it keeps that layer's
+    weights), then lists every weight not loaded: right for a full upload that missed something, noise for a
+    partial one, which leaves most layers out on purpose (~250 lines per sync). Dropped only in the thread that
+    runs a partial load (the in-process engine reloads in the caller's thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.local = threading.local()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (self.active and "Failed to load weights" in record.getMessage())
+        if not getattr(self.local, "partial", False):
+            return True
+        message = record.getMessage()
+        return not ("Failed to load weights" in message or "were not loaded from checkpoint" in message)
 
 
 _QUIET = _QuietPartialReload()
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QUIET)
+logging.getLogger("vllm.model_executor.model_loader.reload.inplace").addFilter(_QUIET)
 
 
 class VLLMBackend(_SyncEvery):
@@ -265,11 +328,11 @@ class VLLMBackend(_SyncEvery):
         started = time.perf_counter()
         self._synced = None
         with self._lock:
-            _QUIET.active += partial
+            _QUIET.local.partial = partial
             try:
                 self.llm.collective_rpc(_reload, args=(weights,))
             finally:
-                _QUIET.active -= partial
+                _QUIET.local.partial = False
             self.weights_version += 1
         self.last_sync_s = time.perf_counter() - started
         self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in weights)
@@ -338,6 +401,8 @@ class VLLMServerBackend(_SyncEvery):
                 raise ToolkitError(f"vLLM server at {self.url} refused the request: {'wrong' if self.token else 'no'} "
                                    f"token. Pass the token `toolkit vllm-serve` printed at start as "
                                    f"generation_backend_kwargs={{token = ...}} or set {TOKEN_ENV}.") from e
+            if e.code == 409:
+                raise _EngineMoved(f"vLLM server at {self.url} holds other weights than this client sent: {detail}") from e
             raise ToolkitError(f"vLLM server at {self.url}{path} answered {e.code}: {detail}") from e
         except (urllib.error.URLError, ConnectionError) as e:
             reason = getattr(e, "reason", e)
@@ -379,39 +444,38 @@ class VLLMServerBackend(_SyncEvery):
                ) -> concurrent.futures.Future:
         return self._pool.submit(self.generate, prompts, params, n=n, seed=seed)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push the policy's weights every `sync_every` calls. Several trainer processes share one server: rank 0
-        uploads (once, not once per rank) and the others wait for its new version number (a broadcast, which
-        returns only after the upload), so no rank generates with the weights of the step before."""
+    # Several trainer processes share one server: rank 0 uploads (once, not once per rank) and the others wait
+    # for its new version number (a broadcast, which returns only after the upload), so no rank generates with
+    # the weights of the step before.
+    def _loads_here(self) -> bool:
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            super().sync_weights(model)
+        return _world() == 1 or dist.get_rank() == 0
+
+    def _after_sync(self) -> None:
+        if _world() == 1:
             return
-        self._sync_calls += 1
-        if (self._sync_calls - 1) % self.sync_every:
-            return
-        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-        # Partial only if every rank agrees (rank 0 alone may have loaded other weights in between): the ranks
-        # must select the same weights, since gathering FSDP2 shards is a collective per tensor.
-        partial = torch.tensor([int(self._holds(model))], dtype=torch.int64, device=device)
-        dist.all_reduce(partial, op=dist.ReduceOp.MIN)
-        partial = bool(partial.item())
-        weights = engine_weights(model, trainable_only=partial)  # on every rank (FSDP2: a collective)
-        if dist.get_rank() == 0:
-            self.load_weights(weights, partial=partial)
-        self._synced = weakref.ref(model)
-        version = torch.tensor([self.weights_version], dtype=torch.int64, device=device)
+        import torch.distributed as dist
+
+        version = torch.tensor([self.weights_version], dtype=torch.int64, device=_collective_device())
         dist.broadcast(version, src=0)
         self.weights_version = int(version.item())
+
+    def _engine_unchanged(self) -> bool:
+        # a server from before partial uploads takes only whole ones; a restarted server, or one another client
+        # uploaded to, holds other weights (rank 0 asks; the vote is shared)
+        if not self.info.get("partial_uploads") or not self._loads_here():
+            return bool(self.info.get("partial_uploads"))
+        return self._request("/health", timeout=30.0).get("weights_version") == self.weights_version
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, partial: bool = False) -> None:
         """Upload `weights`; `partial`: only some of the model's weights (see VLLMBackend.load_weights)."""
         started = time.perf_counter()
         self._synced = None
         chunks, length = safetensors_stream(weights)
-        out = self._request("/update_weights" + ("?partial=1" if partial else ""), chunks,
-                            content_type="application/octet-stream", length=length)
+        # a partial upload names the version it completes: the server refuses it (409) if it holds another
+        out = self._request(f"/update_weights?partial=1&base={self.weights_version}" if partial else "/update_weights",
+                            chunks, content_type="application/octet-stream", length=length)
         self.weights_version = out["weights_version"]
         self.last_sync_s = time.perf_counter() - started
         self.last_sync_bytes = length

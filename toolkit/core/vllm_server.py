@@ -3,13 +3,14 @@
     toolkit vllm-serve --model <checkpoint folder> [--host 127.0.0.1] [--port 8000] [--max_model_len 1024]
 
 Endpoints (JSON unless said otherwise):
-    GET  /health          {"status": "ok", "model", "weights_version", "pid"}
+    GET  /health          {"status": "ok", "model", "weights_version", "pid", "partial_uploads": true}
     POST /generate        {"prompts": [[ids]], "n", "params": {max_tokens, temperature, top_p, top_k, min_p,
                            stop_token_ids}} -> {"completions": [[{"token_ids", "logprobs", "finish_reason"}]]}
     POST /update_weights  body: a safetensors file of (name -> tensor) in the checkpoint's naming (the client
                           streams it from the tensors' memory; the server reads it into one buffer it reuses)
                            -> {"weights_version": n, "seconds"}. `?partial=1`: only some of the model's
-                          weights (the layers left out keep theirs; the client sends whole merged layers).
+                          weights (the layers left out keep theirs; the client sends whole merged layers),
+                          `&base=<n>`: the version it completes (409 if the server holds another).
 
 Token ids in, token ids and log-probs out: no text crosses the wire, so nothing is re-tokenized. The
 engine serves one request at a time (requests queue on a lock); the HTTP server is threaded, so a
@@ -127,9 +128,9 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
         def do_GET(self):
             if not self._authorized():
                 return
-            if self.path == "/health":
+            if self._route()[0] == "/health":
                 self._send(200, {"status": "ok", "model": model_path, "weights_version": backend.weights_version,
-                                 "pid": os.getpid()})
+                                 "pid": os.getpid(), "partial_uploads": True})
             else:
                 self._send(404, {"error": f"no such endpoint {self.path}; GET /health"})
 
@@ -159,17 +160,25 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                         body = self._body(max_upload_bytes)
                         if body is None:
                             return
-                        try:
-                            weights = parse_safetensors(body)
-                        except ValueError as e:
-                            refused = f"/update_weights: {e}"
+                        # A partial upload completes the version its client last uploaded; on top of any other
+                        # (this server restarted, another client uploaded) it would mix two models: refused, and
+                        # the client sends all weights. Checked under the lock, where the version changes.
+                        if partial and query.get("base") != [str(backend.weights_version)]:
+                            refused = (409, f"/update_weights: this partial upload completes weights version "
+                                            f"{(query.get('base') or ['none'])[0]}, but the server holds version "
+                                            f"{backend.weights_version}; upload all weights.")
                         else:
-                            backend.load_weights(weights, partial=partial)
+                            try:
+                                weights = parse_safetensors(body)
+                            except ValueError as e:
+                                refused = (400, f"/update_weights: {e}")
+                            else:
+                                backend.load_weights(weights, partial=partial)
                         del body  # views of the buffer: none outlives the upload
                         weights = None
                     # answered after the lock is released: a client slow to read its reply holds no one up
                     if refused is not None:
-                        self._send(400, {"error": refused})
+                        self._send(refused[0], {"error": refused[1], "weights_version": backend.weights_version})
                         return
                     self._send(200, {"weights_version": backend.weights_version, "seconds": backend.last_sync_s})
                 else:
