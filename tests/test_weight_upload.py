@@ -28,6 +28,7 @@ class Recorder:
     def load_weights(self, weights, *, partial=False):
         self.got = [(name, t.clone()) for name, t in weights]  # the views die with the request's buffer
         self.partial = partial
+        self.history = [*getattr(self, "history", []), (len(self.got), partial)]
         self.weights_version += 1
 
 
@@ -290,16 +291,20 @@ def test_a_partial_upload_on_top_of_other_weights_is_refused_and_the_client_send
     engine.weights_version = 0
     client.sync_weights(model)
     assert _names(engine.got) == everything and not engine.partial
+    client.sync_weights(model)
+    assert engine.partial  # the engine holds this client's weights again: partial
     # another client uploads between this client's check and its upload: the server refuses the partial upload
-    # (409, naming both versions) and the client sends everything
+    # (409, naming both) and the client sends everything
     client._engine_unchanged = lambda: True
     engine.weights_version += 5
+    uploads = len(engine.history)
     client.sync_weights(model)
+    assert len(engine.history) == uploads + 1  # the refused partial upload never reached the engine
     assert _names(engine.got) == everything and not engine.partial
     assert client.weights_version == engine.weights_version
     chunks, _ = safetensors_stream(weights())
-    status, answer = _post_to(url, "/update_weights?partial=1&base=3", token, b"".join(bytes(c) for c in chunks))
-    assert status == 409 and "completes weights version 3" in answer["error"]
+    status, answer = _post_to(url, "/update_weights?partial=1&base=ab:3", token, b"".join(bytes(c) for c in chunks))
+    assert status == 409 and "completes weights ab:3" in answer["error"]
 
 
 def _post_to(url, path, token, body):
@@ -363,6 +368,8 @@ def test_partial_reload_warnings_are_dropped_in_the_loading_thread_only(caplog):
     _QUIET.local.partial = True
     try:
         log.warning("%s: Failed to load weights", "RMSNorm")  # dropped
+        logging.getLogger("vllm.model_executor.model_loader.reload.inplace").warning(
+            "Following weights were not loaded from checkpoint: %s", {"a"})  # dropped
         elsewhere = threading.Thread(target=log.warning, args=("%s: Failed to load weights", "Other thread"))
         elsewhere.start()
         elsewhere.join()
@@ -372,3 +379,63 @@ def test_partial_reload_warnings_are_dropped_in_the_loading_thread_only(caplog):
     log.warning("%s: Failed to load weights", "After")  # a full load's warning stays
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["Other thread: Failed to load weights", "something else", "After: Failed to load weights"]
+
+
+def test_full_fine_tuning_syncs_are_full_ones_without_a_check():
+    from toolkit.testing import tiny_model
+
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    client = VLLMServerBackend(url, token=token)
+    client._engine_unchanged = lambda: pytest.fail("full fine-tuning needs no check of the server")
+    model = tiny_model()  # tied: the head goes with the embedding, so everything is selected
+    for _ in range(2):
+        client.sync_weights(model)
+        assert _names(engine.got) == _names(engine_weights(model)) and engine.partial is False
+
+
+def test_sync_every_remembers_what_trained_between_pushes():
+    from toolkit.testing import tiny_model
+
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    client = VLLMServerBackend(url, token=token, sync_every=2)
+    model = tiny_model()
+    model.requires_grad_(False)
+    model.model.layers[1].requires_grad_(True)
+    client.sync_weights(model)  # pushes: all
+    model.model.layers[1].requires_grad_(False)
+    model.model.layers[0].requires_grad_(True)
+    client.sync_weights(model)  # no push; layer 0 is trainable now
+    model.model.layers[0].requires_grad_(False)
+    client.sync_weights(model)  # pushes: layer 1 (trained since the full sync) and layer 0 (trained since)
+    assert engine.partial and _names(engine.got) == {n for n in _names(engine_weights(model))
+                                                     if ".layers.0." in n or ".layers.1." in n}
+
+
+def test_several_ranks_agree_on_partial_syncs_share_a_refusal_and_fail_together(tmp_path):
+    """Two processes (torchrun, gloo) syncing one LoRA model to one server, rank 0 uploading: full, then
+    partial; a partial upload refused because another client uploaded makes every rank gather all weights
+    again; a failed upload on rank 0 raises on both ranks instead of leaving rank 1 waiting."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    worker = str(Path(__file__).with_name("sync_ranks_worker.py"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOOLKIT_VLLM_TOKEN": token}
+    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29541", worker, url, str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    n = ranks[0]["names"]
+    # full; partial (the attention blocks); the other client's one tensor; all again after the refusal
+    assert engine.history == [(n, False), (ranks[0]["partial_names"], True), (1, False), (n, False)]
+    assert ranks[0]["partial_names"] < n
+    assert ranks[0]["version"] == ranks[1]["version"] == engine.weights_version
+    assert ranks[0]["error"] and "another rank" not in ranks[0]["error"]  # its own reason (401, or the hang-up)
+    assert "another rank's upload failed" in ranks[1]["error"]

@@ -120,13 +120,41 @@ def changing_groups(model: torch.nn.Module) -> set[str]:
                 name = name[:name.index(marker)] + ".weight"  # the wrapped module's own parameter
         parts = name.split(".")[:-1]  # the module's path
         numbered = [i for i, part in enumerate(parts) if part.isdigit()]
-        if len(numbered) >= 2:  # a list inside a numbered block: the whole list
-            groups.add(".".join(parts[:numbered[-1]]))
+        if len(numbered) >= 2:  # a list inside a numbered block (its experts): the whole list, however deep
+            groups.add(".".join(parts[:numbered[1]]))
         else:
             groups.add(".".join(parts[:-1]) or ".".join(parts))
     return groups
 
 
+def _named_state(model: torch.nn.Module) -> tuple[torch.nn.Module, bool, list[tuple[str, torch.Tensor]]]:
+    """(the model unwrapped, whether it is a PEFT model, its state as (engine name, tensor) pairs). The state
+    dict holds the Parameters themselves (keep_vars), so a tied name is the same object."""
+    while hasattr(model, "module"):
+        model = model.module
+    peft = hasattr(model, "merge_adapter") and hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    adapter = getattr(model, "active_adapter", None) if peft else None
+    named = [(name, t) for key, t in base.state_dict(keep_vars=True).items()
+             if (name := _engine_name(key, adapter) if peft else key) is not None]
+    return model, peft, named
+
+
+def _under(name: str, groups: Collection[str]) -> bool:
+    return any(name == g or name.startswith(g + ".") for g in groups)
+
+
+def _covers_all(model: torch.nn.Module, groups: Collection[str]) -> bool:
+    """Whether `groups` select every weight of `model` (full fine-tuning; a tied head goes with its embedding):
+    then a sync is a full one."""
+    if "" in groups:
+        return True
+    named = _named_state(model)[2]
+    chosen = {id(t) for name, t in named if _under(name, groups)}
+    return all(id(t) in chosen for _, t in named)
+
+
+@torch.no_grad()
 def engine_weights(model: torch.nn.Module, *, only: Collection[str] | None = None) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs in the checkpoint's naming, as vLLM loads them; PEFT adapters merged in.
 
@@ -134,34 +162,25 @@ def engine_weights(model: torch.nn.Module, *, only: Collection[str] | None = Non
     of those (the output head of a tied embedding). With LoRA on q_proj and v_proj that is the 30 attention
     blocks of the 135M model: 26.5M of the 162.6M values a full sync sends (the tied head counted twice).
     """
-    while hasattr(model, "module"):
-        model = model.module
-    peft = hasattr(model, "merge_adapter") and hasattr(model, "get_base_model")
-    base = model.get_base_model() if peft else model
-    adapter = getattr(model, "active_adapter", None) if peft else None
-    everything = only is None or "" in only
 
-    def select(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        named = [(name, t) for key, t in state.items()
-                 if (name := _engine_name(key, adapter) if peft else key) is not None]
-        if everything:
+    def select(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        if only is None or "" in only:
             return named
-        # the state dict holds Parameters themselves (keep_vars): a tied name is the same object
-        chosen = {id(t) for name, t in named if any(name == g or name.startswith(g + ".") for g in only)}
+        chosen = {id(t) for name, t in named if _under(name, only)}
         return [(name, t) for name, t in named if id(t) in chosen]
 
+    model, peft, _ = _named_state(model)
     if peft:
         # Merge, copy out, unmerge: the training weights stay exactly as they were.
-        with torch.no_grad():
-            model.merge_adapter()
-            try:
-                return [(name, t.detach().clone()) for name, t in select(base.state_dict(keep_vars=True))]
-            finally:
-                model.unmerge_adapter()
+        model.merge_adapter()
+        try:
+            return [(name, t.detach().clone()) for name, t in select(_named_state(model)[2])]
+        finally:
+            model.unmerge_adapter()
     # FSDP2 holds DTensor shards: gather each whole (a collective, so every rank must call this, and with the
     # same selection; the engine needs the full weights, and the server backend lets only rank 0 send them)
     return [(name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach())
-            for name, t in select(model.state_dict(keep_vars=True))]
+            for name, t in select(_named_state(model)[2])]
 
 
 def _vllm_sampling(params: SamplingParams, n: int):
@@ -195,35 +214,56 @@ class _EngineMoved(ToolkitError):
 
 class _SyncEvery:
     """What both vLLM backends share: push weights on every `sync_every`-th sync_weights call; all of them the
-    first time a model is synced, then only those training can change: the `changing_groups` of this sync and
-    of every sync since the last full one (a module frozen since, e.g. by switching PEFT adapters, still gets
-    its new weights once). Any other `load_weights` call makes the next sync send all again. With several
-    processes the ranks agree before selecting (gathering FSDP2 shards is a collective per tensor).
+    first time a model is synced, then only those training can change: the `changing_groups` seen at every
+    sync_weights call since the last full sync (a module frozen since, e.g. by switching PEFT adapters, still
+    gets its new weights once). Any other `load_weights` call makes the next sync send all again. With several
+    processes every rank runs the same collectives in the same order whatever happens: the ranks agree on
+    partial or full (an all-reduce), gather the same weights (FSDP2), and share the loading rank's outcome
+    (an all-reduce) before any rank raises, so a failed upload is an error on every rank, never a hang.
     """
 
     sync_every: int = 1
     _sync_calls: int = 0
     _synced: weakref.ref | None = None  # the model whose weights the engine holds whole, if synced from one
-    _groups: frozenset[str] = frozenset()  # changing_groups since that full sync
+    _groups: frozenset[str] = frozenset()  # changing_groups seen since that full sync
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self._sync_calls += 1
+        self._groups = self._groups | changing_groups(model)  # on every call: a push may be sync_every calls away
         if (self._sync_calls - 1) % self.sync_every:
             return
         held = self._synced() if self._synced is not None else None
-        partial = _all_ranks(held is model and self._engine_unchanged())
-        groups = frozenset(changing_groups(model))
-        groups = self._groups | groups if partial else groups
+        # full fine-tuning selects everything: a full sync (no check, no partial flag, vLLM's warnings kept)
+        partial = _all_ranks(held is model and not _covers_all(model, self._groups) and self._engine_unchanged())
+        groups = self._groups if partial else frozenset(changing_groups(model))
         weights = engine_weights(model, only=groups if partial else None)  # on every rank (FSDP2: a collective)
-        if self._loads_here():
-            try:
-                self.load_weights(weights, partial=partial)
-            except _EngineMoved:
-                if _world() > 1:  # the other ranks cannot gather all weights again now
-                    raise
-                self.load_weights(engine_weights(model))
+        outcome = _all_ranks_max(self._load_here(weights, partial))
+        if outcome == _MOVED:  # a server that now holds other weights refused the partial upload: send all
+            del weights
+            weights, groups = engine_weights(model), frozenset(changing_groups(model))
+            outcome = _all_ranks_max(self._load_here(weights, False))
+        if outcome == _FAILED:
+            error, self._error = self._error, None
+            raise error if error is not None else ToolkitError(
+                "vLLM weight sync: another rank's upload failed (its log has the reason); this rank stops too.")
         self._after_sync()
         self._synced, self._groups = weakref.ref(model), groups
+
+    _error: BaseException | None = None
+
+    def _load_here(self, weights: list[tuple[str, torch.Tensor]], partial: bool) -> int:
+        """Load on this rank if it is a loading one; the outcome as a number every rank can agree on (the
+        exception is kept to be raised after the ranks have shared the outcome)."""
+        if not self._loads_here():
+            return _DONE
+        try:
+            self.load_weights(weights, partial=partial)
+        except _EngineMoved:
+            return _MOVED
+        except Exception as e:  # noqa: BLE001 - raised on this rank once every rank knows
+            self._error = e
+            return _FAILED
+        return _DONE
 
     def _engine_unchanged(self) -> bool:
         """Whether the engine still holds what this backend last loaded (a server may have restarted)."""
@@ -237,6 +277,9 @@ class _SyncEvery:
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, partial: bool = False) -> None:
         raise NotImplementedError
+
+
+_DONE, _MOVED, _FAILED = 0, 1, 2  # a rank's load outcome; the worst (max) over ranks is what every rank does
 
 
 def _unwrapped_base(model: torch.nn.Module) -> torch.nn.Module:
@@ -259,13 +302,22 @@ def _collective_device() -> str:
 
 def _all_ranks(flag: bool) -> bool:
     """`flag` if it holds on every rank (a MIN all-reduce; every rank calls this at the same point)."""
+    return bool(_reduce(int(flag), "MIN"))
+
+
+def _all_ranks_max(value: int) -> int:
+    """The largest `value` over the ranks (a MAX all-reduce; every rank calls this at the same point)."""
+    return _reduce(value, "MAX")
+
+
+def _reduce(value: int, op: str) -> int:
     if _world() == 1:
-        return flag
+        return value
     import torch.distributed as dist
 
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
+    t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+    return int(t.item())
 
 
 class _QuietPartialReload(logging.Filter):
@@ -380,6 +432,7 @@ class VLLMServerBackend(_SyncEvery):
         self.last_sync_s = 0.0
         self.last_sync_bytes = 0  # of the last upload: all weights, or with `partial` those training changes
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="toolkit-vllm-client")
+        self._instance: str | None = None  # the server start the last upload went into
         self.info = self.wait_until_ready(startup_timeout)
 
     def _request(self, path: str, body: bytes | list | None = None, *, content_type: str = "application/json",
@@ -462,11 +515,16 @@ class VLLMServerBackend(_SyncEvery):
         self.weights_version = int(version.item())
 
     def _engine_unchanged(self) -> bool:
-        # a server from before partial uploads takes only whole ones; a restarted server, or one another client
-        # uploaded to, holds other weights (rank 0 asks; the vote is shared)
+        # a server from before partial uploads takes only whole ones; a restarted server (a new instance id), or
+        # one another client uploaded to, holds other weights (rank 0 asks; the vote is shared). No answer: a
+        # full upload, which reports the reason if the server is gone (raising here would skip the vote).
         if not self.info.get("partial_uploads") or not self._loads_here():
             return bool(self.info.get("partial_uploads"))
-        return self._request("/health", timeout=30.0).get("weights_version") == self.weights_version
+        try:
+            health = self._request("/health", timeout=30.0)
+        except ToolkitError:
+            return False
+        return (health.get("instance"), health.get("weights_version")) == (self._instance, self.weights_version)
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, partial: bool = False) -> None:
         """Upload `weights`; `partial`: only some of the model's weights (see VLLMBackend.load_weights)."""
@@ -474,9 +532,10 @@ class VLLMServerBackend(_SyncEvery):
         self._synced = None
         chunks, length = safetensors_stream(weights)
         # a partial upload names the version it completes: the server refuses it (409) if it holds another
-        out = self._request(f"/update_weights?partial=1&base={self.weights_version}" if partial else "/update_weights",
-                            chunks, content_type="application/octet-stream", length=length)
+        out = self._request(f"/update_weights?partial=1&base={self._instance}:{self.weights_version}" if partial
+                            else "/update_weights", chunks, content_type="application/octet-stream", length=length)
         self.weights_version = out["weights_version"]
+        self._instance = out.get("instance")  # the server start these weights went into
         self.last_sync_s = time.perf_counter() - started
         self.last_sync_bytes = length
 

@@ -3,14 +3,14 @@
     toolkit vllm-serve --model <checkpoint folder> [--host 127.0.0.1] [--port 8000] [--max_model_len 1024]
 
 Endpoints (JSON unless said otherwise):
-    GET  /health          {"status": "ok", "model", "weights_version", "pid", "partial_uploads": true}
+    GET  /health          {"status": "ok", "model", "weights_version", "pid", "partial_uploads": true, "instance"}
     POST /generate        {"prompts": [[ids]], "n", "params": {max_tokens, temperature, top_p, top_k, min_p,
                            stop_token_ids}} -> {"completions": [[{"token_ids", "logprobs", "finish_reason"}]]}
     POST /update_weights  body: a safetensors file of (name -> tensor) in the checkpoint's naming (the client
                           streams it from the tensors' memory; the server reads it into one buffer it reuses)
-                           -> {"weights_version": n, "seconds"}. `?partial=1`: only some of the model's
+                           -> {"weights_version": n, "seconds", "instance"}. `?partial=1`: only some of the model's
                           weights (the layers left out keep theirs; the client sends whole merged layers),
-                          `&base=<n>`: the version it completes (409 if the server holds another).
+                          `&base=<instance>:<n>`: the server start and version it completes (409 otherwise).
 
 Token ids in, token ids and log-probs out: no text crosses the wire, so nothing is re-tokenized. The
 engine serves one request at a time (requests queue on a lock); the HTTP server is threaded, so a
@@ -73,6 +73,8 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
     # One upload at a time into one reused buffer: a fresh 500 MB buffer per upload cost its page faults every
     # step (up to a second for 135M fp32 parameters); the engine copies the weights out before it is reused.
     upload_lock = threading.Lock()
+    # This server start: weights versions count from 0 again after a restart, so a partial upload names both
+    instance = secrets.token_hex(8)
     upload_buffer = [bytearray()]
 
     class Handler(BaseHTTPRequestHandler):
@@ -130,7 +132,7 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                 return
             if self._route()[0] == "/health":
                 self._send(200, {"status": "ok", "model": model_path, "weights_version": backend.weights_version,
-                                 "pid": os.getpid(), "partial_uploads": True})
+                                 "pid": os.getpid(), "partial_uploads": True, "instance": instance})
             else:
                 self._send(404, {"error": f"no such endpoint {self.path}; GET /health"})
 
@@ -163,10 +165,11 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                         # A partial upload completes the version its client last uploaded; on top of any other
                         # (this server restarted, another client uploaded) it would mix two models: refused, and
                         # the client sends all weights. Checked under the lock, where the version changes.
-                        if partial and query.get("base") != [str(backend.weights_version)]:
-                            refused = (409, f"/update_weights: this partial upload completes weights version "
-                                            f"{(query.get('base') or ['none'])[0]}, but the server holds version "
-                                            f"{backend.weights_version}; upload all weights.")
+                        held = f"{instance}:{backend.weights_version}"
+                        if partial and query.get("base") != [held]:
+                            refused = (409, f"/update_weights: this partial upload completes weights "
+                                            f"{(query.get('base') or ['none'])[0]} (server start:version), but the "
+                                            f"server holds {held}; upload all weights.")
                         else:
                             try:
                                 weights = parse_safetensors(body)
@@ -180,7 +183,8 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                     if refused is not None:
                         self._send(refused[0], {"error": refused[1], "weights_version": backend.weights_version})
                         return
-                    self._send(200, {"weights_version": backend.weights_version, "seconds": backend.last_sync_s})
+                    self._send(200, {"weights_version": backend.weights_version, "seconds": backend.last_sync_s,
+                                     "instance": instance})
                 else:
                     self._send(404, {"error": f"no such endpoint {self.path}; POST /generate or /update_weights"})
             except Exception as e:  # the client gets the reason, the server keeps serving
