@@ -62,9 +62,7 @@ def test_the_stream_is_a_safetensors_file_with_every_name_tied_weights_included(
 
 
 def test_an_upload_through_the_server_arrives_exactly_and_bumps_the_version():
-    engine = Recorder()
-    url, _, token = serve_in_thread(engine)
-    client = VLLMServerBackend(url, token=token)
+    engine, url, token, client = _served()
     client.load_weights(weights())
     assert client.weights_version == 1 and client.last_sync_s > 0
     got = dict(engine.got)
@@ -119,9 +117,7 @@ def test_views_of_one_storage_and_tied_names_are_each_sent():
 
 
 def test_successive_uploads_through_the_reused_buffer_each_arrive_exactly():
-    engine = Recorder()
-    url, _, token = serve_in_thread(engine)
-    client = VLLMServerBackend(url, token=token)
+    engine, url, token, client = _served()
     small = [("w", torch.full((4,), 1.0))]
     big = [("w", torch.arange(16.0)), ("v", torch.ones(3, dtype=torch.int64))]
     for weights_ in (big, small, big):  # a smaller upload after a larger one uses the front of the buffer
@@ -164,6 +160,21 @@ def _names(pairs):
 
 def _changing(model):
     return engine_weights(model, only=changing_groups(model))
+
+
+def _served(**kwargs):
+    """A recording engine behind the real HTTP server on loopback, and a client: (engine, url, token, client)."""
+    engine = Recorder()
+    url, _, token = serve_in_thread(engine)
+    return engine, url, token, VLLMServerBackend(url, token=token, **kwargs)
+
+
+def _lora_q(seed=0):
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.testing import tiny_model
+
+    return get_peft_model(tiny_model(seed=seed), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
 
 
 def test_full_fine_tuning_sends_every_weight_and_frozen_blocks_are_left_out():
@@ -232,14 +243,10 @@ def test_modules_to_save_sends_the_trained_copy_under_the_module_name():
 
 
 def test_a_sync_sends_all_weights_first_then_only_what_training_changes_through_the_server():
-    from peft import LoraConfig, get_peft_model
 
-    from toolkit.testing import tiny_model
 
-    engine = Recorder()
-    url, _, token = serve_in_thread(engine)
-    client = VLLMServerBackend(url, token=token)
-    model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    engine, url, token, client = _served()
+    model = _lora_q()
     everything = _names(engine_weights(model))
     client.sync_weights(model)
     assert _names(engine.got) == everything and engine.partial is False
@@ -250,7 +257,7 @@ def test_a_sync_sends_all_weights_first_then_only_what_training_changes_through_
     client.load_weights(weights())  # the engine got something else: the next sync sends everything again
     client.sync_weights(model)
     assert _names(engine.got) == everything and engine.partial is False
-    other = get_peft_model(tiny_model(seed=1), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    other = _lora_q(seed=1)
     client.sync_weights(other)  # a different model: everything
     assert _names(engine.got) == everything and engine.partial is False
 
@@ -258,9 +265,7 @@ def test_a_sync_sends_all_weights_first_then_only_what_training_changes_through_
 def test_a_module_frozen_since_the_last_full_sync_still_gets_its_new_weights_once_more():
     from toolkit.testing import tiny_model
 
-    engine = Recorder()
-    url, _, token = serve_in_thread(engine)
-    client = VLLMServerBackend(url, token=token)
+    engine, url, token, client = _served()
     model = tiny_model()
     model.requires_grad_(False)
     model.model.layers[0].requires_grad_(True)
@@ -277,14 +282,10 @@ def test_a_module_frozen_since_the_last_full_sync_still_gets_its_new_weights_onc
 
 
 def test_a_partial_upload_on_top_of_other_weights_is_refused_and_the_client_sends_all():
-    from peft import LoraConfig, get_peft_model
 
-    from toolkit.testing import tiny_model
 
-    engine = Recorder()
-    url, _, token = serve_in_thread(engine)
-    client = VLLMServerBackend(url, token=token)
-    model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    engine, url, token, client = _served()
+    model = _lora_q()
     everything = _names(engine_weights(model))
     client.sync_weights(model)
     # the server restarted (its weights are the checkpoint's again, version 0): the client's check sees it
@@ -317,16 +318,12 @@ def _post_to(url, path, token, body):
 
 
 def test_a_server_without_partial_uploads_always_gets_all_weights():
-    from peft import LoraConfig, get_peft_model
 
-    from toolkit.testing import tiny_model
 
-    engine = Recorder()
-    url, _, token = serve_in_thread(engine)
-    client = VLLMServerBackend(url, token=token)
+    engine, url, token, client = _served()
     assert client.info["partial_uploads"] is True
     del client.info["partial_uploads"]  # what /health of a server before partial uploads answers
-    model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    model = _lora_q()
     for _ in range(2):
         client.sync_weights(model)
         assert _names(engine.got) == _names(engine_weights(model)) and not engine.partial
@@ -384,9 +381,7 @@ def test_partial_reload_warnings_are_dropped_in_the_loading_thread_only(caplog):
 def test_full_fine_tuning_syncs_are_full_ones_without_a_check():
     from toolkit.testing import tiny_model
 
-    engine = Recorder()
-    url, _, token = serve_in_thread(engine)
-    client = VLLMServerBackend(url, token=token)
+    engine, url, token, client = _served()
     client._engine_unchanged = lambda: pytest.fail("full fine-tuning needs no check of the server")
     model = tiny_model()  # tied: the head goes with the embedding, so everything is selected
     for _ in range(2):
@@ -397,9 +392,7 @@ def test_full_fine_tuning_syncs_are_full_ones_without_a_check():
 def test_sync_every_remembers_what_trained_between_pushes():
     from toolkit.testing import tiny_model
 
-    engine = Recorder()
-    url, _, token = serve_in_thread(engine)
-    client = VLLMServerBackend(url, token=token, sync_every=2)
+    engine, url, token, client = _served(sync_every=2)
     model = tiny_model()
     model.requires_grad_(False)
     model.model.layers[1].requires_grad_(True)
