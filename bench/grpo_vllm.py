@@ -95,7 +95,10 @@ def worker(kind: str, steps: int) -> dict:
     hist = [h for h in trainer.state.log_history if "loss" in h][1:]
     gen = [h["time/generation_s"] for h in hist if "time/generation_s" in h]
     backend = getattr(trainer, "generation_backend", None)
-    return {"kind": kind, "steps_per_min": 60 / per_step, "sec_per_step": per_step,
+    # every trainer here (ours and TRL's) logs completions/mean_length per step: the work each side generated
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    per_step = SETTINGS["prompts_per_step"] * SETTINGS["num_generations"]
+    return {"generated_tokens": round(sum(lengths) * per_step) if lengths else None,"kind": kind, "steps_per_min": 60 / per_step, "sec_per_step": per_step,
             "generation_s_per_step": sum(gen) / len(gen) if gen else None,
             "last_weight_sync_s": getattr(backend, "last_sync_s", None),
             "last_weight_sync_mb": getattr(backend, "last_sync_bytes", 0) / 1e6 or None,
@@ -111,19 +114,22 @@ def main() -> None:
     s = SETTINGS
     print(f"\nGRPO, SmolLM2-135M-Instruct, {s['prompts_per_step']} prompts x {s['num_generations']} completions, "
           f"max {s['max_completion_length']} new tokens, {args.steps} steps (first excluded)")
-    print("| backend | steps/min | s/step | generation s/step | weight sync s | sync MB | vs transformers |")
-    print("|---|---|---|---|---|---|---|")
+    print("| backend | steps/min | s/step | generation s/step | generated tokens (all steps) | weight sync s | sync MB "
+          "| vs transformers |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind in KINDS:
         r = results[kind]
         if "failed" in r:
-            print(f"| {kind} | failed | | | | | see below |")
+            print(f"| {kind} | failed | | | | | | see below |")
             continue
         gen = f"{r['generation_s_per_step']:.1f}" if r["generation_s_per_step"] is not None else "-"
         sync = f"{r['last_weight_sync_s']:.2f}" if r["last_weight_sync_s"] is not None else "-"
         mb = f"{r['last_weight_sync_mb']:.0f}" if r.get("last_weight_sync_mb") else "-"
         # LoRA trains something else than the full model: its step time is not compared
         ratio = "-" if kind.endswith("lora") else f"{r['steps_per_min'] / base['steps_per_min']:.2f}x"
-        print(f"| {kind} | {r['steps_per_min']:.2f} | {r['sec_per_step']:.1f} | {gen} | {sync} | {mb} | {ratio} |")
+        tokens = "-" if r.get("generated_tokens") is None else r["generated_tokens"]
+        print(f"| {kind} | {r['steps_per_min']:.2f} | {r['sec_per_step']:.1f} | {gen} | {tokens} | {sync} | {mb} "
+              f"| {ratio} |")
     for kind in KINDS:
         if "failed" in results[kind]:
             print(f"{kind}: {results[kind]['failed']}")

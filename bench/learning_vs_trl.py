@@ -134,8 +134,12 @@ def worker(kind: str, start: str, minutes: float, eval_every: float, seed: int) 
     trainer.train()
     steps = trainer.state.global_step
     train_min = budget.points[-1][1]
+    # both trainers log completions/mean_length per step: equal work per step shows as equal generated tokens
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     return {"kind": kind, "seed": seed, "steps": steps, "train_minutes": train_min,
             "sec_per_step": round(train_min * 60 / max(steps, 1), 2), "points": budget.points,
+            "generated_tokens_per_step": round(sum(lengths) / len(lengths) * per_step) if lengths else None,
             "gradient_checkpointing": bool(getattr(trainer.args, "gradient_checkpointing", False))}
 
 
@@ -155,12 +159,14 @@ def ensure_start(out: str, sft: dict) -> str:
 
 def table(results: list[dict]) -> str:
     """One row per run: every measurement as accuracy @ training minutes (step), then the end and the best."""
-    lines = ["| side | seed | steps | s/step | held-out accuracy @ training minutes (step) | end | best |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| side | seed | steps | s/step | generated tokens/step | held-out accuracy @ training minutes (step) | end "
+             "| best |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         pts = r["points"]
         curve = ", ".join(f"{acc:.1%} @ {m:.1f} ({step})" for step, m, acc in pts)
-        lines.append(f"| {r['kind']} | {r['seed']} | {r['steps']} | {r['sec_per_step']:.1f} | {curve} | "
+        tokens = r.get("generated_tokens_per_step")
+        lines.append(f"| {r['kind']} | {r['seed']} | {r['steps']} | {r['sec_per_step']:.1f} | "
+                     f"{'-' if tokens is None else tokens} | {curve} | "
                      f"{pts[-1][2]:.1%} | {max(p[2] for p in pts):.1%} |")
     return "\n".join(lines)
 

@@ -171,6 +171,12 @@ def _f(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _tokens(ours: dict, ref: dict) -> str:
+    """"; generated tokens A vs B" where both sides recorded how many tokens they generated (equal work)."""
+    a, b = ours.get("generated_tokens"), ref.get("generated_tokens")
+    return "" if a is None or b is None else f"; generated tokens {a} vs {b}"
+
+
 def table_rows() -> list[list[str]]:
     """[benchmark, what, ours, reference, ours vs reference, fraction of ceiling, measured at]."""
     ceiling = _load("ceiling")
@@ -249,7 +255,8 @@ def table_rows() -> list[list[str]]:
                 mb = f" ({r['last_weight_sync_mb']:.0f} MB)" if r.get("last_weight_sync_mb") else ""
                 rows.append(["grpo_vllm", f"GRPO steps/min, {kind} backend; weight sync s",
                              f"{r['steps_per_min']:.2f}; {_f(sync, 2)}{mb}", f"{base:.2f} (our transformers backend)",
-                             f"{r['steps_per_min'] / base:.2f}x", "sync < 1 s" if kind == "vllm-server" else "-",
+                             f"{r['steps_per_min'] / base:.2f}x{_tokens(r, res.get('transformers', {}))}",
+                             "sync < 1 s" if kind == "vllm-server" else "-",
                              _when(d)])
         r = res.get("vllm-server-lora", {})
         if "steps_per_min" in r:
