@@ -97,8 +97,9 @@ def worker(kind: str, steps: int) -> dict:
     backend = getattr(trainer, "generation_backend", None)
     # every trainer here (ours and TRL's) logs completions/mean_length per step: the work each side generated
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    per_step = SETTINGS["prompts_per_step"] * SETTINGS["num_generations"]
-    return {"generated_tokens": round(sum(lengths) * per_step) if lengths else None,"kind": kind, "steps_per_min": 60 / per_step, "sec_per_step": per_step,
+    completions_per_step = SETTINGS["prompts_per_step"] * SETTINGS["num_generations"]
+    return {"generated_tokens": round(sum(lengths) * completions_per_step) if lengths else None,
+            "kind": kind, "steps_per_min": 60 / per_step, "sec_per_step": per_step,
             "generation_s_per_step": sum(gen) / len(gen) if gen else None,
             "last_weight_sync_s": getattr(backend, "last_sync_s", None),
             "last_weight_sync_mb": getattr(backend, "last_sync_bytes", 0) / 1e6 or None,

@@ -136,10 +136,10 @@ def worker(kind: str, start: str, minutes: float, eval_every: float, seed: int) 
     train_min = budget.points[-1][1]
     # both trainers log completions/mean_length per step: equal work per step shows as equal generated tokens
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    completions_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     return {"kind": kind, "seed": seed, "steps": steps, "train_minutes": train_min,
             "sec_per_step": round(train_min * 60 / max(steps, 1), 2), "points": budget.points,
-            "generated_tokens_per_step": round(sum(lengths) / len(lengths) * per_step) if lengths else None,
+            "generated_tokens_per_step": round(sum(lengths) / len(lengths) * completions_per_step) if lengths else None,
             "gradient_checkpointing": bool(getattr(trainer.args, "gradient_checkpointing", False))}
 
 
