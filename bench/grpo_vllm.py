@@ -61,9 +61,11 @@ def worker(kind: str, steps: int) -> dict:
             return numeric_match(prompts, completions, completion_ids, answer=kw["answer"])
 
         trainer = TRLTrainer(model=path, reward_funcs=reward,
+                             # TRL's default vllm_gpu_memory_utilization (0.3; on vLLM's CPU backend, of the machine's
+                             # memory, less what the process already holds, for the KV cache): 0.1 left no KV cache
+                             # once the trainer held 2.3 GB. max_model_len 256 is what our vLLM rows use.
                              args=TRLConfig(**common, use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate",
-                                            vllm_gpu_memory_utilization=0.1, vllm_max_model_length=256,
-                                            model_init_kwargs={"dtype": torch.float32}),
+                                            vllm_max_model_length=256, model_init_kwargs={"dtype": torch.float32}),
                              train_dataset=Dataset.from_list(rows), callbacks=[timer])
     else:
         from toolkit import GRPOConfig, GRPOTrainer
