@@ -72,7 +72,10 @@ def worker(kind: str, steps: int) -> dict:
             "mean_reward": sum(rewards) / len(rewards) if rewards else None,
             "train_s_per_step": sum(train) / len(train) if train else None,
             "generation_tokens_per_s": sum(gen_tps) / len(gen_tps) if gen_tps else None,
-            "generated_tokens": round(sum(lengths) * completions_per_step), "steps_with_lengths": len(lengths)}
+            "generated_tokens": round(sum(lengths) * completions_per_step), "steps_with_lengths": len(lengths),
+            # ours leaves out the optimizer step of a round with no row in the loss (skip_steps_without_signal, on
+            # by default); TRL runs it on zero gradients. Counted over the timed steps, so equal work is visible.
+            "steps_without_signal_skipped": sum(1 for h in hist if h.get("update_skipped"))}
 
 
 def main() -> None:
@@ -90,6 +93,8 @@ def main() -> None:
     print(f"| peak RSS MB | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | {o['peak_rss_mb'] / t['peak_rss_mb']:.2f} |")
     print(f"| generated tokens (all {args.steps} steps) | {o['generated_tokens']} | {t['generated_tokens']} | "
           f"{o['generated_tokens'] / max(t['generated_tokens'], 1):.2f} |")
+    print(f"| timed steps whose update was skipped (no row in the loss) | {o['steps_without_signal_skipped']} | "
+          f"- (TRL steps on zero gradients) | |")
     if o["generation_s_per_step"] is not None:
         print(f"| ours: generation s/step | {o['generation_s_per_step']:.1f} | | |")
         print(f"| ours: training s/step | {o['train_s_per_step']:.1f} | | |")

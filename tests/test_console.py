@@ -21,6 +21,13 @@ def test_the_line_reads_left_to_right():
         "NON-FINITE LOSS")
     assert compact_line({"eval_loss": 1.5}, step=3, max_steps=9, seconds_per_step=None, warnings=2) == \
         "step 3/9 | eval_loss 1.5000 | 2 warnings above"
+    # a GRPO step without signal says that the weights did not move; a 4-step log window says what share
+    assert compact_line({"loss": 0.0, "update_skipped": 1.0}, step=5, max_steps=9,
+                        seconds_per_step=None, warnings=0) == "step 5/9 | loss 0.0000 | no signal, update skipped | ok"
+    assert "25% of updates skipped" in compact_line({"loss": 0.1, "update_skipped": 0.25}, step=8, max_steps=9,
+                                                    seconds_per_step=None, warnings=0)
+    assert "skipped" not in compact_line({"loss": 0.1, "update_skipped": 0.0}, step=8, max_steps=9,
+                                         seconds_per_step=None, warnings=0)
 
 
 def test_training_prints_compact_lines_and_writes_every_dict(tmp_path, capsys):

@@ -208,6 +208,43 @@ def test_rows_out_of_the_loss_are_not_trained_and_the_gradients_are_the_same(tmp
     assert grads[("skipping", True)][2] < grads[("every row", True)][2]  # the tied prompts' rows were not run
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_step_without_signal_leaves_weights_and_optimizer_alone(tmp_path, skip):
+    """Step 1 has signal; steps 2 and 3 are all-tied (no row in the loss, zero gradient). Skipped, they leave the
+    weights and Adam's moments as step 1 left them; run on zeros (the old behaviour, skip False), Adam's momentum
+    moves the weights anyway: the drift that collapsed async runs."""
+    from transformers import TrainerCallback
+
+    calls = []
+
+    def signal_once(prompts, completions, completion_ids, **kw):
+        calls.append(1)
+        return length_reward(prompts, completions, completion_ids) if len(calls) == 1 else [0.5] * len(completions)
+
+    snapshots = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
+            state_of = optimizer.state_dict()["state"]
+            snapshots.append(([p.detach().clone() for p in model.parameters()],
+                              {k: v["exp_avg"].clone() for k, v in state_of.items()}))
+
+    t = make(tmp_path, rewards=(signal_once,), max_steps=3, skip_steps_without_signal=skip)
+    t.add_callback(Snapshot())
+    t.train()
+    assert logged(t, "frac_rows_in_loss")[0] > 0 and logged(t, "frac_rows_in_loss")[1:] == [0.0, 0.0]
+    assert logged(t, "update_skipped") == ([0.0, 1.0, 1.0] if skip else [0.0, 0.0, 0.0])
+    (w1, m1), (w3, m3) = snapshots[0], snapshots[2]
+    assert len(m1) > 0
+    moved = max(float((a - b).abs().max()) for a, b in zip(w1, w3))
+    if skip:
+        assert moved == 0.0
+        assert all(torch.equal(m1[k], m3[k]) for k in m1)
+    else:
+        assert moved > 1e-4  # momentum alone moved the weights
+        assert logged(t, "grad_norm")[1:] == [0.0, 0.0]
+
+
 def test_no_learning_signal_is_said_loudly(tmp_path, caplog):
     def constant(prompts, completions, completion_ids, **kw):
         return [0.0] * len(completions)

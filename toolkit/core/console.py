@@ -58,6 +58,9 @@ def compact_line(logs: dict[str, Any], *, step: int, max_steps: int, seconds_per
             if key == "reward" and isinstance(logs.get("reward_std"), (int, float)):
                 text += f" ±{logs['reward_std']:.2f}"
             parts.append(text)
+    skipped = logs.get("update_skipped")  # GRPO: steps whose rollout had no row in the loss left the weights alone
+    if isinstance(skipped, (int, float)) and skipped > 0:
+        parts.append("no signal, update skipped" if skipped >= 1 else f"{skipped:.0%} of updates skipped (no signal)")
     if seconds_per_step is not None:
         parts.append(f"{seconds_per_step:.2f} s/step")
     loss = logs.get("loss", logs.get("eval_loss"))

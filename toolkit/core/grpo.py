@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
@@ -175,6 +176,11 @@ class GRPOConfig(TrainingArguments):
                 "per-token KL from the sampling policy exceeds this (e.g. 0.5) leave the loss. None: off."})
     zero_variance_filter: bool = field(default=True, metadata={
         "help": "Drop groups whose rewards are all equal from the loss (they carry no signal)."})
+    skip_steps_without_signal: bool = field(default=True, metadata={
+        "help": "An optimizer step whose rollout has no row in the loss on any rank (every group tied under "
+                "zero_variance_filter, no rewards) leaves the weights and the optimizer state as they are. With "
+                "False it runs on zero gradients, and Adam's momentum keeps moving the weights along the last "
+                "informative step for about 1/(1-beta1) = 10 more steps (docs/grpo.md, 'Steps without signal')."})
     mask_truncated_completions: bool = field(default=False, metadata={
         "help": "Exclude completions that hit max_completion_length without a stop token from the loss."})
     skip_solved_threshold: float | None = field(default=None, metadata={
@@ -429,6 +435,7 @@ class GRPOTrainer(Trainer):
         self.loss_is_scaled_for_ga = True
         self.solved: set[int] = set()
         self._micro = 0
+        self._skip_update = False
         self._rollout: Rollout | None = None
         self._rollout_step = 0  # the optimizer step at which the current rollout was built (pi_old's version)
         self._micro_batches: list[dict[str, Any]] = []
@@ -876,7 +883,14 @@ class GRPOTrainer(Trainer):
             self._micro_batches = self._split(self._rollout)
             for name, value in self._rollout.metrics.items():
                 self._step_metrics[name].append(value)
+            self._skip_update = self._update_without_signal(self._rollout)
         self._micro += 1
+        if self._skip_update:
+            self._step_metrics["update_skipped"].append(1.0)
+            # No forward, no backward: the gradients stay None, so the optimizer leaves every parameter and its
+            # moments as they are (torch's optimizers skip parameters without .grad), on every rank alike.
+            return torch.zeros((), device=self.args.device)
+        self._step_metrics["update_skipped"].append(0.0)
         micro = self._micro_batches[k % self.args.gradient_accumulation_steps]
         t = time.perf_counter()
         loss = super().training_step(model, micro, num_items_in_batch=None)
@@ -884,6 +898,27 @@ class GRPOTrainer(Trainer):
         self._step_metrics["train_tokens_per_s"].append(
             float(micro["input_ids"].numel()) / max(time.perf_counter() - t, 1e-9))
         return loss
+
+    def _update_without_signal(self, rollout: Rollout) -> bool:
+        """Whether this round's optimizer step(s) should leave the model alone: no rollout row in the loss on any
+        rank (skip_steps_without_signal).
+
+        Such a step has an exactly zero gradient (rows out of the loss carry a zero loss mask, KL term included),
+        yet Adam would still move every weight by its momentum m/sqrt(v): after a step with signal the next ~10
+        empty ones repeat it at 0.9^k of its size. On a task where most rounds score all-equal (small groups, a
+        hard task) that drift, not the data, moves the policy; it is what collapsed async GRPO runs at staleness
+        2 (bench/async_grpo.py). Skipping needs gradients left None, which DeepSpeed's engine and fp16's
+        GradScaler (it asserts that it saw gradients) do not accept: there the step runs on zeros as before.
+        """
+        if not self.args.skip_steps_without_signal:
+            return False
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED or self.accelerator.scaler is not None:
+            return False
+        empty = not bool(rollout.included.any())
+        if self.accelerator.num_processes > 1:  # every rank skips, or none does (DDP's backward all-reduces)
+            t = torch.tensor([0.0 if empty else 1.0], device=self.accelerator.device)
+            empty = bool(self.accelerator.reduce(t, reduction="sum").item() == 0)
+        return empty
 
     # Copied from toolkit.core.sft.SFTTrainer.save_model
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
