@@ -208,11 +208,12 @@ def test_rows_out_of_the_loss_are_not_trained_and_the_gradients_are_the_same(tmp
     assert grads[("skipping", True)][2] < grads[("every row", True)][2]  # the tied prompts' rows were not run
 
 
-@pytest.mark.parametrize("skip", [True, False])
-def test_a_step_without_signal_leaves_weights_and_optimizer_alone(tmp_path, skip):
+@pytest.mark.parametrize("skip, ga", [(True, 1), (False, 1), (True, 2)])
+def test_a_step_without_signal_leaves_weights_and_optimizer_alone(tmp_path, skip, ga):
     """Step 1 has signal; steps 2 and 3 are all-tied (no row in the loss, zero gradient). Skipped, they leave the
-    weights and Adam's moments as step 1 left them; run on zeros (the old behaviour, skip False), Adam's momentum
-    moves the weights anyway: the drift that collapsed async runs."""
+    weights and Adam's state as step 1 left them, while the learning rate schedule advances and the step's
+    metrics are logged; run on zeros (the old behaviour, skip False), Adam's momentum moves the weights anyway:
+    the drift that collapsed async runs."""
     from transformers import TrainerCallback
 
     calls = []
@@ -225,21 +226,27 @@ def test_a_step_without_signal_leaves_weights_and_optimizer_alone(tmp_path, skip
 
     class Snapshot(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
-            state_of = optimizer.state_dict()["state"]
             snapshots.append(([p.detach().clone() for p in model.parameters()],
-                              {k: v["exp_avg"].clone() for k, v in state_of.items()}))
+                              {k: {n: v.clone() for n, v in st.items()}
+                               for k, st in optimizer.state_dict()["state"].items()}))
 
-    t = make(tmp_path, rewards=(signal_once,), max_steps=3, skip_steps_without_signal=skip)
+    t = make(tmp_path, rewards=(signal_once,), max_steps=3, skip_steps_without_signal=skip,
+             per_device_train_batch_size=8 // ga, gradient_accumulation_steps=ga)
     t.add_callback(Snapshot())
     t.train()
+    assert len(calls) == 3  # one rollout per optimizer step
     assert logged(t, "frac_rows_in_loss")[0] > 0 and logged(t, "frac_rows_in_loss")[1:] == [0.0, 0.0]
     assert logged(t, "update_skipped") == ([0.0, 1.0, 1.0] if skip else [0.0, 0.0, 0.0])
-    (w1, m1), (w3, m3) = snapshots[0], snapshots[2]
-    assert len(m1) > 0
+    assert len(logged(t, "sampler/logp_abs_diff_mean")) == 3 and len(logged(t, "time/train_s")) == 3
+    lrs = logged(t, "learning_rate")
+    assert lrs[0] > lrs[1] > lrs[2]  # the (linear) schedule advances through skipped steps
+    (w1, s1), (w3, s3) = snapshots[0], snapshots[2]
+    assert len(s1) > 0
     moved = max(float((a - b).abs().max()) for a, b in zip(w1, w3))
     if skip:
         assert moved == 0.0
-        assert all(torch.equal(m1[k], m3[k]) for k in m1)
+        assert s1.keys() == s3.keys()
+        assert all(torch.equal(s1[k][n], s3[k][n]) for k in s1 for n in s1[k])  # exp_avg, exp_avg_sq, step
     else:
         assert moved > 1e-4  # momentum alone moved the weights
         assert logged(t, "grad_norm")[1:] == [0.0, 0.0]

@@ -180,7 +180,8 @@ class GRPOConfig(TrainingArguments):
         "help": "An optimizer step whose rollout has no row in the loss on any rank (every group tied under "
                 "zero_variance_filter, no rewards) leaves the weights and the optimizer state as they are. With "
                 "False it runs on zero gradients, and Adam's momentum keeps moving the weights along the last "
-                "informative step for about 1/(1-beta1) = 10 more steps (docs/grpo.md, 'Steps without signal')."})
+                "informative step for about 1/(1-beta1) = 10 more steps (docs/grpo.md, 'Steps without signal'). "
+                "Never skipped under DeepSpeed or with a GradScaler (fp16), which need gradients every step."})
     mask_truncated_completions: bool = field(default=False, metadata={
         "help": "Exclude completions that hit max_completion_length without a stop token from the loss."})
     skip_solved_threshold: float | None = field(default=None, metadata={
@@ -436,6 +437,7 @@ class GRPOTrainer(Trainer):
         self.solved: set[int] = set()
         self._micro = 0
         self._skip_update = False
+        self._rows_in_loss_all_ranks = 0  # set by _split, over all ranks
         self._rollout: Rollout | None = None
         self._rollout_step = 0  # the optimizer step at which the current rollout was built (pi_old's version)
         self._micro_batches: list[dict[str, Any]] = []
@@ -795,6 +797,7 @@ class GRPOTrainer(Trainer):
         # division by n), so each rank divides by global / n: the sum over ranks is divided by the global count,
         # exactly as one process holding the whole step would (tests/test_multiprocess.py).
         total = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu() if n > 1 else local
+        self._rows_in_loss_all_ranks = int(total[1])  # read by _update_without_signal
         counts = {name: float(max(float(v), 1.0)) / n
                   for name, v in zip(("step_tokens", "step_sequences", "step_prompts"), total)}
         return [self._micro_batch(rollout, self._trained_rows(rollout, range(k * B, (k + 1) * B)), counts)
@@ -810,7 +813,8 @@ class GRPOTrainer(Trainer):
         already count only rows in the loss; tests/test_grpo.py) in less time. The per-token metrics (entropy, kl,
         importance_ratio/*, sampler/*, train_tokens_per_s) describe the rows in the forward. A micro-batch with no
         row in the loss keeps its first row (masked; only its sampler gap is logged): every micro-step still runs
-        one forward and backward, so the ranks' collectives stay in step.
+        one forward and backward, so the ranks' collectives stay in step (a round with no row in the loss on any
+        rank runs that forward under no_grad and no backward: skip_steps_without_signal).
         """
         kept = [r for r in rows if bool(rollout.included[r])]
         return kept or [rows[0]]
@@ -885,19 +889,30 @@ class GRPOTrainer(Trainer):
                 self._step_metrics[name].append(value)
             self._skip_update = self._update_without_signal(self._rollout)
         self._micro += 1
-        if self._skip_update:
-            self._step_metrics["update_skipped"].append(1.0)
-            # No forward, no backward: the gradients stay None, so the optimizer leaves every parameter and its
-            # moments as they are (torch's optimizers skip parameters without .grad), on every rank alike.
-            return torch.zeros((), device=self.args.device)
-        self._step_metrics["update_skipped"].append(0.0)
         micro = self._micro_batches[k % self.args.gradient_accumulation_steps]
         t = time.perf_counter()
-        loss = super().training_step(model, micro, num_items_in_batch=None)
+        if self._skip_update:
+            loss = self._forward_without_update(model, micro)
+        else:
+            loss = super().training_step(model, micro, num_items_in_batch=None)
+        self._step_metrics["update_skipped"].append(float(self._skip_update))
         self._step_metrics["time/train_s"].append(time.perf_counter() - t)
         self._step_metrics["train_tokens_per_s"].append(
             float(micro["input_ids"].numel()) / max(time.perf_counter() - t, 1e-9))
         return loss
+
+    def _forward_without_update(self, model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tensor:
+        """A micro-step of a round without signal: the loss's forward on the micro-batch's stand-in row under
+        no_grad, so the step logs its metrics (sampler gap, entropy) as any step does, and no backward. The
+        gradients stay None and the optimizer leaves every parameter and its moments as they are (torch's
+        optimizers skip parameters without .grad), on every rank alike (all ranks skip or none; the forward's
+        own collectives, FSDP's gathers, run on all of them)."""
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers: as Trainer.training_step
+            self.optimizer.train()
+        with torch.no_grad(), self.compute_loss_context_manager():
+            self.compute_loss(model, self._prepare_inputs(micro))
+        return torch.zeros((), device=self.args.device)
 
     def _update_without_signal(self, rollout: Rollout) -> bool:
         """Whether this round's optimizer step(s) should leave the model alone: no rollout row in the loss on any
@@ -907,18 +922,16 @@ class GRPOTrainer(Trainer):
         yet Adam would still move every weight by its momentum m/sqrt(v): after a step with signal the next ~10
         empty ones repeat it at 0.9^k of its size. On a task where most rounds score all-equal (small groups, a
         hard task) that drift, not the data, moves the policy; it is what collapsed async GRPO runs at staleness
-        2 (bench/async_grpo.py). Skipping needs gradients left None, which DeepSpeed's engine and fp16's
-        GradScaler (it asserts that it saw gradients) do not accept: there the step runs on zeros as before.
+        2 (bench/async_grpo.py). Skipping needs gradients left None, which DeepSpeed's engine and a GradScaler
+        (fp16; it asserts that it saw gradients) do not accept: there the step runs on zeros as before.
         """
         if not self.args.skip_steps_without_signal:
             return False
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED or self.accelerator.scaler is not None:
             return False
-        empty = not bool(rollout.included.any())
-        if self.accelerator.num_processes > 1:  # every rank skips, or none does (DDP's backward all-reduces)
-            t = torch.tensor([0.0 if empty else 1.0], device=self.accelerator.device)
-            empty = bool(self.accelerator.reduce(t, reduction="sum").item() == 0)
-        return empty
+        # _split counted the rows in the loss over all ranks: every rank skips, or none does (DDP's backward
+        # all-reduces, so one rank without a backward would hang the others)
+        return self._rows_in_loss_all_ranks == 0
 
     # Copied from toolkit.core.sft.SFTTrainer.save_model
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
