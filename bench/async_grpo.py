@@ -6,8 +6,9 @@
 
 * latency-bound: the reward is a judge over HTTP on loopback (toolkit.testing.JudgeServer, a real server)
   that answers each round after 0.5-2 s (uniform, seeded), as a remote LLM judge does; 2 prompts x 4
-  completions per step. Sync waits for the judge every step; async's worker generates the next round while
-  the judge works (scoring_concurrency 2, max_staleness 2) and the trainer trains meanwhile. Three seeds each.
+  completions per step. Sync waits for the judge every step; async's worker generates the next rounds while
+  the judge works (scoring_concurrency 4, max_staleness 2, up to 2 rounds per generate call) and the trainer
+  trains meanwhile. Three seeds each.
 * compute-bound: numeric-match reward (no waiting), 4 prompts x 8 completions per step: both phases compete
   for the same 2 cores, so the ratio says what splitting them costs. One seed.
 
@@ -35,15 +36,20 @@ from async_model import Phases, simulate_async, simulate_sync  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {
+    # rounds_per_generation 2: the worker generates two rounds in one call when the staleness bound admits both
+    # (a decode step on CPU costs about the same for 16 sequences as for 8); scoring_concurrency 4 lets both score
+    # while the next call generates
     "latency": dict(prompts_per_step=2, num_generations=4, judge_latency=(0.5, 2.0), max_staleness=2,
-                    scoring_concurrency=2, seeds=(0, 1, 2)),
+                    scoring_concurrency=4, rounds_per_generation=2, seeds=(0, 1, 2)),
+    # rounds_per_generation 2 changes nothing here (measured: the worker is never two rounds behind at
+    # max_staleness 1), so it stays at 1
     "compute": dict(prompts_per_step=4, num_generations=8, judge_latency=None, max_staleness=1,
-                    scoring_concurrency=2, seeds=(0,)),
+                    scoring_concurrency=2, rounds_per_generation=1, seeds=(0,)),
 }
 COMMON = dict(max_completion_length=16, temperature=0.7, lr=2e-5, heldout=128)
 
 
-def worker(kind: str, steps: int) -> dict:
+def worker(kind: str, steps: int, threads: tuple[int, int] = (1, 1), knobs: dict | None = None) -> dict:
     import torch
 
     from toolkit.core.rewards import HTTPJudge, numeric_match
@@ -51,7 +57,7 @@ def worker(kind: str, steps: int) -> dict:
     from toolkit.testing import JudgeServer
 
     case, mode, seed = kind.split("-")
-    c, seed = CASES[case], int(seed)
+    c, seed = {**CASES[case], **(knobs or {})}, int(seed)
     # the same data for every seed (the seed varies sampling and training), so held-out numbers compare
     train, held_out = arithmetic_splits(256, COMMON["heldout"], max_value=20, max_terms=2, kind="prompt_only")
     judge = JudgeServer(latency=c["judge_latency"], seed=seed) if c["judge_latency"] else None
@@ -71,8 +77,9 @@ def worker(kind: str, steps: int) -> dict:
         from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer
 
         trainer = AsyncGRPOTrainer("smollm2-135m-instruct", rewards,
-                                   AsyncGRPOConfig(**common, max_staleness=c["max_staleness"], worker_threads=1,
-                                                   trainer_threads=1, scoring_concurrency=c["scoring_concurrency"]),
+                                   AsyncGRPOConfig(**common, max_staleness=c["max_staleness"], worker_threads=threads[0],
+                                                   trainer_threads=threads[1], scoring_concurrency=c["scoring_concurrency"],
+                                                   rounds_per_generation=c.get("rounds_per_generation", 1)),
                                    train_dataset=train, callbacks=[timer := step_timer()])
     started = time.perf_counter()
     trainer.train()
@@ -89,6 +96,11 @@ def worker(kind: str, steps: int) -> dict:
         return sum(v) / len(v) if v else None
 
     samples = steps * c["prompts_per_step"] * c["num_generations"]
+    # generate calls of one round and of two (rounds_per_generation): a call's time, and what a second round adds
+    calls = {k: [h["time/generation_s"] * k for h in hist[1:] if h.get("async/rounds_per_generate") == k]
+             for k in (1, 2)}
+    one_round = sum(calls[1]) / len(calls[1]) if calls[1] else None
+    extra_round = sum(calls[2]) / len(calls[2]) - one_round if calls[2] and one_round else None
     # steady state: from the end of step 1 to the end of the last (step 1's one-off costs left out)
     steady = (steps - 1) * c["prompts_per_step"] * c["num_generations"] / (timer.ends[-1] - timer.ends[0])
     step_s = (timer.ends[-1] - timer.ends[0]) / max(steps - 1, 1)  # steady seconds per step
@@ -106,14 +118,20 @@ def worker(kind: str, steps: int) -> dict:
             "train_s_per_step": mean("time/train_s"), "publish_s": mean("async/publish_s"),
             "trainer_idle_fraction": mean("async/trainer_idle_fraction"),
             "generator_idle_fraction": mean("async/generator_idle_fraction"),
-            "staleness_mean": mean("async/staleness", skip=0)}
+            "staleness_mean": mean("async/staleness", skip=0),
+            "gen_call_one_round_s": one_round, "gen_extra_round_s": extra_round,
+            "two_round_calls": len(calls[2]) if mode == "async" else 0}
 
 
 def _model_rows(case: str, c: dict, steps: int, sync: dict, asy: dict) -> dict:
     """The pipeline model, fed the async run's own per-round times (validation) and the sync run's (each
     side alone: the separate-device deployment)."""
     knobs = dict(max_staleness=c["max_staleness"], queue_size=2, scoring_concurrency=c["scoring_concurrency"],
-                 warm_start=True)
+                 warm_start=True, rounds_per_generation=c.get("rounds_per_generation", 1))
+    # a one-round call's time and what a second round adds, when the run made two-round calls (else per-round means)
+    batched = asy.get("gen_extra_round_s") is not None
+    gen_one = asy["gen_call_one_round_s"] if batched else asy["generation_s_per_step"]
+    extra = asy["gen_extra_round_s"] if batched else None
     # a step costs the trainer more than its forward/backward (optimizer, rollout bookkeeping, logging): the sync
     # run's steady step time less its phases. The async prediction takes it from the sync run (not from the
     # async run, whose step time is what is predicted); the async run's own residual is printed beside it.
@@ -121,14 +139,16 @@ def _model_rows(case: str, c: dict, steps: int, sync: dict, asy: dict) -> dict:
                          - (asy["publish_s"] or 0.0))
     sync_overhead = max(0.0, sync["step_s"] - sync["generation_s_per_step"] - sync["scoring_s_per_step"]
                         - sync["train_s_per_step"])
-    measured = Phases(gen_s=asy["generation_s_per_step"], train_s=asy["train_s_per_step"] + sync_overhead,
+    measured = Phases(gen_s=gen_one, train_s=asy["train_s_per_step"] + sync_overhead,
                       score_s=asy["scoring_s_per_step"], sync_s=asy["publish_s"] or 0.0,
-                      startup_s=asy["worker_startup_s"])
+                      startup_s=asy["worker_startup_s"], extra_round_s=extra)
     predicted_wall = simulate_async(measured, steps, **knobs)
     # separate devices: each side at the speed it has alone (the sync run's phases), start-up as measured
+    # (a second round's share of a call taken as measured in the async run)
     alone = Phases(gen_s=sync["generation_s_per_step"], train_s=sync["train_s_per_step"] + sync_overhead,
                    score_s=sync["scoring_s_per_step"], sync_s=asy["publish_s"] or 0.0,
-                   startup_s=asy["worker_startup_s"])
+                   startup_s=asy["worker_startup_s"],
+                   extra_round_s=sync["generation_s_per_step"] * extra / gen_one if batched else None)
     return {"predicted_async_wall_s": predicted_wall, "measured_async_wall_s": asy["wall_s"],
             "prediction_error": predicted_wall / asy["wall_s"] - 1,
             "sync_model_wall_s": simulate_sync(alone, steps), "measured_sync_wall_s": sync["wall_s"],
@@ -153,6 +173,9 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES), help="which cases to run (comma-separated)")
     ap.add_argument("--seeds", default=None, help="the seeds of every case run (comma-separated; default: each "
                                                   "case's own)")
+    ap.add_argument("--async-threads", default="1,1", help="torch threads of async's worker and trainer "
+                                                            "(comma-separated; sync always uses 2)")
+    ap.add_argument("--knobs", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="async_grpo", help="results file name in bench/results (without suffix)")
     args = ap.parse_args()
     if (args.cases != ",".join(CASES) or args.seeds is not None) and args.out == "async_grpo":
@@ -160,7 +183,8 @@ def main() -> None:
     if args.worker:
         case = args.worker.split("-")[0]
         steps = args.steps if case == "latency" else max(1, round(args.steps * 2 / 3))
-        print("RESULT " + json.dumps(worker(args.worker, steps)), flush=True)
+        threads = tuple(int(x) for x in args.async_threads.split(","))
+        print("RESULT " + json.dumps(worker(args.worker, steps, threads, json.loads(args.knobs))), flush=True)
         return
     script = os.path.abspath(__file__)
     results: dict[str, dict] = {}
@@ -174,7 +198,8 @@ def main() -> None:
             for mode in ("sync", "async"):
                 kind = f"{case}-{mode}-{seed}"
                 print(f"running {kind} ...", flush=True)
-                r = run_in_subprocess(script, ["--steps", str(args.steps), "--worker", kind],
+                r = run_in_subprocess(script, ["--steps", str(args.steps), "--worker", kind,
+                                                       "--async-threads", args.async_threads],
                                       env={"HF_HUB_OFFLINE": "1"})
                 results[kind] = r
                 print(f"  {r['wall_s']:.0f} s, {r['samples_per_s']:.2f} samples/s, held-out "
@@ -196,6 +221,7 @@ def main() -> None:
             "model": [_model_rows(case, c, steps, s, a) for s, a in rows],
         }
     out = {"settings": {"cases": cases, **COMMON, "model": "smollm2-135m-instruct", "steps": args.steps,
+                        "async_threads": args.async_threads,
                         "command": " ".join(["python", "bench/async_grpo.py"] + sys.argv[1:])}, "results": results,
            "summary": summary, "run_seconds": time.perf_counter() - started, "provenance": provenance()}
     text = _table(out)
@@ -224,7 +250,9 @@ def _table(out: dict) -> str:
                  if c["judge_latency"] else "numeric_match (no waiting)")
         lines += [f"## {case}-bound: {s['steps']} steps x {c['prompts_per_step']} prompts x {c['num_generations']} "
                   f"completions, reward {judge}; async max_staleness={c['max_staleness']}, scoring_concurrency="
-                  f"{c['scoring_concurrency']}, threads 1 + 1 (sync: 2); seeds {list(c['seeds'])}", "",
+                  f"{c['scoring_concurrency']}, rounds_per_generation={c.get('rounds_per_generation', 1)}, threads "
+                  f"{'+'.join(out['settings'].get('async_threads', '1,1').split(','))} (sync: 2); seeds "
+                  f"{list(c['seeds'])}", "",
                   "| | sync | async | async/sync |", "|---|---|---|---|",
                   f"| samples/s, whole run (worker start-up included) | {_fmt(s['sync_samples_per_s'])} | "
                   f"{_fmt(s['async_samples_per_s'])} | {_fmt(s['ratio_per_seed'])}x (per seed: "
@@ -246,6 +274,12 @@ def _table(out: dict) -> str:
         ready = [res[f"{case}-async-{x}"]["worker_startup_s"] for x in c["seeds"]]
         lines.append(f"| async: worker ready after (s) / rounds the trainer generated meanwhile (warm start) | | "
                      f"{_fmt(ready, 1)} / {', '.join(f'{x:.0f}' for x in here)} | |")
+        if c.get("rounds_per_generation", 1) > 1:
+            runs = [res[f"{case}-async-{x}"] for x in c["seeds"]]
+            lines.append("| async: two-round generate calls / s of a one-round call / s a second round adds | | "
+                         + "; ".join(f"{a.get('two_round_calls', 0)} / {a.get('gen_call_one_round_s') or 0:.2f} / "
+                                     + (f"{a['gen_extra_round_s']:.2f}" if a.get("gen_extra_round_s") is not None
+                                        else "-") for a in runs) + " | |")
         m = s["model"]
         lines += ["", "Pipeline model (bench/async_model.py): predicted vs measured async wall "
                   + ", ".join(f"{x['predicted_async_wall_s']:.0f} vs {x['measured_async_wall_s']:.0f} s "

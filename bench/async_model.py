@@ -7,7 +7,9 @@ It replays the pipeline of toolkit.core.async_grpo / rollout_worker round by rou
 
 * the worker starts generating round r once the weights of step r - max_staleness are published, its
   previous round is generated, and fewer than `scoring_concurrency` rounds are between generation and
-  the queue (the worker's scoring threads);
+  the queue (the worker's scoring threads); with `rounds_per_generation` k > 1 the call also takes rounds
+  r+1.. r+k-1 that the weights it holds admit (version + max_staleness >= round) and costs
+  `gen_s + extra_round_s` per extra round;
 * a round is scored `score_s` after its generation ends (a judge's latency: waiting, not compute), and
   enters the queue in round order once the queue (`queue_size`) has room;
 * the trainer takes round r when it is queued and step r - 1 is done, trains `train_s` (everything a step
@@ -36,6 +38,7 @@ class Phases:
     sync_s: float = 0.0     # trainer: publish weights after a step
     load_s: float = 0.0     # worker: load newer weights before a round
     startup_s: float = 0.0  # worker: start-up (process, model load) before its first round
+    extra_round_s: float | None = None  # worker: each further round in the same generate call (None: gen_s)
 
 
 def simulate_sync(p: Phases, rounds: int) -> float:
@@ -44,9 +47,11 @@ def simulate_sync(p: Phases, rounds: int) -> float:
 
 
 def simulate_async(p: Phases, rounds: int, *, max_staleness: int = 1, queue_size: int = 2,
-                   scoring_concurrency: int = 2, sync_every: int = 1, warm_start: bool = False) -> float:
+                   scoring_concurrency: int = 2, sync_every: int = 1, warm_start: bool = False,
+                   rounds_per_generation: int = 1) -> float:
     """Wall seconds until the trainer finishes `rounds` steps of async GRPO under the rules above."""
     k, q, c = max_staleness, queue_size, scoring_concurrency
+    extra = p.gen_s if p.extra_round_s is None else p.extra_round_s
     publish = {0: 0.0}                       # version -> time it is readable by the worker
     gen_end, delivered, taken, train_end = [], [], [], []
     held = -1
@@ -62,7 +67,8 @@ def simulate_async(p: Phases, rounds: int, *, max_staleness: int = 1, queue_size
             publish[first + 1] = end
         train_end.append(end)
         first += 1
-    for r in range(first, rounds):
+    r = first
+    while r < rounds:
         need = max(0, r - k)                 # the worker needs a version >= r - k before round r
         # (trainer progress is simulated lazily: until such a version is published)
         while not any(v >= need for v in publish):
@@ -70,20 +76,36 @@ def simulate_async(p: Phases, rounds: int, *, max_staleness: int = 1, queue_size
         start = max(gen_end[-1] if gen_end else p.startup_s, min(t for v, t in publish.items() if v >= need))
         if r - c >= 0:                       # at most c rounds between generation and the queue
             start = max(start, delivered[r - c])
+        if rounds_per_generation > 1:
+            # the batch's size depends on the newest weights at `start`: let the trainer catch up to that time
+            while len(train_end) < min(len(delivered), rounds) and _next_publish(p, delivered, train_end,
+                                                                                 sync_every) <= start:
+                _train_next(p, publish, delivered, taken, train_end, sync_every)
         newest = max(v for v, t in publish.items() if t <= start)
         load = p.load_s if newest != held else 0.0
         held = newest
-        gen_end.append(start + load + p.gen_s)
-        ready = gen_end[-1] + p.score_s
-        room = 0.0
-        if r - q >= 0:                       # the queue has room once the trainer took round r - q
-            while len(taken) <= r - q:
-                _train_next(p, publish, delivered, taken, train_end, sync_every)
-            room = taken[r - q]
-        delivered.append(max(ready, delivered[-1] if delivered else 0.0, room))
+        count = max(1, min(rounds_per_generation, newest + k - r + 1, rounds - r))
+        end = start + load + p.gen_s + (count - 1) * extra
+        for j in range(r, r + count):
+            gen_end.append(end)
+            ready = end + p.score_s
+            room = 0.0
+            if j - q >= 0:                   # the queue has room once the trainer took round j - q
+                while len(taken) <= j - q:
+                    _train_next(p, publish, delivered, taken, train_end, sync_every)
+                room = taken[j - q]
+            delivered.append(max(ready, delivered[-1] if delivered else 0.0, room))
+        r += count
     while len(train_end) < rounds:
         _train_next(p, publish, delivered, taken, train_end, sync_every)
     return train_end[-1]
+
+
+def _next_publish(p: Phases, delivered: list, train_end: list, sync_every: int) -> float:
+    """When the trainer's next step would end (publish included): it cannot be sooner than its round's delivery."""
+    r = len(train_end)
+    end = max(delivered[r], train_end[-1] if train_end else 0.0) + p.train_s
+    return end + p.sync_s if (r + 1) % sync_every == 0 else end
 
 
 def _train_next(p: Phases, publish: dict, delivered: list, taken: list, train_end: list, sync_every: int) -> None:

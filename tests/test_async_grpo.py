@@ -53,18 +53,42 @@ def logged(t, key):
     return [h[key] for h in t.state.log_history if key in h]
 
 
-def test_max_staleness_zero_reproduces_synchronous_grpo(tmp_path):
+@pytest.mark.parametrize("rounds_per_generation", [1, 3])
+def test_max_staleness_zero_reproduces_synchronous_grpo(tmp_path, rounds_per_generation):
     sync = GRPOTrainer(tiny_model(), [low_ids], GRPOConfig(output_dir=str(tmp_path / "sync"), **COMMON),
                        train_dataset=prompts(), processing_class=tiny_tokenizer())
     sync.train()
-    t = make(tmp_path, max_staleness=0)
+    # at staleness 0 no round beyond the next is admissible, so rounds_per_generation cannot batch any
+    t = make(tmp_path, max_staleness=0, rounds_per_generation=rounds_per_generation)
     t.train()
     assert logged(t, "reward") == pytest.approx(logged(sync, "reward"), abs=1e-6)
     assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=2e-6)  # logged losses are rounded to 6 decimals
     for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
         torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
     assert logged(t, "async/staleness_max") == [0.0, 0.0, 0.0]
+    assert logged(t, "async/rounds_per_generate") == [1.0, 1.0, 1.0]
     assert t._proc is None  # the worker is stopped when training ends
+
+
+def test_several_rounds_in_one_generate_call_stay_within_the_staleness_bound(tmp_path):
+    """rounds_per_generation 3 at max_staleness 2: the worker's first call (weights version 0, round 0) may generate
+    rounds 0-2, all admissible; every round still trains within the bound, in order, on its own prompts."""
+    seen = []
+    t = make(tmp_path, max_staleness=2, rounds_per_generation=3, scoring_concurrency=6, max_steps=6)
+    original = t.build_rollout
+
+    def spy(row_indices, *a, **kw):
+        seen.append(list(row_indices))
+        return original(row_indices, *a, **kw)
+
+    t.build_rollout = spy
+    t.train()
+    per_call = logged(t, "async/rounds_per_generate")
+    assert per_call[:3] == [3.0, 3.0, 3.0]  # rounds 0-2 came from one call
+    assert max(logged(t, "async/staleness_max")) <= 2 and len(per_call) == 6
+    assert logged(t, "async/samples_dropped")[-1] == 0.0
+    # each round trained on the prompts synchronous GRPO's sampler gives that step
+    assert seen == [t._rounds.round(r, 0) for r in range(6)]
 
 
 def test_bounded_staleness_overlaps_and_logs(tmp_path):
@@ -318,6 +342,37 @@ def test_episodes_at_max_staleness_zero_reproduce_synchronous_grpo(tmp_path, war
     assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=2e-6)  # logged losses are rounded to 6 decimals
     for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
         torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_episodes_of_several_rounds_in_one_call_reach_their_own_rounds(tmp_path):
+    """rounds_per_generation 2 with multi-turn episodes: one call runs two rounds' episodes; each round gets its own
+    rows' episodes (the first observation names the row's seed) and trains within the staleness bound."""
+    pytest.importorskip("gymnasium")
+    from gymnasium.utils.seeding import np_random
+
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = [{"prompt": "play", "seed": i} for i in range(16)]
+    t = AsyncGRPOTrainer(tiny_model(), [], async_cfg(
+        tmp_path, max_staleness=1, rounds_per_generation=2, scoring_concurrency=4, max_steps=4,
+        environment="gymnasium", environment_kwargs={"env": "episode_envs:Turns-v0"}, max_turns=3,
+        max_episode_tokens=200, stop_token_ids=[end] + list(range(200, 384))), train_dataset=rows,
+        processing_class=tok)
+    firsts = []
+    original = t.build_rollout
+
+    def spy(row_indices, *a, row_prompt_ids=None, **kw):
+        G = t.args.num_generations
+        for j, i in enumerate(row_indices):
+            start = int(np_random(rows[i]["seed"])[0].integers(100))
+            firsts.append(all(f"Start {start}" in tok.decode(p) for p in row_prompt_ids[j * G:(j + 1) * G]))
+        return original(row_indices, *a, row_prompt_ids=row_prompt_ids, **kw)
+
+    t.build_rollout = spy
+    t.train()
+    assert logged(t, "async/rounds_per_generate")[:2] == [2.0, 2.0]
+    assert max(logged(t, "async/staleness_max")) <= 1 and len(logged(t, "loss")) == 4
+    assert firsts and all(firsts)
 
 
 @pytest.mark.parametrize("how", ["factory object", "registered at run time"])

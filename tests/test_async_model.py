@@ -60,3 +60,18 @@ def test_warm_start_is_synchronous_until_the_worker_is_ready_and_never_slower():
     # a worker ready at once: nothing for the trainer to do itself
     instant = Phases(gen_s=1.0, train_s=1.5, score_s=1.2)
     assert simulate_async(instant, 30, warm_start=True) == pytest.approx(simulate_async(instant, 30))
+
+
+def test_several_rounds_per_generate_call_pay_only_when_the_extra_round_is_cheap():
+    # a generation-bound worker (2 s a round, training 0.5 s); a second round in the same call costs 0.3 s more
+    cheap = Phases(gen_s=2.0, train_s=0.5, score_s=1.0, extra_round_s=0.3)
+    knobs = dict(max_staleness=2, queue_size=2, scoring_concurrency=4)
+    one = simulate_async(cheap, 60, **knobs)
+    two = simulate_async(cheap, 60, **knobs, rounds_per_generation=2)
+    assert two < 0.8 * one
+    # at staleness 0 no second round is ever admissible: nothing changes
+    assert simulate_async(cheap, 60, max_staleness=0, rounds_per_generation=3) == pytest.approx(
+        simulate_async(cheap, 60, max_staleness=0))
+    # a second round that costs a whole round gains nothing: every round ends no earlier than one at a time
+    full = Phases(gen_s=2.0, train_s=0.5, score_s=1.0, extra_round_s=2.0)
+    assert simulate_async(full, 60, **knobs, rounds_per_generation=2) >= simulate_async(full, 60, **knobs) - 1e-9
