@@ -8,7 +8,8 @@
   that answers each round after 0.5-2 s (uniform, seeded), as a remote LLM judge does; 2 prompts x 4
   completions per step. Sync waits for the judge every step; async's worker generates the next rounds while
   the judge works (scoring_concurrency 4, max_staleness 2, up to 2 rounds per generate call) and the trainer
-  trains meanwhile. Three seeds each.
+  trains meanwhile. Both sides with importance_sampling_mode "mask", [0.5, 2] (a no-op for sync, whose
+  sampler is its trainer). Three seeds each.
 * compute-bound: numeric-match reward (no waiting), 4 prompts x 8 completions per step: both phases compete
   for the same 2 cores, so the ratio says what splitting them costs. One seed.
 
@@ -39,8 +40,13 @@ CASES = {
     # rounds_per_generation 2: the worker generates two rounds in one call when the staleness bound admits both
     # (a decode step on CPU costs about the same for 16 sequences as for 8); scoring_concurrency 4 lets both score
     # while the next call generates
+    # importance_sampling_mode "mask" with [0.5, 2] (MIS): tokens whose sampler ratio is outside it drop out of the
+    # loss. Sync's sampler is its trainer (ratios 1 to float rounding), so it changes nothing there. With the
+    # default (truncate, cap 2) and rounds_per_generation 2, async seed 2 collapsed (held-out 0.000, 1 of 3 seeds;
+    # one rerun with the mask: 0.305)
     "latency": dict(prompts_per_step=2, num_generations=4, judge_latency=(0.5, 2.0), max_staleness=2,
-                    scoring_concurrency=4, rounds_per_generation=2, seeds=(0, 1, 2)),
+                    scoring_concurrency=4, rounds_per_generation=2, seeds=(0, 1, 2),
+                    importance_sampling_mode="mask", importance_sampling_min=0.5, importance_sampling_cap=2.0),
     # rounds_per_generation 2 changes nothing here (measured: the worker is never two rounds behind at
     # max_staleness 1), so it stays at 1
     "compute": dict(prompts_per_step=4, num_generations=8, judge_latency=None, max_staleness=1,
@@ -66,7 +72,10 @@ def worker(kind: str, steps: int, threads: tuple[int, int] = (1, 1), knobs: dict
                   logging_steps=1, save_strategy="no", report_to="none", seed=seed, disable_tqdm=True,
                   per_device_train_batch_size=c["prompts_per_step"] * c["num_generations"],
                   num_generations=c["num_generations"], max_completion_length=COMMON["max_completion_length"],
-                  temperature=COMMON["temperature"], lr_scheduler_type="constant", loss_type="dapo")
+                  temperature=COMMON["temperature"], lr_scheduler_type="constant", loss_type="dapo",
+                  importance_sampling_mode=c.get("importance_sampling_mode", "truncate"),
+                  importance_sampling_min=c.get("importance_sampling_min"),
+                  importance_sampling_cap=c.get("importance_sampling_cap", 2.0))
     if mode == "sync":
         from toolkit import GRPOConfig, GRPOTrainer
 
@@ -250,7 +259,9 @@ def _table(out: dict) -> str:
                  if c["judge_latency"] else "numeric_match (no waiting)")
         lines += [f"## {case}-bound: {s['steps']} steps x {c['prompts_per_step']} prompts x {c['num_generations']} "
                   f"completions, reward {judge}; async max_staleness={c['max_staleness']}, scoring_concurrency="
-                  f"{c['scoring_concurrency']}, rounds_per_generation={c.get('rounds_per_generation', 1)}, threads "
+                  f"{c['scoring_concurrency']}, rounds_per_generation={c.get('rounds_per_generation', 1)}, sampler correction "
+                  f"{c.get('importance_sampling_mode', 'truncate')} [{c.get('importance_sampling_min')}, "
+                  f"{c.get('importance_sampling_cap', 2.0)}] (both sides), threads "
                   f"{'+'.join(out['settings'].get('async_threads', '1,1').split(','))} (sync: 2); seeds "
                   f"{list(c['seeds'])}", "",
                   "| | sync | async | async/sync |", "|---|---|---|---|",

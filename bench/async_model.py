@@ -8,8 +8,8 @@ It replays the pipeline of toolkit.core.async_grpo / rollout_worker round by rou
 * the worker starts generating round r once the weights of step r - max_staleness are published, its
   previous round is generated, and fewer than `scoring_concurrency` rounds are between generation and
   the queue (the worker's scoring threads); with `rounds_per_generation` k > 1 the call also takes rounds
-  r+1.. r+k-1 that the weights it holds admit (version + max_staleness >= round) and costs
-  `gen_s + extra_round_s` per extra round;
+  r+1.. r+k-1 that the weights it holds admit (version + max_staleness >= round); a call of n rounds
+  costs `gen_s + (n - 1) * extra_round_s`;
 * a round is scored `score_s` after its generation ends (a judge's latency: waiting, not compute), and
   enters the queue in round order once the queue (`queue_size`) has room;
 * the trainer takes round r when it is queued and step r - 1 is done, trains `train_s` (everything a step

@@ -74,7 +74,10 @@ def test_several_rounds_in_one_generate_call_stay_within_the_staleness_bound(tmp
     """rounds_per_generation 3 at max_staleness 2: the worker's first call (weights version 0, round 0) may generate
     rounds 0-2, all admissible; every round still trains within the bound, in order, on its own prompts."""
     seen = []
-    t = make(tmp_path, max_staleness=2, rounds_per_generation=3, scoring_concurrency=6, max_steps=6)
+    # learning rate 0: the weights never change, so each completion's sampler log-probs equal the trainer's own
+    # exactly when it reached the round of its own prompt (a mix-up between a call's rounds would show as a gap)
+    t = make(tmp_path, max_staleness=2, rounds_per_generation=3, scoring_concurrency=6, max_steps=6,
+             learning_rate=0.0)
     original = t.build_rollout
 
     def spy(row_indices, *a, **kw):
@@ -87,8 +90,9 @@ def test_several_rounds_in_one_generate_call_stay_within_the_staleness_bound(tmp
     assert per_call[:3] == [3.0, 3.0, 3.0]  # rounds 0-2 came from one call
     assert max(logged(t, "async/staleness_max")) <= 2 and len(per_call) == 6
     assert logged(t, "async/samples_dropped")[-1] == 0.0
-    # each round trained on the prompts synchronous GRPO's sampler gives that step
+    # each round trained on the prompts synchronous GRPO's sampler gives that step, with its own completions
     assert seen == [t._rounds.round(r, 0) for r in range(6)]
+    assert max(logged(t, "sampler/logp_abs_diff_max")) < 1e-3
 
 
 def test_bounded_staleness_overlaps_and_logs(tmp_path):

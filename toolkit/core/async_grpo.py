@@ -83,16 +83,19 @@ class AsyncGRPOConfig(GRPOConfig):
     scoring_concurrency: int = field(default=2, metadata={
         "help": "Rounds the worker may have in flight between generation and the queue: it generates the next "
                 "round while earlier ones wait for their rewards (an HTTP judge, a sandbox), so reward functions "
-                "may run on two batches at once, from two threads (they must be thread-safe; pure functions "
-                "are). 1: score each round before generating the next."})
+                "may run on up to this many batches at once, from as many threads (they must be thread-safe; pure "
+                "functions are). 1: one batch at a time, each round scored before the worker generates the next "
+                "call."})
     rounds_per_generation: int = field(default=1, metadata={
-        "help": "Rounds the worker may generate in one batch, when the staleness bound admits them all with the "
-                "weights it holds (the next k rounds need weights at most max_staleness - k + 1 steps old). On CPU a "
+        "help": "Rounds the worker may generate in one generate call, when the staleness bound admits them all with "
+                "the weights it holds (round r + j needs weights at most max_staleness - j steps old). On CPU a "
                 "decode step reads every weight whatever the batch, so 2 rounds of 8 sequences cost about 1.1x one "
                 "round (measured: 2.5 s -> 2.8 s, 135M model, one thread): more samples per second for a worker "
-                "that is behind the trainer, at the price of the later rounds' staleness. Give scoring_concurrency "
-                ">= 2 x this, so that a batch's rounds score while the next batch generates. 1: one round per "
-                "generate call (max_staleness 0 always generates one)."})
+                "that is behind its trainer, at the price of the later rounds' staleness. Give scoring_concurrency "
+                ">= this + 1, so that a call's rounds score while the next call generates. The gain needs the "
+                "whole call in one batch (rounds x prompts x num_generations <= generation_batch_size); a vLLM "
+                "call of k rounds must finish within worker_start_timeout. 1: one round per call (max_staleness 0 "
+                "always generates one)."})
     inflight_weight_updates: bool = field(default=False, metadata={
         "help": "Load newly published weights between decode steps of the rollouts in progress (PipelineRL), "
                 "not only between rounds: the rollouts continue under the new weights, each token records the "

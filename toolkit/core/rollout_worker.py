@@ -325,13 +325,21 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
         inflight: deque = deque()             # the same, with the submission time, for this loop's bookkeeping
         delivery_error: list[BaseException] = []
 
+        scoring: deque = deque(maxlen=concurrency)  # the futures of the last `concurrency` rounds sent to scoring
+
         def score_async(fn, *args) -> Future:
             """fn(*args) on its own daemon thread (a pool's threads are joined at exit: a round still waiting for a
-            judge would hold the worker's exit for up to reward_timeout)."""
+            judge would hold the worker's exit for up to reward_timeout). It starts once the round `concurrency`
+            places before it is scored, so reward functions run on at most `scoring_concurrency` batches at once,
+            in round order, also when one generate call made several rounds (rounds_per_generation)."""
             fut: Future = Future()
+            after = scoring[0] if len(scoring) == concurrency else None
+            scoring.append(fut)
 
             def run() -> None:
                 try:
+                    if after is not None:
+                        wait_futures([after])
                     fut.set_result(fn(*args))
                 except BaseException as e:  # noqa: BLE001 (raised from the future by the main loop)
                     fut.set_exception(e)
@@ -434,6 +442,11 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
                 time.sleep(0.002)
             if stop.is_set():
                 break
+            if handoff.next_round() > r:
+                # the trainer claimed this round (and maybe more) while we waited (warm start, several ranks): start
+                # over from its next one, so that no batch generates rounds it has made already
+                carried_wait += time.perf_counter() - t_wait
+                continue
             if version.value != held[0]:
                 with lock:
                     load_weights()
@@ -457,13 +470,18 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
             if episodes_spec is not None:
                 with generating:
                     eps, gen_s = generate_episodes([i for idx in idxs for i in idx], seed_)
-                per_round = len(eps) // count
+                G = spec["num_generations"]
+                if len(eps) != G * sum(len(idx) for idx in idxs):
+                    raise RuntimeError(f"async GRPO worker: {len(eps)} episodes for {count} rounds of "
+                                       f"{[len(idx) for idx in idxs]} prompts x {G}")
+                start = 0
                 for j, (q, idx) in enumerate(zip(rounds, idxs)):
-                    eps_q = eps[j * per_round:(j + 1) * per_round]
+                    eps_q = eps[start:start + len(idx) * G]
+                    start += len(idx) * G
                     done: Future = Future()
                     done.set_result(ScoredRound(round=q, version=local_version, row_indices=idx, completions=[],
                                                 rewards_per_func=[], failures={}, gen_s=gen_s / count, score_s=0.0,
-                                                wait_s=wait_s if j == 0 else 0.0,
+                                                wait_s=wait_s / count,
                                                 tokens=sum(sum(ep.mask) for ep in eps_q), episodes=eps_q,
                                                 infos_replaced=picklable_infos(eps_q), batch_rounds=count))
                     submit(done)
@@ -480,7 +498,7 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
                 for j, (q, idx) in enumerate(zip(rounds, idxs)):
                     # each round is charged its share of the batch's generation time
                     submit(score_async(score_round, q, idx, groups[start:start + len(idx)], gen_s / count,
-                                       wait_s if j == 0 else 0.0, local_version, count))
+                                       wait_s / count, local_version, count))
                     start += len(idx)
                 t_settle = time.perf_counter()
                 settle(concurrency)
