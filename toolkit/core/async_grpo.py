@@ -88,10 +88,10 @@ class AsyncGRPOConfig(GRPOConfig):
                 "call."})
     rounds_per_generation: int = field(default=1, metadata={
         "help": "Rounds the worker may generate in one generate call, when the staleness bound admits them all with "
-                "the weights it holds (round r + j needs weights at most max_staleness - j steps old). On CPU a "
+                "the weights it holds (round r + j is admitted when r + j - version <= max_staleness). On CPU a "
                 "decode step reads every weight whatever the batch, so 2 rounds of 8 sequences cost about 1.1x one "
                 "round (measured: 2.5 s -> 2.8 s, 135M model, one thread): more samples per second for a worker "
-                "that is behind its trainer, at the price of the later rounds' staleness. Give scoring_concurrency "
+                "whose trainer waits for it, at the price of the later rounds' staleness. Give scoring_concurrency "
                 ">= this + 1, so that a call's rounds score while the next call generates. The gain needs the "
                 "whole call in one batch (rounds x prompts x num_generations <= generation_batch_size); a vLLM "
                 "call of k rounds must finish within worker_start_timeout. 1: one round per call (max_staleness 0 "
