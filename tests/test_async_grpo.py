@@ -212,6 +212,9 @@ def test_config_errors(tmp_path):
         async_cfg(tmp_path, num_iterations=2)
     with pytest.raises(ConfigError, match="generation_backend"):
         async_cfg(tmp_path, generation_backend="foo")
+    for name in ("queue_size", "sync_every", "worker_threads", "scoring_concurrency", "rounds_per_generation"):
+        with pytest.raises(ConfigError, match=f"{name}: must be an integer >= 1, got 0"):
+            async_cfg(tmp_path, **{name: 0})
     with pytest.raises(ConfigError, match="must be importable"):
         AsyncGRPOTrainer(tiny_model(), [lambda prompts, completions, completion_ids, **kw: [0.0]],
                          async_cfg(tmp_path), train_dataset=prompts(), processing_class=tiny_tokenizer())

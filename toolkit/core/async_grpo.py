@@ -117,10 +117,9 @@ class AsyncGRPOConfig(GRPOConfig):
         super().__post_init__()
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness: must be >= 0, got {self.max_staleness}.")
-        if (self.queue_size < 1 or self.sync_every < 1 or self.worker_threads < 1 or self.scoring_concurrency < 1
-                or self.rounds_per_generation < 1):
-            raise ConfigError("queue_size, sync_every, worker_threads, scoring_concurrency, rounds_per_generation: "
-                              "must be >= 1.")
+        for name in ("queue_size", "sync_every", "worker_threads", "scoring_concurrency", "rounds_per_generation"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be an integer >= 1, got {getattr(self, name)!r}.")
         if self.sync_every > self.max_staleness + 1:
             raise ConfigError(
                 f"sync_every: with max_staleness={self.max_staleness} the worker needs new weights at least every "

@@ -331,7 +331,7 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
             """fn(*args) on its own daemon thread (a pool's threads are joined at exit: a round still waiting for a
             judge would hold the worker's exit for up to reward_timeout). It starts once the round `concurrency`
             places before it is scored, so reward functions run on at most `scoring_concurrency` batches at once,
-            in round order, also when one generate call made several rounds (rounds_per_generation)."""
+            also when one generate call made several rounds (rounds_per_generation); delivery stays in order."""
             fut: Future = Future()
             after = scoring[0] if len(scoring) == concurrency else None
             scoring.append(fut)
@@ -458,7 +458,7 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
             wait_s = time.perf_counter() - t_wait + carried_wait
             # Several rounds in one generate call (rounds_per_generation): every round the staleness bound admits
             # with the weights held, up to k. A decode step costs about the same for 8 sequences as for 16 (it
-            # reads every weight either way), so a worker behind its trainer catches up.
+            # reads every weight either way), so a worker whose trainer waits for it catches up.
             count = max(1, min(rounds_per_generation, local_version + spec["max_staleness"] - r + 1))
             rounds = list(range(r, r + count))
             idxs = [sampler.round(q, rank) for q in rounds]
@@ -475,7 +475,7 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
                     raise RuntimeError(f"async GRPO worker: {len(eps)} episodes for {count} rounds of "
                                        f"{[len(idx) for idx in idxs]} prompts x {G}")
                 start = 0
-                for j, (q, idx) in enumerate(zip(rounds, idxs)):
+                for q, idx in zip(rounds, idxs):
                     eps_q = eps[start:start + len(idx) * G]
                     start += len(idx) * G
                     done: Future = Future()
@@ -495,7 +495,7 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
                                               spec["sampling"], n=spec["num_generations"], seed=seed_)
                     gen_s = time.perf_counter() - t0
                 start = 0
-                for j, (q, idx) in enumerate(zip(rounds, idxs)):
+                for q, idx in zip(rounds, idxs):
                     # each round is charged its share of the batch's generation time
                     submit(score_async(score_round, q, idx, groups[start:start + len(idx)], gen_s / count,
                                        wait_s / count, local_version, count))
