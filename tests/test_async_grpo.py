@@ -552,8 +552,13 @@ def test_warm_start_generates_in_the_trainer_until_the_worker_is_ready_and_equal
 
 class _LateSight(AsyncGRPOTrainer):
     """Sees its worker's readiness only from step 3 on, although the worker is ready at the end of step 1: the worker
-    begins after the last round claimed then (1), the trainer goes on claiming rounds 1 and 2, so the handoff
-    crosses and the worker's copies of rounds 1 and 2 must be discarded."""
+    begins at round 1 (after the last claimed round, 0), the trainer goes on generating rounds 1 and 2 itself, so
+    the handoff crosses and the worker's copies of rounds 1 and 2 must be discarded.
+
+    The trainer's claims made after the worker was ready (rounds 1 and 2) are kept from it. With them visible, the
+    worker skips a round the trainer claimed while it waited for weights, so whether it made a copy of round 2
+    depended on which process came first (the test failed once in CI that way). Hidden, the worker always makes
+    both copies: the widest crossing, which is the path under test here."""
 
     def _start_worker(self):
         super()._start_worker()
@@ -566,7 +571,11 @@ class _LateSight(AsyncGRPOTrainer):
             def worker_ready(self):
                 return real.worker_ready() and trainer.state.global_step >= 3
 
-            def __getattr__(self, name):  # claim, ready_at: the real ones
+            def claim(self, r):
+                if not real.worker_ready():  # round 0, before the worker began; see the class's docstring
+                    real.claim(r)
+
+            def __getattr__(self, name):  # ready_at, next_round: the real ones
                 return getattr(real, name)
 
         self._handoff = View()
