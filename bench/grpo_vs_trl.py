@@ -9,6 +9,13 @@ learning rate, loss (dapo), no KL, same reward (numeric match). Each trainer run
 (peak RSS is per process). Printed: seconds per step over the steps after the first, the split
 into generation and training where the trainer reports it, peak RSS, the tokens each side generated
 (completions/mean_length x completions, summed over every step; both trainers log it), and the ratios.
+
+A third run, `toolkit-bf16-generation`, is ours with `generation_backend_kwargs={"dtype": "bfloat16"}`: the
+same training in float32, decoding on a bfloat16 copy of the weights (a decode step streams every weight, and
+this is where our step's time goes). It is not the same numerics as TRL's float32 generation, which has no such
+setting on its transformers path, so it is its own row, with the sampler-trainer log-prob gap it brings (the
+gap the sampler correction, importance_sampling_cap 2, corrects). It pays only where the CPU computes bfloat16
+natively (AMX / AVX-512 BF16); the row prints the CPU flags.
 """
 
 from __future__ import annotations
@@ -41,10 +48,12 @@ def worker(kind: str, steps: int) -> dict:
                   num_generations=s["num_generations"], max_completion_length=s["max_completion_length"],
                   temperature=s["temperature"], beta=0.0, loss_type="dapo")
     timer = step_timer()
-    if kind == "toolkit":
+    if kind.startswith("toolkit"):
         from toolkit import GRPOConfig, GRPOTrainer
 
-        trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common), train_dataset=rows, callbacks=[timer])
+        extra = {"generation_backend_kwargs": {"dtype": "bfloat16"}} if kind == "toolkit-bf16-generation" else {}
+        trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common, **extra), train_dataset=rows,
+                              callbacks=[timer])
     else:
         from datasets import Dataset
         from trl import GRPOConfig as TRLConfig
@@ -67,6 +76,7 @@ def worker(kind: str, steps: int) -> dict:
     completions_per_step = s["prompts_per_step"] * s["num_generations"]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     rewards = [h.get("reward") for h in hist if h.get("reward") is not None]
+    gaps = [h["sampler/logp_abs_diff_mean"] for h in hist if "sampler/logp_abs_diff_mean" in h]
     return {"kind": kind, "sec_per_step": per_step, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "generation_s_per_step": sum(gen) / len(gen) if gen else None,
             "mean_reward": sum(rewards) / len(rewards) if rewards else None,
@@ -75,14 +85,15 @@ def worker(kind: str, steps: int) -> dict:
             "generated_tokens": round(sum(lengths) * completions_per_step), "steps_with_lengths": len(lengths),
             # ours leaves out the optimizer step of a round with no row in the loss (skip_steps_without_signal, on
             # by default); TRL runs it on zero gradients. Counted over the timed steps, so equal work is visible.
-            "steps_without_signal_skipped": sum(1 for h in hist if h.get("update_skipped"))}
+            "steps_without_signal_skipped": sum(1 for h in hist if h.get("update_skipped")),
+            "sampler_logp_gap_mean": sum(gaps) / len(gaps) if gaps else None}
 
 
 def main() -> None:
     args = bench_args(__doc__, worker, default_steps=4)
-    results = run_each(__file__, ("toolkit", "trl"), args.steps,
+    results = run_each(__file__, ("toolkit", "trl", "toolkit-bf16-generation"), args.steps,
                        lambda r: f"{r['sec_per_step']:.1f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB")
-    o, t = results["toolkit"], results["trl"]
+    o, t, b = results["toolkit"], results["trl"], results["toolkit-bf16-generation"]
     s = SETTINGS
     print(f"\nGRPO, SmolLM2-135M-Instruct, {s['prompts_per_step']} prompts x {s['num_generations']} completions per step, "
           f"max {s['max_completion_length']} new tokens, {args.steps} steps (first excluded from timing)")
@@ -99,6 +110,21 @@ def main() -> None:
         print(f"| ours: generation s/step | {o['generation_s_per_step']:.1f} | | |")
         print(f"| ours: training s/step | {o['train_s_per_step']:.1f} | | |")
         print(f"| ours: generation tokens/s | {o['generation_tokens_per_s']:.0f} | | |")
+    flags = ", ".join(provenance().get("cpu_flags") or []) or "none of avx512f, avx512_bf16, amx_tile, avx2"
+    print(f"\nOurs with bfloat16 generation (generation_backend_kwargs.dtype; training in float32; CPU: {flags})")
+    print("| | ours, bf16 generation | TRL | ratio (ours/TRL) |")
+    print("|---|---|---|---|")
+    print(f"| seconds per step | {b['sec_per_step']:.1f} | {t['sec_per_step']:.1f} | "
+          f"{b['sec_per_step'] / t['sec_per_step']:.2f} (speed-up {t['sec_per_step'] / b['sec_per_step']:.2f}x) |")
+    print(f"| peak RSS MB | {b['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | {b['peak_rss_mb'] / t['peak_rss_mb']:.2f} |")
+    print(f"| generated tokens (all {args.steps} steps) | {b['generated_tokens']} | {t['generated_tokens']} | "
+          f"{b['generated_tokens'] / max(t['generated_tokens'], 1):.2f} |")
+    if b["generation_s_per_step"] is not None:
+        print(f"| ours: generation s/step (float32 generation: {o['generation_s_per_step']:.1f}) | "
+              f"{b['generation_s_per_step']:.1f} | | |")
+    if b["sampler_logp_gap_mean"] is not None and o["sampler_logp_gap_mean"] is not None:
+        print(f"| ours: sampler-trainer log-prob gap, mean per token (float32 generation: "
+              f"{o['sampler_logp_gap_mean']:.1e}) | {b['sampler_logp_gap_mean']:.1e} | | |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": s, "steps": args.steps, "results": results, "provenance": provenance()}, f,

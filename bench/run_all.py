@@ -232,6 +232,15 @@ def table_rows() -> list[list[str]]:
                      f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
                      f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, "
                      f"{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory{tokens}", frac, _when(d)])
+        b = d["results"].get("toolkit-bf16-generation")
+        if b:
+            rows.append(["grpo_vs_trl", "GRPO s/step; peak RSS, ours generating in bfloat16 (training in float32; "
+                         "TRL has no such setting on its transformers path)",
+                         f"{b['sec_per_step']:.1f}; {b['peak_rss_mb']:.0f} MB",
+                         f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
+                         f"{t['sec_per_step'] / b['sec_per_step']:.2f}x speed, "
+                         f"{b['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory; generated tokens "
+                         f"{b['generated_tokens']} vs {t['generated_tokens']}", "-", _when(d)])
     d = _load("ppo_vs_trl")
     if d:
         t = d["results"]["trl"]

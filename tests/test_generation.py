@@ -200,3 +200,89 @@ def test_generation_runs_decode_matmuls_with_the_weight_first_on_cpu():
     lm_head = tuple(model.lm_head.weight.shape)
     # the LM head of every decode step (6 rows: 3 prompts x 2 samples) ran as W @ x.T
     assert sum(1 for _, a, b in seen.calls if a == lm_head and b == (lm_head[1], 6)) == 3
+
+
+def test_a_bfloat16_copy_samples_with_its_own_log_probs_and_follows_the_training_weights():
+    """generation_backend_kwargs.dtype: decoding runs on a cast copy (the training model stays float32, with no
+    second float32 copy of anything), the log-probs returned are the copy's, and each generate call first brings
+    the copy up to the training weights."""
+    import copy
+
+    tok, model = tiny_tokenizer(), tiny_model()
+    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id, dtype="bfloat16")
+    params = SamplingParams(max_tokens=10, temperature=0.7)
+    prompts = _prompts(tok)
+    groups = backend.generate(prompts, params, n=2, seed=1)
+    cast = backend._copy
+    assert cast is not None and cast is not model
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in cast.parameters())
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())
+    if model.config.tie_word_embeddings:
+        assert cast.lm_head.weight is cast.model.embed_tokens.weight  # one memo entry: still tied
+    # buffers (rotary frequencies) keep their float32: rounded, they would turn long prompts' positions
+    assert [b.dtype for b in cast.buffers()] == [b.dtype for b in model.buffers()]
+    reference = copy.deepcopy(model).eval()
+    for p in reference.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    gap_to_fp32 = []
+    for p, group in zip(prompts, groups):
+        for c in group:
+            ids = torch.tensor([p + c.token_ids])
+            with torch.no_grad():
+                bf16 = torch.log_softmax(reference(ids).logits[0, len(p) - 1:-1].float() / 0.7, -1)
+                fp32 = torch.log_softmax(model(ids).logits[0, len(p) - 1:-1].float() / 0.7, -1)
+            t = torch.tensor(c.token_ids)[:, None]
+            # the copy's own numbers (a cached decode against one full forward, both in bfloat16: rounding only)
+            torch.testing.assert_close(torch.tensor(c.logprobs), bf16.gather(-1, t)[:, 0], rtol=0, atol=0.1)
+            gap_to_fp32 += (torch.tensor(c.logprobs) - fp32.gather(-1, t)[:, 0]).abs().tolist()
+    assert max(gap_to_fp32) > 1e-4  # not the float32 model's log-probs: the copy really sampled
+    # the training weights move (token 5 made overwhelmingly likely): the next call decodes with them
+    with torch.no_grad():
+        model.lm_head.weight[5] = model.model.norm.weight * 0 + 3.0
+    greedy = backend.generate(prompts, SamplingParams(max_tokens=4, top_k=1), n=1, seed=0)
+    assert backend._copy is cast  # refreshed in place, not rebuilt
+    assert all(g[0].token_ids == [5, 5, 5, 5] for g in greedy)
+    torch.testing.assert_close(cast.lm_head.weight[5].float(), model.lm_head.weight[5].detach(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_generation_dtype_the_backend_cannot_use_is_refused_naming_the_setting():
+    tok, model = tiny_tokenizer(), tiny_model()
+    with pytest.raises(ConfigError, match=r"generation_backend_kwargs.dtype: 'bf16' is not one of bfloat16 \| float16"):
+        TransformersBackend(model, pad_token_id=tok.pad_token_id, dtype="bf16")
+    # the model's own dtype: no copy is made
+    same = TransformersBackend(model, pad_token_id=tok.pad_token_id, dtype=torch.float32)
+    same.generate(_prompts(tok), SamplingParams(max_tokens=2), n=1, seed=0)
+    assert same._copy is None
+
+
+def test_a_cast_copy_follows_in_flight_updates_and_is_rebuilt_for_another_model():
+    """An in-flight weight refresh (between decode steps) reaches the cast copy at once; a model handed over by
+    sync_weights, or one whose shapes changed, gets a new copy."""
+    tok, model = tiny_tokenizer(), tiny_model()
+    refreshed = []
+
+    def refresh_weights():
+        if refreshed:
+            return None
+        refreshed.append(1)
+        with torch.no_grad():  # the new weights: token 5 overwhelmingly likely
+            model.lm_head.weight[5] = model.model.norm.weight * 0 + 3.0
+        return 1
+
+    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id, dtype="bfloat16",
+                                  refresh_weights=refresh_weights)
+    out = backend.generate(_prompts(tok), SamplingParams(max_tokens=4, top_k=1), n=1, seed=0)
+    for g in out:  # the first token under the old weights, the rest under the new ones (version 1)
+        assert g[0].versions == [0, 1, 1, 1]
+        assert g[0].token_ids[1:] == [5, 5, 5]
+    first = backend._copy
+    other = tiny_model()
+    backend.sync_weights(other)
+    backend.refresh_weights = None
+    backend.generate(_prompts(tok), SamplingParams(max_tokens=2), n=1, seed=0)
+    assert backend._copy is not first and backend._copy_of is other
+    other.resize_token_embeddings(other.config.vocab_size + 8)  # shapes changed in place: a new copy
+    second = backend._copy
+    backend.generate(_prompts(tok), SamplingParams(max_tokens=2), n=1, seed=0)
+    assert backend._copy is not second
+    assert backend._copy.lm_head.weight.shape[0] == other.config.vocab_size

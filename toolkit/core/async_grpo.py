@@ -337,8 +337,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
         backend and generates rounds)."""
         from .generation import TransformersBackend
 
-        return TransformersBackend(self.model, pad_token_id=self.processing_class.pad_token_id,
-                                   max_batch_size=self.args.generation_batch_size)
+        if getattr(self, "_eval_backend", None) is None:
+            dtype = ((self.args.generation_backend_kwargs or {}).get("dtype")
+                     if self.args.generation_backend == "transformers" else None)
+            # the worker's dtype (generation_backend_kwargs.dtype), so warm-start rounds sample as the worker
+            # would; kept, so that a cast copy is refreshed from call to call rather than built each time
+            self._eval_backend = TransformersBackend(self.model, pad_token_id=self.processing_class.pad_token_id,
+                                                     max_batch_size=self.args.generation_batch_size, dtype=dtype)
+        self._eval_backend.sync_weights(self.model)
+        return self._eval_backend
 
     def _worker_backend_kwargs(self) -> dict[str, Any]:
         args = self.args
@@ -449,7 +456,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._handoff.claim(r)
         rank = self.accelerator.process_index
         idx, seed = self._rounds.round(r, rank), generation_seed(self.args.seed, r, rank)
-        backend = self.evaluation_backend()  # the training model itself: nothing to copy
+        backend = self.evaluation_backend()  # the training model itself (or its cast copy: dtype)
         t0 = time.perf_counter()
         if self.environment_factory is not None:
             eps = self.run_episodes([self.rows[i] for i in idx for _ in range(G)], self.sampling, seed=seed,

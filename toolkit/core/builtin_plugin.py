@@ -52,7 +52,8 @@ def toolkit_make_reward(spec):
 @hookimpl
 def toolkit_register_generation_backends():
     def transformers(model, tokenizer, config):
-        """Generation with the training model itself (no copy, no weight sync needed)."""
+        """Generation with the training model itself (no copy, no weight sync needed; kwargs: dtype, to decode
+        with a copy of the weights in that dtype)."""
         from .generation import TransformersBackend
 
         return TransformersBackend(model, pad_token_id=tokenizer.pad_token_id,

@@ -27,6 +27,8 @@ __all__ = [
 ]
 
 import contextlib
+import copy
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -277,8 +279,53 @@ class _DecodeShapedLinear(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_GENERATION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _generation_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in _GENERATION_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _GENERATION_DTYPES:
+        return _GENERATION_DTYPES[dtype]
+    raise ConfigError(f"generation_backend_kwargs.dtype: {dtype!r} is not one of "
+                      f"{' | '.join(_GENERATION_DTYPES)} (or None: the model's own dtype).")
+
+
+def _cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of `model` whose floating-point parameters are in `dtype`, without gradients.
+
+    Built through deepcopy's memo, so the float32 weights are never duplicated on the way (a `deepcopy` and then
+    `.to` would briefly hold two float32 copies) and tied weights stay tied (one tensor, one memo entry). Buffers
+    keep their dtype, as when transformers loads a model in bfloat16: the rotary frequencies stay float32
+    (rounded to bfloat16 they would turn a position's angle by ~0.2% of it, growing with the prompt's length)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if id(p) not in memo and p.is_floating_point():
+            memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+    return copy.deepcopy(model, memo)
+
+
+def _refresh_copy(dst: torch.nn.Module, src: torch.nn.Module) -> bool:
+    """Copy `src`'s current weights into its cast copy `dst` (built by `_cast_copy`), converting dtype.
+
+    False, with nothing copied, when the two no longer match (the model was resized, re-tied, given adapters or
+    moved to another device since the copy was made): the caller builds a new copy."""
+    pairs = list(zip(itertools.chain(dst.parameters(), dst.buffers()),
+                     itertools.chain(src.parameters(), src.buffers())))
+    if (len(pairs) != sum(1 for _ in itertools.chain(src.parameters(), src.buffers()))
+            or len(pairs) != sum(1 for _ in itertools.chain(dst.parameters(), dst.buffers()))
+            or any(d.shape != s_.shape or d.device != s_.device for d, s_ in pairs)):
+        return False
+    with torch.no_grad():
+        for d, s_ in pairs:
+            if d.is_floating_point():
+                d.copy_(s_)
+    return True
+
+
 class TransformersBackend:
-    """Batched, KV-cached sampling with the training model itself (so weights never need syncing).
+    """Batched, KV-cached sampling with the training model itself (so weights never need syncing), or with a copy
+    of it in another dtype, refreshed at each call (`dtype`, below).
 
     Efficient on CPU: each prompt is prefilled once and its KV cache shared by its `n` samples
     (GRPO's G generations of one prompt differ only after the prompt), and the start all of a batch's prompts
@@ -289,11 +336,32 @@ class TransformersBackend:
     call also runs as many batches (chunks of `max_batch_size` sequences) on every rank: a rank with fewer
     prompts, none included (multi-turn episodes end at different turns on different ranks), steps a one-token
     placeholder batch that is done from its first token and returns nothing.
+
+    `dtype` (generation_backend_kwargs.dtype; default None, the model's own): decode with a copy of the weights
+    in this dtype, refreshed from the model at each generate call (and after an in-flight weight refresh). On
+    CPU a decode step streams every weight from memory, so bfloat16 weights decode faster where the CPU computes
+    bfloat16 natively (AMX / AVX-512 BF16; on plain AVX2 it may be slower: measure). The copy costs the weights
+    once more in that dtype. The log-probs returned are the copy's (the policy that really sampled): GRPO's
+    sampler correction (importance_sampling_cap / mode) weighs the gap to its float32 weights and logs it as
+    `sampler/logp_abs_diff_*`; PPO logs it but does not correct it. Not for sharded (FSDP2) or quantized
+    models, where a copy is not a cast of the weights.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, max_batch_size: int = 256,
                  on_decode_step: Callable[[], None] | None = None,
-                 refresh_weights: Callable[[], int | None] | None = None, version: int = 0):
+                 refresh_weights: Callable[[], int | None] | None = None, version: int = 0,
+                 dtype: str | torch.dtype | None = None):
+        self.dtype = _generation_dtype(dtype)
+        self._copy: torch.nn.Module | None = None     # the weights in `dtype` (when the model's differs)
+        self._copy_of: torch.nn.Module | None = None  # the model it was cast from
+        if self.dtype is not None:
+            base = unwrap_model(model)
+            if getattr(base, "hf_quantizer", None) is not None or getattr(base, "is_quantized", False):
+                raise ConfigError("generation_backend_kwargs.dtype: the model is quantized, so its weights cannot be "
+                                  "cast to another dtype; leave dtype unset (the model's own).")
+            if _decodes_in_lockstep(model):
+                raise ConfigError("generation_backend_kwargs.dtype: the model is sharded (FSDP2); a copy in another "
+                                  "dtype would hold every rank's shard only; leave dtype unset.")
         self.model = model
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -308,6 +376,18 @@ class TransformersBackend:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
+
+    def _generation_model(self) -> torch.nn.Module:
+        """The model decoding runs on: the training model itself, or its copy in `dtype`, refreshed from it."""
+        if self.dtype is None or next(self.model.parameters()).dtype == self.dtype:
+            return self.model
+        if _decodes_in_lockstep(self.model):  # sharded after this backend was built (accelerate prepares later)
+            raise ConfigError("generation_backend_kwargs.dtype: the model is sharded (FSDP2); a copy in another "
+                              "dtype would hold this rank's shard only; leave dtype unset.")
+        if self._copy is None or self._copy_of is not self.model or not _refresh_copy(self._copy, self.model):
+            self._copy = self._copy_of = None  # the old copy is freed before the new one is built
+            self._copy, self._copy_of = _cast_copy(self.model, self.dtype), self.model
+        return self._copy
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
@@ -325,10 +405,11 @@ class TransformersBackend:
         batches = len(chunks)
         if _decodes_in_lockstep(self.model):
             batches = _max_over_ranks(len(chunks), next(self.model.parameters()).device)
+        model = self._generation_model()
         for chunk in chunks:
-            results += self._generate_chunk(chunk, params, n, generator)
+            results += self._generate_chunk(model, chunk, params, n, generator)
         for _ in range(batches - len(chunks)):
-            self._generate_chunk([[self.pad_token_id]], params, 1, generator, placeholder=True)
+            self._generate_chunk(model, [[self.pad_token_id]], params, 1, generator, placeholder=True)
         self.last_stats = GenerationStats(
             seconds=time.perf_counter() - started,
             generated_tokens=sum(len(c.token_ids) for group in results for c in group),
@@ -337,15 +418,16 @@ class TransformersBackend:
         )
         return results
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int,
+    def _generate_chunk(self, model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, n: int,
                         generator: torch.Generator, *, placeholder: bool = False) -> list[list[Completion]]:
         from transformers import DynamicCache
 
-        model = self.model
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        decode_linear = _DecodeShapedLinear if device.type == "cpu" else contextlib.nullcontext
+        first = next(model.parameters())
+        decode_linear = (_DecodeShapedLinear if device.type == "cpu" and first.dtype == torch.float32
+                         else contextlib.nullcontext)  # it only ever applies to float32 weights
 
         def forward(**kwargs: Any) -> Any:
             with decode_linear():
@@ -426,6 +508,8 @@ class TransformersBackend:
                     # is then exactly the new policy's, as the loss's behaviour term assumes. PipelineRL keeps the
                     # stale cache instead; at 135M on CPU the refill costs about one prefill.
                     self.version = new_version
+                    if model is not self.model:  # decoding on a cast copy: bring it to the new weights
+                        model = self._generation_model()
                     sofar = torch.cat([ids.repeat_interleave(n, dim=0), tokens_out[:, :step + 1].to(device)], dim=1)
                     full_pos = (mask.cumsum(-1) - 1).clamp(min=0)
                     cache = DynamicCache(config=model.config)

@@ -254,6 +254,10 @@ class GRPOConfig(TrainingArguments):
         self._check_objective()
         reg = registry()
         reg.get("generation_backend", self.generation_backend, field="generation_backend")
+        if self.generation_backend == "transformers" and "dtype" in (self.generation_backend_kwargs or {}):
+            from .generation import _generation_dtype
+
+            _generation_dtype(self.generation_backend_kwargs["dtype"])  # here, before an async worker would meet it
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(f"scale_rewards: '{self.scale_rewards}' is not one of {list(SCALE_REWARDS)}.")
         if self.num_iterations < 1:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .errors import TrainingHealthError
-from .generation import TransformersBackend
+from .generation import TransformersBackend, _generation_dtype
 from .rewards import RewardRunner, score_completions
 from .rollout import RoundSampler, generation_seed
 
@@ -241,6 +241,15 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
                               allow_empty=spec.get("episodes") is not None)
         if spec["backend"] == "transformers":
             model = _build_model(spec["config"]).eval()
+            gen_dtype = _generation_dtype(spec["backend_kwargs"].get("dtype"))
+            if gen_dtype is not None:
+                # generation_backend_kwargs.dtype: this model only generates, so it is cast itself (no second
+                # copy); the published float32 weights convert as they load (load_state_dict copies). Parameters
+                # only: buffers (rotary frequencies) stay float32, as in TransformersBackend's cast copy.
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.is_floating_point():
+                            p.data = p.data.to(gen_dtype)
             if spec["varlen"]:
                 from .attention import use_varlen_attention
 
