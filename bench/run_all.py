@@ -68,7 +68,7 @@ BENCHES = [
           args=["--cases", "latency", "--seeds", "3,4,5", "--out", "async_grpo_seeds_3_5"]),
     Bench("async_staleness", "async_staleness.py", "long", 29, json_flag=False),
     # the criterion's bounds (0 and 4) on three more seeds: one seed of the sweep cannot tell a gap from noise
-    Bench("async_staleness_seeds", "async_staleness.py", "long", 20, json_flag=False, args=["--seeds", "1,2,3"]),
+    Bench("async_staleness_seeds", "async_staleness.py", "long", 34, json_flag=False, args=["--seeds", "1,2,3"]),
     Bench("learning_vs_trl", "learning_vs_trl.py", "long", 25, json_flag=False,
           args=["--minutes", "6", "--eval-every", "1.5"],
           needs=[("outputs/arithmetic/0-sft/final", "toolkit pipeline --config examples/arithmetic_pipeline.toml")]),

@@ -651,7 +651,7 @@ def test_warm_start_defaults_to_on_with_transformers_and_off_with_vllm(tmp_path)
     assert t.warm_start is False and t.args.warm_start is None  # resolved in the trainer; the config is left alone
 
 
-@pytest.mark.parametrize("trainer", ["sync", "async"])
+@pytest.mark.parametrize("trainer", ["sync", "async", "async-warm"])
 def test_generation_in_bfloat16_trains_the_float32_model_with_the_sampler_gap_corrected(tmp_path, trainer):
     """generation_backend_kwargs.dtype = bfloat16: GRPO's backend decodes on a cast copy refreshed every round;
     async GRPO's worker casts its own model, into which each published float32 state loads. Either way the gap
@@ -661,9 +661,12 @@ def test_generation_in_bfloat16_trains_the_float32_model_with_the_sampler_gap_co
     if trainer == "sync":
         t = GRPOTrainer(tiny_model(), [low_ids], GRPOConfig(output_dir=str(tmp_path / "sync"), **{**COMMON, **kw}),
                         train_dataset=prompts(), processing_class=tiny_tokenizer())
-    else:
-        t = make(tmp_path, max_staleness=0, **kw)
+    else:  # async-warm: the trainer generates rounds itself while the worker starts (tiny model: most of them)
+        t = make(tmp_path, max_staleness=0, warm_start=trainer == "async-warm", **kw)
     t.train()
+    if trainer == "async-warm":
+        assert logged(t, "async/rounds_in_trainer")[-1] >= 1
+        assert getattr(t, "_warm_backend_", None) is None or t._warm  # dropped once the worker took over
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
     gaps = logged(t, "sampler/logp_abs_diff_mean")
     # float32 sampling gives gaps of ~1e-7 here: above 1e-4 means the bfloat16 weights really sampled
@@ -672,5 +675,9 @@ def test_generation_in_bfloat16_trains_the_float32_model_with_the_sampler_gap_co
 
 
 def test_a_generation_dtype_async_grpo_cannot_use_fails_in_the_config_not_in_the_worker(tmp_path):
+    from toolkit.core.ppo import PPOConfig
+
     with pytest.raises(ConfigError, match=r"generation_backend_kwargs.dtype: 'half' is not one of bfloat16"):
         async_cfg(tmp_path, generation_backend_kwargs={"dtype": "half"})
+    with pytest.raises(ConfigError, match=r"generation_backend_kwargs.dtype: 'half' is not one of bfloat16"):
+        PPOConfig(output_dir=str(tmp_path / "ppo"), generation_backend_kwargs={"dtype": "half"})

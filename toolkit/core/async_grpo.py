@@ -337,15 +337,24 @@ class AsyncGRPOTrainer(GRPOTrainer):
         backend and generates rounds)."""
         from .generation import TransformersBackend
 
-        if getattr(self, "_eval_backend", None) is None:
-            dtype = ((self.args.generation_backend_kwargs or {}).get("dtype")
-                     if self.args.generation_backend == "transformers" else None)
-            # the worker's dtype (generation_backend_kwargs.dtype), so warm-start rounds sample as the worker
-            # would; kept, so that a cast copy is refreshed from call to call rather than built each time
-            self._eval_backend = TransformersBackend(self.model, pad_token_id=self.processing_class.pad_token_id,
-                                                     max_batch_size=self.args.generation_batch_size, dtype=dtype)
-        self._eval_backend.sync_weights(self.model)
-        return self._eval_backend
+        return TransformersBackend(self.model, pad_token_id=self.processing_class.pad_token_id,
+                                   max_batch_size=self.args.generation_batch_size)
+
+    def _warm_backend(self):
+        """Warm-start rounds generate here as the worker would: in its dtype (generation_backend_kwargs.dtype).
+        Kept while the warm start lasts, so that a cast copy is refreshed from round to round rather than built
+        each time; dropped when the worker takes over (the copy costs the weights once more)."""
+        from .generation import TransformersBackend
+
+        dtype = ((self.args.generation_backend_kwargs or {}).get("dtype")
+                 if self.args.generation_backend == "transformers" else None)
+        if dtype is None:
+            return self.evaluation_backend()
+        if getattr(self, "_warm_backend_", None) is None:
+            self._warm_backend_ = TransformersBackend(self.model, pad_token_id=self.processing_class.pad_token_id,
+                                                      max_batch_size=self.args.generation_batch_size, dtype=dtype)
+        self._warm_backend_.sync_weights(self.model)
+        return self._warm_backend_
 
     def _worker_backend_kwargs(self) -> dict[str, Any]:
         args = self.args
@@ -417,6 +426,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                     self._handle_failure(problem)  # a restart starts a new warm start; otherwise this raises
                 return self._round_here()
             self._warm = False
+            self._warm_backend_ = None  # its cast copy, if any, is not needed any more
             logger.info("async GRPO: the rollout worker was ready %.1f s after its start; it generates from round %d "
                         "on (%d rounds were generated in the trainer meanwhile).",
                         self._handoff.ready_at() - self._started_at, self._next_round, self._warm_rounds)
@@ -456,7 +466,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._handoff.claim(r)
         rank = self.accelerator.process_index
         idx, seed = self._rounds.round(r, rank), generation_seed(self.args.seed, r, rank)
-        backend = self.evaluation_backend()  # the training model itself (or its cast copy: dtype)
+        backend = self._warm_backend()  # the training model itself (or its cast copy: dtype)
         t0 = time.perf_counter()
         if self.environment_factory is not None:
             eps = self.run_episodes([self.rows[i] for i in idx for _ in range(G)], self.sampling, seed=seed,

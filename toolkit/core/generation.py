@@ -509,7 +509,7 @@ class TransformersBackend:
                     # stale cache instead; at 135M on CPU the refill costs about one prefill.
                     self.version = new_version
                     if model is not self.model:  # decoding on a cast copy: bring it to the new weights
-                        model = self._generation_model()
+                        model = self._generation_model().eval()  # (a rebuilt copy starts in train mode)
                     sofar = torch.cat([ids.repeat_interleave(n, dim=0), tokens_out[:, :step + 1].to(device)], dim=1)
                     full_pos = (mask.cumsum(-1) - 1).clamp(min=0)
                     cache = DynamicCache(config=model.config)

@@ -250,6 +250,10 @@ class PPOConfig(TrainingArguments):
         if self.early_stop_approx_kl is not None and self.early_stop_approx_kl <= 0:
             raise ConfigError(f"early_stop_approx_kl: must be > 0 or None, got {self.early_stop_approx_kl}.")
         registry().get("generation_backend", self.generation_backend, field="generation_backend")
+        if self.generation_backend == "transformers" and "dtype" in (self.generation_backend_kwargs or {}):
+            from .generation import _generation_dtype
+
+            _generation_dtype(self.generation_backend_kwargs["dtype"])  # named here, before any model loads
         SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
 
