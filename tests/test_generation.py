@@ -137,15 +137,15 @@ class _RecordMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(32, 1, 24), (5, 24), (24,)])
-def test_decode_shaped_linear_is_the_same_product_with_the_weight_first(bias, shape):
-    from toolkit.core.generation import _DecodeShapedLinear
+def test_inference_linear_is_the_same_product_with_the_weight_first(bias, shape):
+    from toolkit.core.generation import _CpuInferenceLinear
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(24, 40, bias=bias)
     x = torch.randn(shape)
     with torch.no_grad():
         expected = layer(x)
-        with _DecodeShapedLinear(), _RecordMatmuls() as seen:
+        with _CpuInferenceLinear(), _RecordMatmuls() as seen:
             got = layer(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert got.shape == expected.shape and got.is_contiguous()
@@ -153,15 +153,15 @@ def test_decode_shaped_linear_is_the_same_product_with_the_weight_first(bias, sh
     assert seen.calls == [("addmm" if bias else "mm", (40, 24), (24, rows))]
 
 
-def test_decode_shaped_linear_leaves_everything_else_to_the_ordinary_path():
-    from toolkit.core.generation import _DecodeShapedLinear
+def test_inference_linear_leaves_everything_else_to_the_ordinary_path():
+    from toolkit.core.generation import _CpuInferenceLinear
 
     layer = torch.nn.Linear(24, 40)
     cases = {"autograd on": (torch.randn(8, 24), torch.enable_grad, layer),
              "more rows than decode": (torch.randn(65, 24), torch.no_grad, layer),
              "float64": (torch.randn(8, 24, dtype=torch.float64), torch.no_grad, torch.nn.Linear(24, 40).double())}
     for name, (x, grad_mode, module) in cases.items():
-        with grad_mode(), _DecodeShapedLinear(), _RecordMatmuls() as seen:
+        with grad_mode(), _CpuInferenceLinear(), _RecordMatmuls() as seen:
             module(x)
         assert seen.calls and all(call[1][0] == x.shape[0] for call in seen.calls), name  # rows first: untouched
     # bfloat16 weights: untouched, same result as without the mode
@@ -169,25 +169,46 @@ def test_decode_shaped_linear_leaves_everything_else_to_the_ordinary_path():
     xh = torch.randn(4, 24, dtype=torch.bfloat16)
     with torch.no_grad():
         expected = half(xh)
-        with _DecodeShapedLinear():
+        with _CpuInferenceLinear():
             torch.testing.assert_close(half(xh), expected, rtol=0, atol=0)
 
 
-def test_decode_shaped_linear_takes_keyword_calls_inference_mode_and_empty_batches():
-    from toolkit.core.generation import _DecodeShapedLinear
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_linear_folds_a_non_contiguous_last_position_into_rows(dtype):
+    # hidden[:, -1:] (what logits_to_keep=1 hands the LM head): without autograd torch would multiply it as a
+    # batched product with the weight expanded once per row (measured 641 ms against 6 in bfloat16 at B=4)
+    from toolkit.core.generation import _CpuInferenceLinear
+
+    torch.manual_seed(0)
+    # frozen, as a cast generation copy or a reference model is: with a weight that requires grad, torch folds
+    layer = torch.nn.Linear(24, 40, bias=False).to(dtype).requires_grad_(False)
+    hidden = torch.randn(70, 5, 24, dtype=dtype)  # 70 rows: above max_rows, so float32 folds too
+    x = hidden[:, -1:]
+    assert not x.is_contiguous()
+    with torch.no_grad():
+        expected = layer(x.contiguous())
+        with _CpuInferenceLinear(), _RecordMatmuls() as seen:
+            got = layer(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got.shape == (70, 1, 40)
+    assert seen.calls == [("mm", (70, 24), (24, 40))]  # one product of rows, no batched product
+
+
+def test_inference_linear_takes_keyword_calls_inference_mode_and_empty_batches():
+    from toolkit.core.generation import _CpuInferenceLinear
 
     torch.manual_seed(0)
     w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(3, 24)
     F = torch.nn.functional
     expected = F.linear(x, w, b)
-    with torch.inference_mode(), _DecodeShapedLinear(), _RecordMatmuls() as seen:
+    with torch.inference_mode(), _CpuInferenceLinear(), _RecordMatmuls() as seen:
         by_keyword = F.linear(input=x, weight=w, bias=b)
         mixed = F.linear(x, weight=w)
         empty = F.linear(torch.empty(0, 24), w, b)
     torch.testing.assert_close(by_keyword, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(mixed, expected - b, rtol=1e-5, atol=1e-5)
     assert empty.shape == (0, 40)
-    with torch.no_grad(), _DecodeShapedLinear():  # no input features: the bias alone, as F.linear gives
+    with torch.no_grad(), _CpuInferenceLinear():  # no input features: the bias alone, as F.linear gives
         torch.testing.assert_close(F.linear(torch.empty(3, 0), torch.empty(40, 0), b), b.expand(3, 40))
     assert [c[1] for c in seen.calls[:2]] == [(40, 24), (40, 24)]  # the weight first in both
 

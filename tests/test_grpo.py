@@ -51,6 +51,27 @@ def test_each_loss_type_trains(tmp_path, loss_type):
         assert logged(t, key), key
 
 
+def test_entropy_from_the_training_forward_equals_a_separate_entropy_pass(tmp_path):
+    # the default compute_token_logps takes the logged entropy from its own LM-head product; an override that
+    # keeps only the hidden states gets it from a separate pass (chunked_entropy): the same numbers
+    from toolkit.core.packing import completion_hidden, completion_logps
+
+    class SeparatePass(GRPOTrainer):
+        def compute_token_logps(self, model, batch):
+            hidden = completion_hidden(model, batch)
+            self._last_hidden = hidden.detach()
+            return completion_logps(model, batch, temperature=self.args.temperature, hidden=hidden)
+
+    fused = make(tmp_path / "a", max_steps=3)
+    fused.train()
+    separate = SeparatePass(tiny_model(), [length_reward], cfg(tmp_path / "b", max_steps=3), train_dataset=prompts(),
+                            processing_class=tiny_tokenizer())
+    separate.train()
+    assert len(logged(fused, "entropy")) == 3
+    assert logged(fused, "entropy") == pytest.approx(logged(separate, "entropy"), rel=1e-5)
+    assert logged(fused, "loss") == pytest.approx(logged(separate, "loss"), rel=1e-5)
+
+
 def test_kl_to_reference(tmp_path):
     t = make(tmp_path, beta=0.1, max_steps=3)
     t.train()

@@ -67,6 +67,32 @@ def test_chunked_entropy_matches_naive():
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 5, 1000])
+def test_logps_and_entropy_in_one_pass_match_the_two_functions_values_and_grads(chunk_size):
+    from toolkit.core.numerics import chunked_token_logps_and_entropy
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 23, 8, 40
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+    logps, entropy = chunked_token_logps_and_entropy(hidden, weight, targets, temperature=0.7, chunk_size=chunk_size)
+    assert not entropy.requires_grad  # a metric
+    (logps.double() * upstream).sum().backward()
+    grads = [hidden.grad.clone(), weight.grad.clone()]
+    hidden.grad = weight.grad = None
+    ref = chunked_token_logps(hidden, weight, targets, temperature=0.7, chunk_size=chunk_size)
+    (ref.double() * upstream).sum().backward()
+    torch.testing.assert_close(logps, ref, rtol=0, atol=0)
+    for a, b in zip(grads, [hidden.grad, weight.grad]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    p = torch.softmax(hidden.detach() @ weight.detach().t() / 0.7, -1)
+    torch.testing.assert_close(entropy.double(), -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, chunked_entropy(hidden.detach(), weight.detach(), temperature=0.7,
+                                                        chunk_size=chunk_size), rtol=1e-6, atol=1e-6)
+
+
 def test_masked_sum_and_mean():
     v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     m = torch.tensor([[1, 1, 0], [0, 0, 0]])

@@ -51,3 +51,23 @@ def test_rows_that_are_not_a_distribution_stop_with_the_reason_not_a_token():
     logits = torch.tensor([[1.0, float("nan"), 0.0]])  # a diverged model's logits, through sample_tokens
     with pytest.raises(TrainingHealthError, match="model diverged"):
         sample_tokens(logits, SamplingParams(max_tokens=1), g)
+
+
+def test_the_two_level_cdf_picks_what_a_flat_cdf_picks_from_the_same_uniforms():
+    # a vocabulary that is not a multiple of the block (padded), with a whole zero block and zeros at the ends
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 1024, 49152 + 77
+    probs = torch.rand(rows, vocab, generator=g) ** 8  # peaked rows, many near-zero masses
+    probs[:, :300] = 0.0
+    probs[:, 5000:5600] = 0.0
+    probs[:, -5:] = 0.0
+    probs[::7, 40000] = 1e4  # some rows almost one-hot
+    got = inverse_cdf_sample(probs, torch.Generator().manual_seed(6))
+    # the flat reference with the same uniform per row
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    flat = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    assert torch.equal(got, flat)
+    assert bool((probs.gather(-1, got[:, None]) > 0).all())

@@ -76,7 +76,7 @@ from .models import (
     prepare_model,
     unwrap_model,
 )
-from .numerics import DEFAULT_CHUNK_SIZE, SCALE_REWARDS, chunked_entropy
+from .numerics import DEFAULT_CHUNK_SIZE, SCALE_REWARDS, chunked_entropy, chunked_token_logps_and_entropy
 from .objectives import (
     AdvantageInputs,
     PolicyLossInputs,
@@ -829,8 +829,15 @@ class GRPOTrainer(Trainer):
         """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam)."""
         hidden = completion_hidden(model, batch)
         self._last_hidden = hidden.detach()
-        return completion_logps(model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
-                                upcast=self.args.fp32_lm_head, hidden=hidden)
+        if not torch.is_grad_enabled():  # scoring (old, reference log-probs): no entropy wanted
+            return completion_logps(model, batch, temperature=self.args.temperature,
+                                    chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head, hidden=hidden)
+        # the training forward: the logged entropy comes from the same LM-head product (one fewer per step)
+        weight, bias = output_head(model)
+        logps, self._last_entropy = chunked_token_logps_and_entropy(
+            hidden, weight, batch["completion_targets"], bias=bias, temperature=self.args.temperature,
+            chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
+        return logps
 
     def compute_policy_loss(self, inputs: PolicyLossInputs, *legacy: torch.Tensor
                             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -851,7 +858,7 @@ class GRPOTrainer(Trainer):
                                                                      name=self.args.loss_type))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self._last_hidden = None  # set by the default compute_token_logps; an override need not set it
+        self._last_hidden = self._last_entropy = None  # set by the default compute_token_logps (an override need not)
         flat = self.compute_token_logps(model, inputs)
         present = inputs["completion_mask"]
         logps = self._to_rows(flat, present)
@@ -1047,13 +1054,15 @@ class GRPOTrainer(Trainer):
         if kl is not None:
             s["kl"].append(float((kl.detach() * mask).sum() / max(int(mask.sum()), 1)))
         hidden = getattr(self, "_last_hidden", None)
+        ent = getattr(self, "_last_entropy", None)
         present = getattr(self, "_present_mask", inputs.completion_mask)
-        if hidden is not None and hidden.shape[0] == int(present.sum()):
+        if ent is None and hidden is not None:
             # entropy from the hidden states of this forward (a compute_token_logps override that does not call
-            # the default leaves none, and then no entropy is logged rather than a stale one), on sampled tokens
+            # the default leaves none, and then no entropy is logged rather than a stale one)
             ent = chunked_entropy(hidden, output_head(self.model)[0].detach(), temperature=self.args.temperature,
                                   chunk_size=self.args.logps_chunk_size)
-            ent = ent[inputs.completion_mask[present]]
+        if ent is not None and ent.shape[0] == int(present.sum()):
+            ent = ent[inputs.completion_mask[present]]  # on sampled tokens
             s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)
 
 

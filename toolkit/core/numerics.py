@@ -23,6 +23,7 @@ __all__ = [
     "aggregate",
     "chunked_entropy",
     "chunked_token_logps",
+    "chunked_token_logps_and_entropy",
     "clipped_surrogate",
     "clipped_value_loss",
     "explained_variance",
@@ -67,10 +68,12 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_size: int, upcast: bool):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_size: int, upcast: bool,
+                with_entropy: bool = False):
         n = hidden.shape[0]
         logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             z = _chunk_logits(hidden[start:end], weight, bias, upcast)
@@ -78,16 +81,22 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 z.div_(temperature)
             lse[start:end] = torch.logsumexp(z, dim=-1)
             logps[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
+            if entropy is not None:  # from the same logits: -sum p log p, with log p built in z's storage
+                logp = z.sub_(lse[start:end, None])
+                entropy[start:end] = -logp.exp().mul_(logp).sum(-1)
             del z
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse)
         ctx.has_bias = bias is not None
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.upcast = upcast
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+            return logps, entropy
         return logps
 
     @staticmethod
-    def backward(ctx, grad_logps):
+    def backward(ctx, grad_logps, *_no_grad_for_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -117,7 +126,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             del z, dz
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(weight.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def chunked_token_logps(
@@ -145,14 +154,37 @@ def chunked_token_logps(
         [N] fp32 log-probabilities, differentiable with respect to `hidden`, `weight` and `bias`.
         Peak extra memory is O(chunk_size x V) instead of O(N x V).
     """
+    _check_chunked_args("chunked_token_logps", hidden, targets, temperature, chunk_size)
+    return _ChunkedTokenLogps.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_size), upcast)
+
+
+def _check_chunked_args(name: str, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                        chunk_size: int) -> None:
     if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0]:
-        raise ValueError(f"chunked_token_logps expects hidden [N, H] and targets [N]; got {tuple(hidden.shape)} "
+        raise ValueError(f"{name} expects hidden [N, H] and targets [N]; got {tuple(hidden.shape)} "
                          f"and {tuple(targets.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _ChunkedTokenLogps.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_size), upcast)
+
+
+def chunked_token_logps_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_token_logps` and, from the same chunks of logits, the [N] entropy (nats) of each position's
+    distribution, without gradient (a metric): one LM-head product where `chunked_token_logps` and
+    `chunked_entropy` take two (on the 135M model, 90 ms of a GRPO step's 3 s, and a softmax of 49k per token)."""
+    _check_chunked_args("chunked_token_logps_and_entropy", hidden, targets, temperature, chunk_size)
+    return _ChunkedTokenLogps.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_size), upcast,
+                                    True)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ __all__ = [
     "to_padded",
 ]
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from .attention import varlen_kwargs
-from .models import output_head, unwrap_model
+from .models import _CpuInferenceLinear, output_head, unwrap_model
 from .numerics import chunked_token_logps
 
 
@@ -202,7 +203,11 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         kwargs.update(varlen_kwargs(batch["cu_seq_lens"]))
     else:
         kwargs["attention_mask"] = batch["attention_mask"]
-    out = model(**kwargs)
+    # without autograd (reference and behaviour scoring) on CPU, `logits_to_keep=1` hands a frozen model's head
+    # a non-contiguous [B, 1, H] slice that torch multiplies with the weight expanded B times (models.py)
+    on_cpu = batch["input_ids"].device.type == "cpu"
+    with _CpuInferenceLinear() if on_cpu and not torch.is_grad_enabled() else contextlib.nullcontext():
+        out = model(**kwargs)
     hidden = out.hidden_states[-1] if head is not None else out.last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1])[batch["completion_positions"] if positions is None else positions]
 

@@ -74,6 +74,7 @@ from .models import (
 from .numerics import (
     DEFAULT_CHUNK_SIZE,
     chunked_entropy,
+    chunked_token_logps_and_entropy,
     clipped_value_loss,
     explained_variance,
     gae,
@@ -640,8 +641,17 @@ class PPOTrainer(Trainer):
     def compute_token_logps(self, model: nn.Module, batch: dict[str, Any], hidden: torch.Tensor | None = None
                             ) -> torch.Tensor:
         """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam)."""
-        return completion_logps(model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
-                                upcast=self.args.fp32_lm_head, hidden=hidden)
+        if not torch.is_grad_enabled():  # scoring: no entropy wanted
+            return completion_logps(model, batch, temperature=self.args.temperature,
+                                    chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head, hidden=hidden)
+        # the update's forward: the logged entropy comes from the same LM-head product (one fewer per micro-batch)
+        if hidden is None:
+            hidden = completion_hidden(model, batch)
+        weight, bias = output_head(model)
+        logps, self._last_entropy = chunked_token_logps_and_entropy(
+            hidden, weight, batch["completion_targets"], bias=bias, temperature=self.args.temperature,
+            chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
+        return logps
 
     def compute_values(self, batch: dict[str, Any], hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Flat [N] values V(s_t) at the completion tokens; `hidden` is the policy's (used by critic='head')."""
@@ -672,6 +682,7 @@ class PPOTrainer(Trainer):
         mask = inputs["mask"]
         denom = inputs.get("loss_tokens", mask.sum())
         hidden = completion_hidden(model, inputs)
+        self._last_entropy = None  # set by the default compute_token_logps (an override need not)
         logps = self._to_rows(self.compute_token_logps(model, inputs, hidden=hidden), mask)
         values = self._to_rows(self.compute_values(inputs, hidden=hidden), mask)
         pg, info = self.compute_policy_loss(logps, inputs["old_logps"], inputs["advantages"], mask)
@@ -687,8 +698,10 @@ class PPOTrainer(Trainer):
         with torch.no_grad():
             diff = (logps - inputs["old_logps"]) * mask
             clipped = (info["clipped_low"] | info["clipped_high"]) & mask
-            entropy = chunked_entropy(hidden.detach(), output_head(model)[0].detach(), temperature=self.args.temperature,
-                                      chunk_size=self.args.logps_chunk_size)
+            entropy = self._last_entropy
+            if entropy is None or entropy.shape[0] != hidden.shape[0]:
+                entropy = chunked_entropy(hidden.detach(), output_head(model)[0].detach(),
+                                          temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size)
             sums = {"loss/policy": pg_sum.detach(), "loss/value": vf_sum.detach(),
                     "policy/approxkl": 0.5 * (diff ** 2).sum(), "policy/clipfrac": clipped.sum(),
                     "val/clipfrac": (vf_clipped & mask).sum(), "policy/entropy": entropy.sum(),
