@@ -40,6 +40,43 @@ def test_chunked_logps_match_naive_values_and_grads(chunk_size, temperature, wit
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)
 
 
+def test_one_chunk_keeps_its_log_softmax_for_backward_and_backward_can_run_twice():
+    # n <= chunk_size: backward uses the forward's log-softmax instead of a second LM-head product and releases
+    # it; a retained graph's second backward recomputes and must give the same gradients, as must the
+    # recomputing path (two chunks)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(12, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(30, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 30, (12,), generator=g)
+    grads = []
+    for chunk in (12, 6):
+        out = chunked_token_logps(hidden, weight, targets, temperature=0.7, chunk_size=chunk)
+        for _ in range(2):
+            hidden.grad = weight.grad = None
+            out.sum().backward(retain_graph=True)
+            grads.append((hidden.grad.clone(), weight.grad.clone()))
+    # and the kept path really skips the product: 2 matmuls in backward (grads of hidden and weight), not 3
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm_.default):
+                CountMatmuls.n += 1
+            return func(*args, **(kwargs or {}))
+
+    for chunk, expected in ((12, 2), (6, 6)):
+        out = chunked_token_logps(hidden, weight, targets, temperature=0.7, chunk_size=chunk)
+        CountMatmuls.n = 0
+        with CountMatmuls():
+            out.sum().backward()
+        assert CountMatmuls.n == expected, chunk
+    for a, b in zip(grads[1:], grads[:1] * 3):
+        torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a[1], b[1], rtol=1e-6, atol=1e-6)
+
+
 def test_chunked_logps_bf16_upcasts_the_head():
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(9, 8, generator=g).bfloat16()

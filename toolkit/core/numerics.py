@@ -65,6 +65,8 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     until backward, which is the very tensor we want never to hold. So backward recomputes each
     chunk's logits (one extra LM-head matmul) and forms the gradient directly:
         d logp_t / d z = onehot(target) - softmax(z),  z = logits / temperature.
+    When everything is one chunk (n <= chunk_size, a GRPO step on CPU), forward keeps that chunk's log-softmax
+    instead: backward would rebuild it first thing, with the same activations alive, so the peak is the same.
     """
 
     @staticmethod
@@ -81,9 +83,17 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 z.div_(temperature)
             lse[start:end] = torch.logsumexp(z, dim=-1)
             logps[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
-            if entropy is not None:  # from the same logits: -sum p log p, with log p built in z's storage
-                logp = z.sub_(lse[start:end, None])
-                entropy[start:end] = -logp.exp().mul_(logp).sum(-1)
+            # One chunk only (n <= chunk_size) and a gradient to come: keep its log-softmax for backward rather
+            # than recompute the LM-head product there. The peak is unchanged (backward would rebuild this very
+            # chunk at its start, with the same activations alive); with several chunks they are recomputed.
+            keep = n <= chunk_size and any(ctx.needs_input_grad[:3])
+            if entropy is not None or keep:
+                logp = z.sub_(lse[start:end, None])  # log p, in z's storage
+                if entropy is not None:  # from the same logits: -sum p log p
+                    entropy[start:end] = -logp.exp().mul_(logp).sum(-1)
+                if keep:
+                    ctx.kept_logp = logp
+                del logp  # else the next chunk's logits would be built while this one's are still held
             del z
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse)
         ctx.has_bias = bias is not None
@@ -101,29 +111,37 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         bias = bias if ctx.has_bias else None
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        grad_w = grad_b = None  # the first chunk's product starts them (no [V, H] of zeros to fill first)
         w32 = weight.float() if (ctx.upcast or weight.dtype == torch.float32) else weight
         grad_logps = grad_logps.float()
+        # released here, not with the graph: the body's backward comes next and its gradients pile up meanwhile
+        # (a retained graph's second backward recomputes)
+        kept, ctx.kept_logp = getattr(ctx, "kept_logp", None), None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            z = _chunk_logits(h, weight, bias, ctx.upcast)
-            if ctx.temperature != 1.0:
-                z.div_(ctx.temperature)
             g = grad_logps[start:end]
-            # dz = g * (onehot - softmax), built in place in z's storage.
-            dz = z.sub_(lse[start:end, None]).exp_().mul_(-g[:, None])
+            if kept is not None:  # the one chunk's log-softmax, kept by forward
+                dz = kept.exp_().mul_(-g[:, None])  # released above: built in its storage
+            else:
+                z = _chunk_logits(h, weight, bias, ctx.upcast)
+                if ctx.temperature != 1.0:
+                    z.div_(ctx.temperature)
+                # dz = g * (onehot - softmax), built in place in z's storage.
+                dz = z.sub_(lse[start:end, None]).exp_().mul_(-g[:, None])
             dz.scatter_add_(-1, targets[start:end, None], g[:, None])
             if ctx.temperature != 1.0:
                 dz.div_(ctx.temperature)
             if need_h:
                 grad_h[start:end] = (dz.to(w32.dtype) @ w32).to(hidden.dtype)
             if need_w:  # accumulate in place: no [V, H] temporary per chunk
-                grad_w.addmm_(dz.t(), h.to(torch.float32))
+                if grad_w is None:
+                    grad_w = dz.t() @ h.to(torch.float32)
+                else:
+                    grad_w.addmm_(dz.t(), h.to(torch.float32))
             if need_b:
-                grad_b.add_(dz.sum(0))
-            del z, dz
+                grad_b = dz.sum(0) if grad_b is None else grad_b.add_(dz.sum(0))
+            del dz
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(weight.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
