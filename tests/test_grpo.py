@@ -51,7 +51,7 @@ def test_each_loss_type_trains(tmp_path, loss_type):
         assert logged(t, key), key
 
 
-def test_entropy_from_the_training_forward_equals_a_separate_entropy_pass(tmp_path):
+def test_entropy_from_the_training_forward_equals_a_separate_entropy_pass(tmp_path, monkeypatch):
     # the default compute_token_logps takes the logged entropy from its own LM-head product; an override that
     # keeps only the hidden states gets it from a separate pass (chunked_entropy): the same numbers
     from toolkit.core.packing import completion_hidden, completion_logps
@@ -62,11 +62,18 @@ def test_entropy_from_the_training_forward_equals_a_separate_entropy_pass(tmp_pa
             self._last_hidden = hidden.detach()
             return completion_logps(model, batch, temperature=self.args.temperature, hidden=hidden)
 
+    import toolkit.core.grpo as grpo_module
+
+    separate_passes = []
+    real = grpo_module.chunked_entropy
+    monkeypatch.setattr(grpo_module, "chunked_entropy", lambda *a, **k: separate_passes.append(1) or real(*a, **k))
     fused = make(tmp_path / "a", max_steps=3)
     fused.train()
+    assert separate_passes == []  # the default path took it from its own LM-head product
     separate = SeparatePass(tiny_model(), [length_reward], cfg(tmp_path / "b", max_steps=3), train_dataset=prompts(),
                             processing_class=tiny_tokenizer())
     separate.train()
+    assert len(separate_passes) == 3  # the override's steps took the separate pass
     assert len(logged(fused, "entropy")) == 3
     assert logged(fused, "entropy") == pytest.approx(logged(separate, "entropy"), rel=1e-5)
     assert logged(fused, "loss") == pytest.approx(logged(separate, "loss"), rel=1e-5)

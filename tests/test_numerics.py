@@ -48,9 +48,15 @@ def test_one_chunk_keeps_its_log_softmax_for_backward_and_backward_can_run_twice
     hidden = torch.randn(12, 8, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(30, 8, generator=g, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 30, (12,), generator=g)
+    from toolkit.core.numerics import chunked_token_logps_and_entropy
+
+    def kept_logps(chunk):
+        return chunked_token_logps_and_entropy(hidden, weight, targets, temperature=0.7, chunk_size=chunk,
+                                               keep_for_backward=True)[0]
+
     grads = []
     for chunk in (12, 6):
-        out = chunked_token_logps(hidden, weight, targets, temperature=0.7, chunk_size=chunk)
+        out = kept_logps(chunk)
         for _ in range(2):
             hidden.grad = weight.grad = None
             out.sum().backward(retain_graph=True)
@@ -66,8 +72,11 @@ def test_one_chunk_keeps_its_log_softmax_for_backward_and_backward_can_run_twice
                 CountMatmuls.n += 1
             return func(*args, **(kwargs or {}))
 
-    for chunk, expected in ((12, 2), (6, 6)):
-        out = chunked_token_logps(hidden, weight, targets, temperature=0.7, chunk_size=chunk)
+    cases = ((kept_logps, 12, 2), (kept_logps, 6, 6),
+             # not asked for (the plain function, or another forward before backward): recomputed
+             (lambda c: chunked_token_logps(hidden, weight, targets, temperature=0.7, chunk_size=c), 12, 3))
+    for fn, chunk, expected in cases:
+        out = fn(chunk)
         CountMatmuls.n = 0
         with CountMatmuls():
             out.sum().backward()
@@ -75,6 +84,17 @@ def test_one_chunk_keeps_its_log_softmax_for_backward_and_backward_can_run_twice
     for a, b in zip(grads[1:], grads[:1] * 3):
         torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(a[1], b[1], rtol=1e-6, atol=1e-6)
+
+
+def test_no_positions_give_zero_head_gradients_not_none():
+    # a micro-batch with nothing to score: every rank's head gradient must exist (DDP / FSDP2 wait for it)
+    hidden = torch.zeros(0, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    bias = torch.randn(30, requires_grad=True)
+    out = chunked_token_logps(hidden, weight, torch.zeros(0, dtype=torch.long), bias=bias)
+    (out.sum() + 0 * weight.sum()).backward()
+    assert out.shape == (0,)
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
 
 
 def test_chunked_logps_bf16_upcasts_the_head():

@@ -74,6 +74,20 @@ def test_a_few_updates_change_policy_and_critic_and_log_what_a_person_needs(tmp_
     assert max(logged(t, "sampler/logp_abs_diff_max")) < 1e-4
 
 
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_the_update_logs_entropy_from_its_own_forward_not_a_second_pass(tmp_path, monkeypatch, critic):
+    import toolkit.core.ppo as ppo_module
+
+    separate_passes = []
+    real = ppo_module.chunked_entropy
+    monkeypatch.setattr(ppo_module, "chunked_entropy", lambda *a, **k: separate_passes.append(1) or real(*a, **k))
+    t = make(tmp_path, critic=critic)
+    t.train()
+    entropy = logged(t, "policy/entropy_avg")
+    assert len(entropy) == 2 and all(math.isfinite(e) and e > 0 for e in entropy)
+    assert separate_passes == []  # the fused chunked_token_logps_and_entropy gave it
+
+
 def test_the_critic_learns_the_returns(tmp_path):
     """A constant reward is easy to predict: explained variance must rise as the value loss falls."""
     t = make(tmp_path, rewards=(lambda prompts, completions, completion_ids, **kw: [1.0] * len(completions),),

@@ -58,10 +58,11 @@ def test_the_two_level_cdf_picks_what_a_flat_cdf_picks_from_the_same_uniforms():
     g = torch.Generator().manual_seed(5)
     rows, vocab = 1024, 49152 + 77
     probs = torch.rand(rows, vocab, generator=g) ** 8  # peaked rows, many near-zero masses
-    probs[:, :300] = 0.0
-    probs[:, 5000:5600] = 0.0
+    probs[:, 100:300] = 0.0  # part of block 0 and of block 1 (block 0 keeps mass: its branch is drawn too)
+    probs[:, 5120:5632] = 0.0  # two whole blocks
     probs[:, -5:] = 0.0
     probs[::7, 40000] = 1e4  # some rows almost one-hot
+    probs[1::5, 50] = 1e3  # and some drawing from block 0 most of the time
     got = inverse_cdf_sample(probs, torch.Generator().manual_seed(6))
     # the flat reference with the same uniform per row
     cdf = probs.cumsum(-1, dtype=torch.float64)
@@ -71,3 +72,13 @@ def test_the_two_level_cdf_picks_what_a_flat_cdf_picks_from_the_same_uniforms():
     flat = torch.searchsorted(cdf, x, right=True).squeeze(-1)
     assert torch.equal(got, flat)
     assert bool((probs.gather(-1, got[:, None]) > 0).all())
+    assert bool((got < 256).any()) and bool((got >= 256).any())  # picks in the first block and in later ones
+
+
+def test_untruncated_log_probs_match_log_softmax_and_degenerate_inputs():
+    logits = torch.randn(16, 3000, generator=torch.Generator().manual_seed(7)) * 4
+    tokens, logps = sample_tokens(logits, SamplingParams(max_tokens=1, temperature=0.7),
+                                  torch.Generator().manual_seed(8))
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logps, expected, rtol=0, atol=2e-6)
+    assert inverse_cdf_sample(torch.empty(0, 3000), None).shape == (0,)

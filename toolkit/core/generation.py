@@ -174,12 +174,16 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -
     the block is kept strictly below the block's own total: the pick is still a token of positive mass.
     """
     rows, vocab = probs.shape
+    if vocab == 0:
+        raise ValueError("inverse_cdf_sample: probabilities over an empty vocabulary")
+    if rows == 0:
+        return torch.empty(0, dtype=torch.long, device=probs.device)
     # float64: monotone and exact enough however the sum is scheduled (MPS has no float64: float32 there)
     wide = torch.float32 if probs.device.type == "mps" else torch.float64
     block = _CDF_BLOCK if vocab > 4 * _CDF_BLOCK else vocab  # a small vocabulary is one block: a flat cdf
     pad = -vocab % block
     blocks = torch.nn.functional.pad(probs, (0, pad)) if pad else probs  # zeros at the end: never drawn
-    blocks = blocks.reshape(rows, -1, block)
+    blocks = blocks.reshape(rows, (vocab + pad) // block, block)
     # float64 block sums (float32 ones would move ~1e-7 of the mass across block edges: a token of mass 1e-9
     # there drawn 100x too often); the cast costs a copy of the vocabulary, about 1 ms of it
     block_cdf = blocks.sum(-1, dtype=wide).cumsum(-1)  # [B, blocks]

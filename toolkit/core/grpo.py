@@ -836,7 +836,7 @@ class GRPOTrainer(Trainer):
         weight, bias = output_head(model)
         logps, self._last_entropy = chunked_token_logps_and_entropy(
             hidden, weight, batch["completion_targets"], bias=bias, temperature=self.args.temperature,
-            chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
+            chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head, keep_for_backward=True)
         return logps
 
     def compute_policy_loss(self, inputs: PolicyLossInputs, *legacy: torch.Tensor
@@ -1059,8 +1059,10 @@ class GRPOTrainer(Trainer):
         if ent is None and hidden is not None:
             # entropy from the hidden states of this forward (a compute_token_logps override that does not call
             # the default leaves none, and then no entropy is logged rather than a stale one)
-            ent = chunked_entropy(hidden, output_head(self.model)[0].detach(), temperature=self.args.temperature,
-                                  chunk_size=self.args.logps_chunk_size)
+            weight, bias = output_head(self.model)
+            ent = chunked_entropy(hidden, weight.detach(), bias=bias.detach() if bias is not None else None,
+                                  temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
+                                  upcast=self.args.fp32_lm_head)
         if ent is not None and ent.shape[0] == int(present.sum()):
             ent = ent[inputs.completion_mask[present]]  # on sampled tokens
             s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)

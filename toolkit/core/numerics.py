@@ -65,13 +65,13 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     until backward, which is the very tensor we want never to hold. So backward recomputes each
     chunk's logits (one extra LM-head matmul) and forms the gradient directly:
         d logp_t / d z = onehot(target) - softmax(z),  z = logits / temperature.
-    When everything is one chunk (n <= chunk_size, a GRPO step on CPU), forward keeps that chunk's log-softmax
-    instead: backward would rebuild it first thing, with the same activations alive, so the peak is the same.
+    `chunked_token_logps_and_entropy(..., keep_for_backward=True)`, when everything is one chunk
+    (n <= chunk_size), keeps that chunk's log-softmax instead, for a caller whose backward follows directly.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_size: int, upcast: bool,
-                with_entropy: bool = False):
+                with_entropy: bool = False, keep_for_backward: bool = False):
         n = hidden.shape[0]
         logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -83,10 +83,12 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 z.div_(temperature)
             lse[start:end] = torch.logsumexp(z, dim=-1)
             logps[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
-            # One chunk only (n <= chunk_size) and a gradient to come: keep its log-softmax for backward rather
-            # than recompute the LM-head product there. The peak is unchanged (backward would rebuild this very
-            # chunk at its start, with the same activations alive); with several chunks they are recomputed.
-            keep = n <= chunk_size and any(ctx.needs_input_grad[:3])
+            # One chunk only (n <= chunk_size), asked for, and a gradient to come: keep its log-softmax for
+            # backward rather than recompute the LM-head product there. Only for a caller whose backward follows
+            # this forward directly (GRPO's step, PPO's with a value head): backward would rebuild this very chunk
+            # at its start, with the same activations alive, so the peak is the same. With another forward in
+            # between (a reference or critic model) the kept chunk would add to that forward's peak.
+            keep = keep_for_backward and n <= chunk_size and any(ctx.needs_input_grad[:3])
             if entropy is not None or keep:
                 logp = z.sub_(lse[start:end, None])  # log p, in z's storage
                 if entropy is not None:  # from the same logits: -sum p log p
@@ -122,7 +124,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             h = hidden[start:end]
             g = grad_logps[start:end]
             if kept is not None:  # the one chunk's log-softmax, kept by forward
-                dz = kept.exp_().mul_(-g[:, None])  # released above: built in its storage
+                dz, kept = kept.exp_().mul_(-g[:, None]), None  # released above: built in its storage
             else:
                 z = _chunk_logits(h, weight, bias, ctx.upcast)
                 if ctx.temperature != 1.0:
@@ -142,9 +144,15 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             if need_b:
                 grad_b = dz.sum(0) if grad_b is None else grad_b.add_(dz.sum(0))
             del dz
+        # no positions (a micro-batch with nothing to score): zeros, not None, so every rank's head gradient
+        # exists (a DDP / FSDP2 reduction waits for it) and the optimizer steps it as before
+        if need_w and grad_w is None:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if need_b and grad_b is None:
+            grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(weight.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def chunked_token_logps(
@@ -196,13 +204,19 @@ def chunked_token_logps_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     upcast: bool = True,
+    keep_for_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_token_logps` and, from the same chunks of logits, the [N] entropy (nats) of each position's
     distribution, without gradient (a metric): one LM-head product where `chunked_token_logps` and
-    `chunked_entropy` take two (on the 135M model, 90 ms of a GRPO step's 3 s, and a softmax of 49k per token)."""
+    `chunked_entropy` take two (on the 135M model, 90 ms of a GRPO step's 3 s, and a softmax of 49k per token).
+
+    `keep_for_backward`: when all N positions fit one chunk, keep that chunk's [N, V] log-softmax until
+    backward instead of recomputing the LM-head product there. For a caller whose backward follows this call
+    with no other forward in between (then the peak is the same); otherwise it adds N x V floats to that
+    forward's peak."""
     _check_chunked_args("chunked_token_logps_and_entropy", hidden, targets, temperature, chunk_size)
     return _ChunkedTokenLogps.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk_size), upcast,
-                                    True)
+                                    True, bool(keep_for_backward))
 
 
 @torch.no_grad()

@@ -204,9 +204,12 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     else:
         kwargs["attention_mask"] = batch["attention_mask"]
     # without autograd (reference and behaviour scoring) on CPU, `logits_to_keep=1` hands a frozen model's head
-    # a non-contiguous [B, 1, H] slice that torch multiplies with the weight expanded B times (models.py)
+    # a non-contiguous [B, 1, H] slice that torch multiplies with the weight expanded B times (models.py). Only
+    # the fold (max_rows=0): scoring keeps the training forward's products, so old log-probs equal the first
+    # iteration's bit for bit
     on_cpu = batch["input_ids"].device.type == "cpu"
-    with _CpuInferenceLinear() if on_cpu and not torch.is_grad_enabled() else contextlib.nullcontext():
+    fold = _CpuInferenceLinear(max_rows=0) if on_cpu and not torch.is_grad_enabled() else contextlib.nullcontext()
+    with fold:
         out = model(**kwargs)
     hidden = out.hidden_states[-1] if head is not None else out.last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1])[batch["completion_positions"] if positions is None else positions]

@@ -650,7 +650,8 @@ class PPOTrainer(Trainer):
         weight, bias = output_head(model)
         logps, self._last_entropy = chunked_token_logps_and_entropy(
             hidden, weight, batch["completion_targets"], bias=bias, temperature=self.args.temperature,
-            chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
+            chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head,
+            keep_for_backward=self.critic_kind == "head")  # a separate or base critic runs a forward before backward
         return logps
 
     def compute_values(self, batch: dict[str, Any], hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -700,8 +701,11 @@ class PPOTrainer(Trainer):
             clipped = (info["clipped_low"] | info["clipped_high"]) & mask
             entropy = self._last_entropy
             if entropy is None or entropy.shape[0] != hidden.shape[0]:
-                entropy = chunked_entropy(hidden.detach(), output_head(model)[0].detach(),
-                                          temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size)
+                weight, bias = output_head(model)
+                entropy = chunked_entropy(hidden.detach(), weight.detach(),
+                                          bias=bias.detach() if bias is not None else None,
+                                          temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
+                                          upcast=self.args.fp32_lm_head)
             sums = {"loss/policy": pg_sum.detach(), "loss/value": vf_sum.detach(),
                     "policy/approxkl": 0.5 * (diff ** 2).sum(), "policy/clipfrac": clipped.sum(),
                     "val/clipfrac": (vf_clipped & mask).sum(), "policy/entropy": entropy.sum(),
