@@ -13,7 +13,8 @@ versions) and `run_seconds`. Nothing in bench/results/ is written by hand. A ben
 are missing (a trained checkpoint, the vLLM environment) is skipped with the command that makes
 them, and its earlier result stays, with the commit it was measured at shown in the table. The
 table's ceiling column divides a row's tokens/s by bench/results/ceiling.json (bench/ceiling.py:
-this machine's measured matmul FLOP/s converted to tokens/s for the model).
+this machine's measured matmul FLOP/s converted to tokens/s for the model), for rows measured at the
+ceiling's commit only (the machine's speed varies over a day).
 
 Do not commit or edit tracked files while it runs: provenance records the tree as it is at the end
 of each benchmark.
@@ -185,15 +186,17 @@ def table_rows() -> list[list[str]]:
     rows = []
 
     def comparable(d):
-        """Whether a result and the ceiling were measured on the same kind of CPU; results from before the CPU was
-        recorded count as the ceiling's kind only when the ceiling did not record it either."""
-        return _cpu_kind(d.get("provenance")) == _cpu_kind(ceiling.get("provenance"))
+        """Whether a result and the ceiling were measured at the same commit on the same kind of CPU. The same
+        commit, because one machine's speed varies over a day (its measured matmul peak has halved for hours at
+        a time): a ceiling from another run would misstate the fraction."""
+        p, c = d.get("provenance") or {}, ceiling.get("provenance") or {}
+        return _cpu_kind(p) == _cpu_kind(c) and p.get("commit") is not None and p.get("commit") == c.get("commit")
 
     def ceil_train(tokens_per_s, seq_len, d):
         if not ceiling:
             return "-"
         if not comparable(d):
-            return "- (ceiling measured on another CPU kind, or not recorded)"
+            return "- (ceiling measured at another commit or on another CPU kind)"
         return f"{tokens_per_s / ceiling['train_tokens_per_s'][str(seq_len)]:.2f}"
 
     d = _load("sft_vs_trl")
@@ -225,7 +228,7 @@ def table_rows() -> list[list[str]]:
         frac = "-"
         if ceiling and o.get("generation_tokens_per_s"):
             frac = (f"decode {o['generation_tokens_per_s'] / ceiling['decode_batch32']['tokens_per_s']:.2f}"
-                    if comparable(d) else "- (ceiling measured on another CPU kind, or not recorded)")
+                    if comparable(d) else "- (ceiling measured at another commit or on another CPU kind)")
         tokens = (f"; generated tokens {o['generated_tokens']} vs {t['generated_tokens']}"
                   if o.get("generated_tokens") is not None else "")
         rows.append(["grpo_vs_trl", "GRPO s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",
@@ -344,8 +347,10 @@ def write_table(run_info: dict | None) -> None:
              "Ratios are from one run on this machine (2 CPU cores); timings here are noisy, ratios within one",
              "run are what we trust. The reference (TRL) runs at its own defaults unless the row says otherwise.",
              "The machines differ: one kind has AVX-512 (fp32 matmul about 400 GFLOP/s on 2 threads), another AVX2",
-             "only (about 100); where a result recorded its CPU, the last column says which. Compare ratios within a",
-             "row, and absolute numbers only between rows measured on the same kind.",
+             "only (about 100); where a result recorded its CPU, the last column says which. One machine's speed also",
+             "varies over a day (the AVX-512 kind has measured half its usual matmul peak for hours at a time), and",
+             "a ratio moves with it. Compare ratios within a row, and absolute numbers only between rows measured",
+             "at the same commit; the ceiling column is shown only for rows measured at the ceiling's commit.",
              ""]
     if run_info:
         lines += [f"Last run: `python bench/run_all.py {run_info['argv']}` at {run_info['commit'][:10]}, "
