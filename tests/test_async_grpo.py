@@ -134,7 +134,7 @@ def test_a_killed_worker_stops_the_run_with_a_checkpoint_and_no_hang(tmp_path):
     with pytest.raises(TrainingHealthError, match="rollout worker failed") as e:
         t.train()
     assert time.time() - started < 60
-    assert "exited with code" in str(e.value)
+    assert "exited with code -9 without a traceback (killed by signal 9" in str(e.value)
     ckpt = tmp_path / "out" / f"checkpoint-{t.state.global_step}"
     assert (ckpt / COMPLETE_MARKER).exists()
     assert json.loads((ckpt / "async_grpo_state.json").read_text())["next_round"] == t.state.global_step
@@ -296,6 +296,31 @@ def test_the_worker_exits_when_its_trainer_is_killed(tmp_path):
         time.sleep(0.2)
     os.kill(worker, signal.SIGKILL)
     pytest.fail("the rollout worker outlived its killed trainer by 15 s")
+
+
+_UNGUARDED_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_async_grpo import make
+from pathlib import Path
+make(Path({tmp!r}), max_staleness=1, max_steps=2).train()
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_worker_died(tmp_path):
+    """The worker is spawned: it imports the main module again, which here trains at import time; Python refuses
+    the second start on the worker's stderr, and the trainer's error must say what to change, not 'killed?'."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED_SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert out.returncode != 0
+    assert "bootstrapping phase" in out.stderr  # Python's own refusal, from the worker
+    assert "rollout worker failed" in out.stderr
+    assert "before it was ready" in out.stderr and 'if __name__ == "__main__":' in out.stderr
 
 
 def test_progress_bounds_nest():

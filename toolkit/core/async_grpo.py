@@ -400,7 +400,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
         except queue.Empty:
             pass
         if not self._proc.is_alive():
-            return f"the worker process exited with code {self._proc.exitcode} without a traceback (killed?)"
+            code = self._proc.exitcode
+            why = f"the worker process exited with code {code} without a traceback"
+            if code is not None and code < 0:
+                return f"{why} (killed by signal {-code}; SIGKILL is often the out-of-memory killer)"
+            if not self._handoff.worker_ready():
+                # it failed before our code ran: spawn re-imports the main module first, and a script that trains
+                # at import time starts a second trainer there, which Python refuses (its message is on stderr)
+                return (f"{why}, before it was ready; its error is on this process's stderr. If you run a script: "
+                        "the worker is a spawned process that imports your main module again, so the code that "
+                        "trains must be under `if __name__ == \"__main__\":`")
+            return f"{why} (killed?)"
         # Until the worker says it is ready (imports, model or engine built) it has worker_start_timeout from its
         # start; from then on its main loop's progress is the heartbeat.
         if not self._handoff.worker_ready():
