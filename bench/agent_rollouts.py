@@ -1,7 +1,7 @@
 """Benchmark: multi-turn episodes per second when the environment waits (tools, sandboxes, judges).
 
-    python bench/agent_rollouts.py                   # about 15 minutes on 2 CPU cores
-    python bench/agent_rollouts.py --steps 6         # more GRPO steps per training row
+    python bench/agent_rollouts.py                   # 20-40 minutes on 2 CPU cores
+    python bench/agent_rollouts.py --steps 8         # more GRPO steps per training row
 
 The environment is the calculator of examples/grpo_tools.toml ("What is 47 * 8 + 19?", a `calc` tool, up to 3
 turns) with every step waiting a uniformly drawn 0.2-1.0 s first (`environment_kwargs.latency`): a latency-bound
@@ -17,8 +17,10 @@ Training (GRPO on episodes from the tool-use pipeline's SFT warm-up, `outputs/to
 first, about 3 minutes): `--steps` steps of 4 prompts x 8 episodes, learning rate 1e-5, then held-out success
 (64 greedy episodes, the same latency). Rows: `sync-sequential` (GRPOTrainer, environment_concurrency 1: each
 environment step after the previous one, as a plain loop over episodes does), `sync` (GRPOTrainer, 32 threads),
-`async` (AsyncGRPOTrainer, max_staleness 1, 32 threads: the worker's rollouts, waits included, overlap training).
-Episodes/s counts trained episodes over training wall time (held-out evaluations excluded). The async worker and
+`async` (AsyncGRPOTrainer, max_staleness 1, 32 threads: the worker's rollouts, waits included, overlap training),
+`async-2rounds` (the same with max_staleness 2 and rounds_per_generation 2: the worker runs two rounds' episodes in
+one lockstep call, so a decode step, which reads every weight whatever the batch, and a turn's slowest wait each
+serve 64 episodes; the price is samples up to 2 steps stale). Episodes/s counts trained episodes over training wall time (held-out evaluations excluded). The async worker and
 the trainer split the 2 cores (1 thread each).
 Writes bench/results/agent_rollouts.{json,txt}.
 """
@@ -108,10 +110,11 @@ def training(kind: str, steps: int) -> dict:
             self.ended = time.perf_counter()
 
     clock = Clock()
-    if kind == "async":
-        t = AsyncGRPOTrainer(WARMUP, [], AsyncGRPOConfig(**settings, max_staleness=1, worker_threads=1,
-                                                         trainer_threads=1), train_dataset=train,
-                             callbacks=[clock])
+    if kind.startswith("async"):
+        extra = (dict(max_staleness=2, rounds_per_generation=2, scoring_concurrency=3) if kind == "async-2rounds"
+                 else dict(max_staleness=1))
+        t = AsyncGRPOTrainer(WARMUP, [], AsyncGRPOConfig(**settings, **extra, worker_threads=1, trainer_threads=1),
+                             train_dataset=train, callbacks=[clock])
     else:
         t = GRPOTrainer(WARMUP, [], GRPOConfig(**settings), train_dataset=train, callbacks=[clock])
     t.train()
@@ -123,9 +126,12 @@ def training(kind: str, steps: int) -> dict:
             "reward_per_step": [round(h["reward"], 3) for h in t.state.log_history if "reward" in h],
             "turns_per_step": [round(h["episodes/turns_mean"], 2) for h in t.state.log_history
                                if "episodes/turns_mean" in h],
+            # the work differs with what each run learns (more tool calls, longer episodes): count it
+            "sampled_tokens": round(sum(h["episodes/sampled_tokens_mean"] * 32 for h in t.state.log_history
+                                        if "episodes/sampled_tokens_mean" in h)),
             # async warm start: rounds the trainer generated itself while its worker started, and the start-up
             **({"rounds_in_trainer": _last(t, "async/rounds_in_trainer"),
-                "worker_startup_s": _last(t, "async/worker_startup_s")} if kind == "async" else {})}
+                "worker_startup_s": _last(t, "async/worker_startup_s")} if kind.startswith("async") else {})}
 
 
 def _last(trainer, key):
@@ -135,7 +141,7 @@ def _last(trainer, key):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--worker", default=None)
     args = ap.parse_args()
     if args.worker:
@@ -150,7 +156,7 @@ def main() -> None:
                         os.path.dirname(WARMUP)], check=True, cwd=ROOT)
     script = os.path.abspath(__file__)
     results = {}
-    for kind in ("sequential", "concurrent", "sync-sequential", "sync", "async"):
+    for kind in ("sequential", "concurrent", "sync-sequential", "sync", "async", "async-2rounds"):
         print(f"{kind} ...", flush=True)
         results[kind] = run_in_subprocess(script, ["--worker", kind, "--steps", str(args.steps)],
                                           env={"HF_HUB_OFFLINE": "1"})
@@ -163,6 +169,7 @@ def main() -> None:
            "ratios": {"concurrent/sequential": round(ratio("concurrent", "sequential"), 3),
                       "sync/sync-sequential": round(ratio("sync", "sync-sequential"), 3),
                       "async/sync": round(ratio("async", "sync"), 3),
+                      "async-2rounds/sync": round(ratio("async-2rounds", "sync"), 3),
                       "async/sync-sequential": round(ratio("async", "sync-sequential"), 3)},
            "provenance": provenance()}
     p = out["provenance"]
@@ -175,15 +182,17 @@ def main() -> None:
         lines.append(f"| {k} | {r['episodes_per_s']} | {r['seconds']} | {r['success']} | {r['turns_mean']} |")
     lines += ["", f"same episodes (ids) in both rows: {same}", "",
               f"GRPO training ({args.steps} steps x 32 episodes from the SFT warm-up; held-out: 64 greedy episodes):",
-              "", "| row | episodes/s | training seconds | held-out success | reward per step |", "|---|---|---|---|---|"]
-    for k in ("sync-sequential", "sync", "async"):
+              "", "| row | episodes/s | training seconds | held-out success | reward per step | turns per episode, per step | "
+              "sampled tokens |", "|---|---|---|---|---|---|---|"]
+    for k in ("sync-sequential", "sync", "async", "async-2rounds"):
         r = results[k]
         lines.append(f"| {k} | {r['episodes_per_s']} | {r['seconds']} | {r['heldout_success']} | "
-                     f"{r['reward_per_step']} |")
-    a = results["async"]
-    if a.get("rounds_in_trainer") is not None:
-        lines += ["", f"async warm start: the worker was ready after {a['worker_startup_s']} s; the trainer generated "
-                      f"{a['rounds_in_trainer']:.0f} of the {args.steps} rounds itself meanwhile"]
+                     f"{r['reward_per_step']} | {r['turns_per_step']} | {r['sampled_tokens']} |")
+    for k in ("async", "async-2rounds"):
+        a = results[k]
+        if a.get("rounds_in_trainer") is not None:
+            lines += ["", f"{k} warm start: the worker was ready after {a['worker_startup_s']} s; the trainer "
+                          f"generated {a['rounds_in_trainer']:.0f} of the {args.steps} rounds itself meanwhile"]
     lines += [""] + [f"{k}: {v:.2f}x" for k, v in out["ratios"].items()]
     text = "\n".join(lines)
     print(text)

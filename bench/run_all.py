@@ -73,7 +73,7 @@ BENCHES = [
     Bench("learning_vs_trl", "learning_vs_trl.py", "long", 25, json_flag=False,
           args=["--minutes", "6", "--eval-every", "1.5"],
           needs=[("outputs/arithmetic/0-sft/final", "toolkit pipeline --config examples/arithmetic_pipeline.toml")]),
-    Bench("agent_rollouts", "agent_rollouts.py", "long", 21, json_flag=False,
+    Bench("agent_rollouts", "agent_rollouts.py", "long", 35, json_flag=False,
           needs=[("outputs/tools/0-sft/final", "toolkit pipeline --config examples/tools_pipeline.toml")]),
     Bench("distillation", "distillation.py", "long", 1,
           needs=[("outputs/grpo-arithmetic/report", "toolkit grpo --config examples/grpo_arithmetic.toml"),
@@ -329,6 +329,11 @@ def table_rows() -> list[list[str]]:
                      f"{d['results']['async']['episodes_per_s']:.2f}", f"{d['results']['sync']['episodes_per_s']:.2f}",
                      f"{r['async/sync']:.2f}x (sync vs sequential env steps {r['sync/sync-sequential']:.2f}x)", "-",
                      _when(d)])
+        if "async-2rounds/sync" in r:
+            rows.append(["agent_rollouts", "the same, async with 2 rounds per generate call (max_staleness 2)",
+                         f"{d['results']['async-2rounds']['episodes_per_s']:.2f}",
+                         f"{d['results']['sync']['episodes_per_s']:.2f}", f"{r['async-2rounds/sync']:.2f}x", "-",
+                         _when(d)])
     for name, what in (("async_staleness", "held-out accuracy at max_staleness 0-8 per off-policy objective"),
                        ("async_staleness_seeds", "held-out accuracy at max_staleness 4 against 0, seeds 1-3"),
                        ("learning_vs_trl", "held-out accuracy per training minute vs TRL GRPO"),
