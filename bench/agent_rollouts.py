@@ -18,10 +18,13 @@ first, about 3 minutes): `--steps` steps of 4 prompts x 8 episodes, learning rat
 (64 greedy episodes, the same latency). Rows: `sync-sequential` (GRPOTrainer, environment_concurrency 1: each
 environment step after the previous one, as a plain loop over episodes does), `sync` (GRPOTrainer, 32 threads),
 `async` (AsyncGRPOTrainer, max_staleness 1, 32 threads: the worker's rollouts, waits included, overlap training),
-`async-2rounds` (the same with max_staleness 2 and rounds_per_generation 2: the worker runs two rounds' episodes in
-one lockstep call, so a decode step, which reads every weight whatever the batch, and a turn's slowest wait each
-serve 64 episodes; the price is samples up to 2 steps stale). Episodes/s counts trained episodes over training wall time (held-out evaluations excluded). The async worker and
-the trainer split the 2 cores (1 thread each).
+`async-2rounds` (the same with max_staleness 2, rounds_per_generation 2, scoring_concurrency 3 and 64 environment
+threads: a worker that is behind its trainer runs up to two rounds' episodes in one lockstep call, so a decode
+step, which reads every weight whatever the batch, and a turn's slowest wait each serve up to 64 episodes; the
+price is samples up to 2 steps stale; the table gives the mean rounds per call). Episodes/s counts trained
+episodes over training wall time (held-out evaluations excluded); sampled tokens count the trained episodes' (a
+round a worker generated and then dropped is not counted). The async worker and the trainer split the 2 cores
+(1 thread each).
 Writes bench/results/agent_rollouts.{json,txt}.
 """
 
@@ -95,7 +98,9 @@ def training(kind: str, steps: int) -> dict:
                     lr_scheduler_type="constant", loss_type="dapo", logging_steps=1, save_strategy="no", seed=0,
                     report_to="none", disable_tqdm=True, environment="calculator",
                     environment_kwargs={"max_tool_turns": 2, "latency": LATENCY}, max_turns=3,
-                    max_episode_tokens=160, environment_concurrency=1 if kind == "sync-sequential" else 32)
+                    max_episode_tokens=160,
+                    # as many environment steps at once as one generate call has episodes (64 with two rounds)
+                    environment_concurrency={"sync-sequential": 1, "async-2rounds": 64}.get(kind, 32))
 
     class Clock(TrainerCallback):
         """Training time: from the start of training to the end of its last step (the async worker's start-up
@@ -120,18 +125,26 @@ def training(kind: str, steps: int) -> dict:
     t.train()
     seconds = clock.ended - clock.started
     success, mean = heldout_episodes(t, held_out)
-    episodes = steps * 32
+    per_step = settings["per_device_train_batch_size"]
+    episodes = steps * per_step
     return {"kind": kind, "episodes": episodes, "seconds": round(seconds, 2),
             "episodes_per_s": round(episodes / seconds, 3), "heldout_success": round(success, 4),
             "reward_per_step": [round(h["reward"], 3) for h in t.state.log_history if "reward" in h],
             "turns_per_step": [round(h["episodes/turns_mean"], 2) for h in t.state.log_history
                                if "episodes/turns_mean" in h],
             # the work differs with what each run learns (more tool calls, longer episodes): count it
-            "sampled_tokens": round(sum(h["episodes/sampled_tokens_mean"] * 32 for h in t.state.log_history
+            "sampled_tokens": round(sum(h["episodes/sampled_tokens_mean"] * per_step for h in t.state.log_history
                                         if "episodes/sampled_tokens_mean" in h)),
             # async warm start: rounds the trainer generated itself while its worker started, and the start-up
+            # (trained rounds only: rounds a worker generated and then dropped are not counted)
             **({"rounds_in_trainer": _last(t, "async/rounds_in_trainer"),
+                "rounds_per_generate_mean": _mean(t, "async/rounds_per_generate"),
                 "worker_startup_s": _last(t, "async/worker_startup_s")} if kind.startswith("async") else {})}
+
+
+def _mean(trainer, key):
+    values = [h[key] for h in trainer.state.log_history if key in h]
+    return round(sum(values) / len(values), 2) if values else None
 
 
 def _last(trainer, key):
@@ -192,7 +205,8 @@ def main() -> None:
         a = results[k]
         if a.get("rounds_in_trainer") is not None:
             lines += ["", f"{k} warm start: the worker was ready after {a['worker_startup_s']} s; the trainer "
-                          f"generated {a['rounds_in_trainer']:.0f} of the {args.steps} rounds itself meanwhile"]
+                          f"generated {a['rounds_in_trainer']:.0f} of the {args.steps} rounds itself meanwhile; "
+                          f"rounds per worker generate call: {a['rounds_per_generate_mean']} on average"]
     lines += [""] + [f"{k}: {v:.2f}x" for k, v in out["ratios"].items()]
     text = "\n".join(lines)
     print(text)

@@ -706,3 +706,8 @@ def test_a_generation_dtype_async_grpo_cannot_use_fails_in_the_config_not_in_the
         async_cfg(tmp_path, generation_backend_kwargs={"dtype": "half"})
     with pytest.raises(ConfigError, match=r"generation_backend_kwargs.dtype: 'half' is not one of bfloat16"):
         PPOConfig(output_dir=str(tmp_path / "ppo"), generation_backend_kwargs={"dtype": "half"})
+    # a setting the transformers backend does not take: named in every config, not dropped by the worker
+    for make_cfg in (lambda kw: async_cfg(tmp_path, **kw), lambda kw: GRPOConfig(output_dir=str(tmp_path), **kw),
+                     lambda kw: PPOConfig(output_dir=str(tmp_path / "ppo"), **kw)):
+        with pytest.raises(ConfigError, match=r"the transformers backend takes only 'dtype'.*\['max_model_len'\]"):
+            make_cfg(dict(generation_backend_kwargs={"dtype": "bfloat16", "max_model_len": 512}))

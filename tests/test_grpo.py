@@ -62,11 +62,11 @@ def test_entropy_from_the_training_forward_equals_a_separate_entropy_pass(tmp_pa
             self._last_hidden = hidden.detach()
             return completion_logps(model, batch, temperature=self.args.temperature, hidden=hidden)
 
-    import toolkit.core.grpo as grpo_module
+    import toolkit.core.packing as packing_module  # completion_entropy's separate pass
 
     separate_passes = []
-    real = grpo_module.chunked_entropy
-    monkeypatch.setattr(grpo_module, "chunked_entropy", lambda *a, **k: separate_passes.append(1) or real(*a, **k))
+    real = packing_module.chunked_entropy
+    monkeypatch.setattr(packing_module, "chunked_entropy", lambda *a, **k: separate_passes.append(1) or real(*a, **k))
     fused = make(tmp_path / "a", max_steps=3)
     fused.train()
     assert separate_passes == []  # the default path took it from its own LM-head product

@@ -123,3 +123,32 @@ def test_plain_sdpa_mixes_packed_examples_and_varlen_keeps_them_apart():
         apart = model(input_ids=packed, position_ids=pos, **varlen_kwargs(torch.tensor([0, 4, 7]))).logits[0, 4:]
     assert not torch.allclose(mixed, alone, atol=1e-4)
     torch.testing.assert_close(apart, alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("keep_for_backward", [False, True])
+def test_logps_with_entropy_equal_logps_and_a_separate_entropy(keep_for_backward):
+    """completion_logps_and_entropy (GRPO's and PPO's training forward) gives completion_logps' values and
+    gradients, and the entropy of the same softmax that completion_entropy (their fallback) and a plain
+    log_softmax give."""
+    from toolkit.core.packing import completion_entropy, completion_hidden, completion_logps_and_entropy
+
+    prompts, completions = _case()
+    model = tiny_model()
+    batch = pack_completions(prompts, completions, pad_token_id=0, padding_free=False)
+    ref, ref_grads = _logps_and_grads(model, batch)
+    model.zero_grad()
+    lp, ent = completion_logps_and_entropy(model, batch, temperature=0.8, chunk_size=4,
+                                           keep_for_backward=keep_for_backward)
+    assert not ent.requires_grad and ent.shape == lp.shape == (sum(map(len, completions)),)
+    (lp * torch.linspace(0.5, 1.5, len(lp))).sum().backward()
+    torch.testing.assert_close(lp.detach(), ref, rtol=1e-5, atol=1e-6)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
+    with torch.no_grad():
+        hidden = completion_hidden(model, batch)
+        logits = model.get_output_embeddings()(hidden).float() / 0.8
+        expected = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(ent, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(completion_entropy(model, hidden, temperature=0.8, chunk_size=3), expected,
+                               rtol=1e-5, atol=1e-5)
+    assert expected.min() > 0.1  # a tiny random model is far from one-hot: the comparison is not of zeros

@@ -76,11 +76,11 @@ def test_a_few_updates_change_policy_and_critic_and_log_what_a_person_needs(tmp_
 
 @pytest.mark.parametrize("critic", ["head", "separate"])
 def test_the_update_logs_entropy_from_its_own_forward_not_a_second_pass(tmp_path, monkeypatch, critic):
-    import toolkit.core.ppo as ppo_module
+    import toolkit.core.packing as packing_module  # completion_entropy's separate pass
 
     separate_passes = []
-    real = ppo_module.chunked_entropy
-    monkeypatch.setattr(ppo_module, "chunked_entropy", lambda *a, **k: separate_passes.append(1) or real(*a, **k))
+    real = packing_module.chunked_entropy
+    monkeypatch.setattr(packing_module, "chunked_entropy", lambda *a, **k: separate_passes.append(1) or real(*a, **k))
     t = make(tmp_path, critic=critic)
     t.train()
     entropy = logged(t, "policy/entropy_avg")

@@ -286,6 +286,17 @@ def _generation_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
                       f"{' | '.join(_GENERATION_DTYPES)} (or None: the model's own dtype).")
 
 
+def _check_transformers_backend_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """A config's `generation_backend_kwargs` for the transformers backend, checked before any model loads (async
+    GRPO's worker builds its backend itself and would otherwise drop a setting it does not know without a word)."""
+    unknown = sorted(set(kwargs or {}) - {"dtype"})
+    if unknown:
+        raise ConfigError(f"generation_backend_kwargs: the transformers backend takes only 'dtype' (decode with a "
+                          f"copy of the weights in that dtype); got {unknown}. Settings of another backend need "
+                          "generation_backend set to it (e.g. 'vllm').")
+    _generation_dtype((kwargs or {}).get("dtype"))
+
+
 def _cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of `model` whose floating-point parameters are in `dtype`, without gradients.
 

@@ -71,12 +71,11 @@ from .models import (
     is_peft_model,
     load_model,
     load_tokenizer,
-    output_head,
     place_frozen,
     prepare_model,
     unwrap_model,
 )
-from .numerics import DEFAULT_CHUNK_SIZE, SCALE_REWARDS, chunked_entropy, chunked_token_logps_and_entropy
+from .numerics import DEFAULT_CHUNK_SIZE, SCALE_REWARDS
 from .objectives import (
     AdvantageInputs,
     PolicyLossInputs,
@@ -87,7 +86,13 @@ from .objectives import (
     resolve_policy_loss_settings,
     resolve_settings,
 )
-from .packing import completion_hidden, completion_logps, pack_for_layout
+from .packing import (
+    completion_entropy,
+    completion_hidden,
+    completion_logps,
+    completion_logps_and_entropy,
+    pack_for_layout,
+)
 from .plugins import notify_checkpoint_saved, notify_step_metrics, registry, resolve_reward
 from .rewards import RewardRunner, score_completions, weighted_total
 from .rollout import RoundSampler, generate_and_score, generation_seed
@@ -254,10 +259,10 @@ class GRPOConfig(TrainingArguments):
         self._check_objective()
         reg = registry()
         reg.get("generation_backend", self.generation_backend, field="generation_backend")
-        if self.generation_backend == "transformers" and "dtype" in (self.generation_backend_kwargs or {}):
-            from .generation import _generation_dtype
+        if self.generation_backend == "transformers":
+            from .generation import _check_transformers_backend_kwargs
 
-            _generation_dtype(self.generation_backend_kwargs["dtype"])  # here, before an async worker would meet it
+            _check_transformers_backend_kwargs(self.generation_backend_kwargs)
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(f"scale_rewards: '{self.scale_rewards}' is not one of {list(SCALE_REWARDS)}.")
         if self.num_iterations < 1:
@@ -833,10 +838,9 @@ class GRPOTrainer(Trainer):
             return completion_logps(model, batch, temperature=self.args.temperature,
                                     chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head, hidden=hidden)
         # the training forward: the logged entropy comes from the same LM-head product (one fewer per step)
-        weight, bias = output_head(model)
-        logps, self._last_entropy = chunked_token_logps_and_entropy(
-            hidden, weight, batch["completion_targets"], bias=bias, temperature=self.args.temperature,
-            chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head, keep_for_backward=True)
+        logps, self._last_entropy = completion_logps_and_entropy(
+            model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
+            upcast=self.args.fp32_lm_head, hidden=hidden, keep_for_backward=True)
         return logps
 
     def compute_policy_loss(self, inputs: PolicyLossInputs, *legacy: torch.Tensor
@@ -1059,10 +1063,8 @@ class GRPOTrainer(Trainer):
         if ent is None and hidden is not None:
             # entropy from the hidden states of this forward (a compute_token_logps override that does not call
             # the default leaves none, and then no entropy is logged rather than a stale one)
-            weight, bias = output_head(self.model)
-            ent = chunked_entropy(hidden, weight.detach(), bias=bias.detach() if bias is not None else None,
-                                  temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
-                                  upcast=self.args.fp32_lm_head)
+            ent = completion_entropy(self.model, hidden, temperature=self.args.temperature,
+                                     chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
         if ent is not None and ent.shape[0] == int(present.sum()):
             ent = ent[inputs.completion_mask[present]]  # on sampled tokens
             s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 __all__ = [
     "common_start",
+    "completion_entropy",
     "completion_hidden",
     "completion_logps",
+    "completion_logps_and_entropy",
     "group_by_prompt",
     "pack_completions",
     "pack_for_layout",
@@ -30,7 +32,7 @@ import torch
 
 from .attention import varlen_kwargs
 from .models import _CpuInferenceLinear, output_head, unwrap_model
-from .numerics import chunked_token_logps
+from .numerics import chunked_entropy, chunked_token_logps, chunked_token_logps_and_entropy
 
 
 def pack_completions(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_token_id: int,
@@ -223,6 +225,30 @@ def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, 
         hidden = completion_hidden(model, batch)
     weight, bias = output_head(model)  # whole even under FSDP2 (models.output_head)
     return chunked_token_logps(hidden, weight, batch["completion_targets"], bias=bias,
+                               temperature=temperature, chunk_size=chunk_size, upcast=upcast)
+
+
+def completion_logps_and_entropy(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
+                                 chunk_size: int = 512, upcast: bool = True, hidden: torch.Tensor | None = None,
+                                 keep_for_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat [N] log-probs (with grad) and detached entropies of the completion tokens from one LM-head product
+    per chunk: a training forward that also logs entropy. `keep_for_backward` as in
+    `numerics.chunked_token_logps_and_entropy` (only when no other forward runs before this one's backward)."""
+    if hidden is None:
+        hidden = completion_hidden(model, batch)
+    weight, bias = output_head(model)
+    return chunked_token_logps_and_entropy(hidden, weight, batch["completion_targets"], bias=bias,
+                                           temperature=temperature, chunk_size=chunk_size, upcast=upcast,
+                                           keep_for_backward=keep_for_backward)
+
+
+def completion_entropy(model: torch.nn.Module, hidden: torch.Tensor, *, temperature: float = 1.0,
+                       chunk_size: int = 512, upcast: bool = True) -> torch.Tensor:
+    """Detached [N] entropies of the completion tokens from hidden states already computed (a trainer's metrics
+    when its log-probs came from an override that did not compute them)."""
+    weight, bias = output_head(model)
+    with torch.no_grad():
+        return chunked_entropy(hidden.detach(), weight.detach(), bias=bias.detach() if bias is not None else None,
                                temperature=temperature, chunk_size=chunk_size, upcast=upcast)
 
 

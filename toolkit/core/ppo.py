@@ -66,15 +66,12 @@ from .models import (
     load_classifier,
     load_model,
     load_tokenizer,
-    output_head,
     prepare_model,
     sequence_classifier_parts,
     unwrap_model,
 )
 from .numerics import (
     DEFAULT_CHUNK_SIZE,
-    chunked_entropy,
-    chunked_token_logps_and_entropy,
     clipped_value_loss,
     explained_variance,
     gae,
@@ -82,7 +79,13 @@ from .numerics import (
     masked_whiten,
 )
 from .objectives import ClipSettings, PolicyLossInputs, clipped_surrogate_term, resolve_settings
-from .packing import completion_hidden, completion_logps, pack_for_layout
+from .packing import (
+    completion_entropy,
+    completion_hidden,
+    completion_logps,
+    completion_logps_and_entropy,
+    pack_for_layout,
+)
 from .plugins import notify_checkpoint_saved, notify_step_metrics, registry, resolve_reward
 from .rewards import RewardRunner, score_completions
 from .rollout import generation_seed, order_seed
@@ -251,10 +254,10 @@ class PPOConfig(TrainingArguments):
         if self.early_stop_approx_kl is not None and self.early_stop_approx_kl <= 0:
             raise ConfigError(f"early_stop_approx_kl: must be > 0 or None, got {self.early_stop_approx_kl}.")
         registry().get("generation_backend", self.generation_backend, field="generation_backend")
-        if self.generation_backend == "transformers" and "dtype" in (self.generation_backend_kwargs or {}):
-            from .generation import _generation_dtype
+        if self.generation_backend == "transformers":
+            from .generation import _check_transformers_backend_kwargs
 
-            _generation_dtype(self.generation_backend_kwargs["dtype"])  # named here, before any model loads
+            _check_transformers_backend_kwargs(self.generation_backend_kwargs)  # before any model loads
         SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
 
@@ -645,12 +648,9 @@ class PPOTrainer(Trainer):
             return completion_logps(model, batch, temperature=self.args.temperature,
                                     chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head, hidden=hidden)
         # the update's forward: the logged entropy comes from the same LM-head product (one fewer per micro-batch)
-        if hidden is None:
-            hidden = completion_hidden(model, batch)
-        weight, bias = output_head(model)
-        logps, self._last_entropy = chunked_token_logps_and_entropy(
-            hidden, weight, batch["completion_targets"], bias=bias, temperature=self.args.temperature,
-            chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head,
+        logps, self._last_entropy = completion_logps_and_entropy(
+            model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
+            upcast=self.args.fp32_lm_head, hidden=hidden,
             keep_for_backward=self.critic_kind == "head")  # a separate or base critic runs a forward before backward
         return logps
 
@@ -701,11 +701,8 @@ class PPOTrainer(Trainer):
             clipped = (info["clipped_low"] | info["clipped_high"]) & mask
             entropy = self._last_entropy
             if entropy is None or entropy.shape[0] != hidden.shape[0]:
-                weight, bias = output_head(model)
-                entropy = chunked_entropy(hidden.detach(), weight.detach(),
-                                          bias=bias.detach() if bias is not None else None,
-                                          temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
-                                          upcast=self.args.fp32_lm_head)
+                entropy = completion_entropy(model, hidden, temperature=self.args.temperature,
+                                             chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
             sums = {"loss/policy": pg_sum.detach(), "loss/value": vf_sum.detach(),
                     "policy/approxkl": 0.5 * (diff ** 2).sum(), "policy/clipfrac": clipped.sum(),
                     "val/clipfrac": (vf_clipped & mask).sum(), "policy/entropy": entropy.sum(),
