@@ -325,15 +325,23 @@ def table_rows() -> list[list[str]]:
     d = _load("agent_rollouts")
     if d and d.get("ratios"):
         r = d["ratios"]
+        res = d["results"]
+
+        def per_token(k):  # runs that learn differently sample different work per episode: show it beside
+            a, s = res[k], res["sync"]
+            if "sampled_tokens" not in a:
+                return ""
+            rate = (a["sampled_tokens"] / a["seconds"]) / (s["sampled_tokens"] / s["seconds"])
+            return f"; per sampled token {rate:.2f}x ({a['sampled_tokens']} vs {s['sampled_tokens']} tokens)"
+
         rows.append(["agent_rollouts", "GRPO episodes/s on a tool environment (waits 0.2-1 s): async vs sync",
-                     f"{d['results']['async']['episodes_per_s']:.2f}", f"{d['results']['sync']['episodes_per_s']:.2f}",
-                     f"{r['async/sync']:.2f}x (sync vs sequential env steps {r['sync/sync-sequential']:.2f}x)", "-",
-                     _when(d)])
+                     f"{res['async']['episodes_per_s']:.2f}", f"{res['sync']['episodes_per_s']:.2f}",
+                     f"{r['async/sync']:.2f}x{per_token('async')} (sync vs sequential env steps "
+                     f"{r['sync/sync-sequential']:.2f}x)", "-", _when(d)])
         if "async-2rounds/sync" in r:
             rows.append(["agent_rollouts", "the same, async with 2 rounds per generate call (max_staleness 2)",
-                         f"{d['results']['async-2rounds']['episodes_per_s']:.2f}",
-                         f"{d['results']['sync']['episodes_per_s']:.2f}", f"{r['async-2rounds/sync']:.2f}x", "-",
-                         _when(d)])
+                         f"{res['async-2rounds']['episodes_per_s']:.2f}", f"{res['sync']['episodes_per_s']:.2f}",
+                         f"{r['async-2rounds/sync']:.2f}x{per_token('async-2rounds')}", "-", _when(d)])
     for name, what in (("async_staleness", "held-out accuracy at max_staleness 0-8 per off-policy objective"),
                        ("async_staleness_seeds", "held-out accuracy at max_staleness 4 against 0, seeds 1-3"),
                        ("learning_vs_trl", "held-out accuracy per training minute vs TRL GRPO"),

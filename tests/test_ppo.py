@@ -81,11 +81,25 @@ def test_the_update_logs_entropy_from_its_own_forward_not_a_second_pass(tmp_path
     separate_passes = []
     real = packing_module.chunked_entropy
     monkeypatch.setattr(packing_module, "chunked_entropy", lambda *a, **k: separate_passes.append(1) or real(*a, **k))
-    t = make(tmp_path, critic=critic)
+    t = make(tmp_path / "fused", critic=critic)
     t.train()
     entropy = logged(t, "policy/entropy_avg")
     assert len(entropy) == 2 and all(math.isfinite(e) and e > 0 for e in entropy)
     assert separate_passes == []  # the fused chunked_token_logps_and_entropy gave it
+
+    # the positive control: an override that returns log-probs only leaves the entropy to completion_entropy's
+    # separate pass, with the same numbers
+    from toolkit.core.packing import completion_logps
+
+    class LogpsOnly(PPOTrainer):
+        def compute_token_logps(self, model, batch, hidden=None):
+            return completion_logps(model, batch, temperature=self.args.temperature, hidden=hidden)
+
+    o = LogpsOnly(tiny_model(), [low_ids], cfg(tmp_path / "override", critic=critic), train_dataset=prompts(),
+                  processing_class=tiny_tokenizer())
+    o.train()
+    assert len(separate_passes) > 0
+    assert logged(o, "policy/entropy_avg") == pytest.approx(entropy, rel=1e-5)
 
 
 def test_the_critic_learns_the_returns(tmp_path):

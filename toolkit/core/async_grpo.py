@@ -39,6 +39,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -266,6 +267,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._err_q = self._ctx.Queue()
         self._heartbeat = self._ctx.Value("d", time.time(), lock=False)
         self._stop = StopFlag(self._ctx)
+        # a worker of this run got past its start-up before (read by _worker_failure's diagnosis of a restart)
+        self._ever_ready = getattr(self, "_ever_ready", False) or (hasattr(self, "_handoff")
+                                                                   and self._handoff.worker_ready())
         self._handoff = Handoff(self._ctx, self._next_round)
         # After a restart with several ranks the warm phase is over for good: a rank that re-entered it alone would
         # call a collective (the readiness check) the other ranks do not. One process may warm-start again.
@@ -400,17 +404,26 @@ class AsyncGRPOTrainer(GRPOTrainer):
         except queue.Empty:
             pass
         if not self._proc.is_alive():
+            try:  # a traceback put just before the exit may still be in the queue's pipe
+                return self._err_q.get(timeout=0.5)
+            except queue.Empty:
+                pass
             code = self._proc.exitcode
             why = f"the worker process exited with code {code} without a traceback"
             if code is not None and code < 0:
-                return f"{why} (killed by signal {-code}; SIGKILL is often the out-of-memory killer)"
-            if not self._handoff.worker_ready():
+                try:
+                    name = signal.Signals(-code).name
+                except ValueError:
+                    name = f"signal {-code}"
+                oom = "; the out-of-memory killer sends it" if -code == signal.SIGKILL else ""
+                return f"{why} (killed by {name}{oom})"
+            if code and not self._handoff.worker_ready() and not self._ever_ready:
                 # it failed before our code ran: spawn re-imports the main module first, and a script that trains
                 # at import time starts a second trainer there, which Python refuses (its message is on stderr)
                 return (f"{why}, before it was ready; its error is on this process's stderr. If you run a script: "
                         "the worker is a spawned process that imports your main module again, so the code that "
                         "trains must be under `if __name__ == \"__main__\":`")
-            return f"{why} (killed?)"
+            return f"{why}; its output, if any, is on this process's stderr"
         # Until the worker says it is ready (imports, model or engine built) it has worker_start_timeout from its
         # start; from then on its main loop's progress is the heartbeat.
         if not self._handoff.worker_ready():

@@ -145,7 +145,8 @@ class GRPOConfig(TrainingArguments):
     generation_backend: str = field(default="transformers", metadata={
         "help": "Generation backend by name: transformers | a registered backend (e.g. vllm)."})
     generation_backend_kwargs: dict | None = field(default=None, metadata={
-        "help": "Settings passed to the generation backend's factory."})
+        "help": "Settings passed to the generation backend's factory; the transformers backend takes only dtype "
+                "(checked here). A backend object handed to the trainer is already built and reads none."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the importance ratio."})
     epsilon_high: float | None = field(default=None, metadata={
         "help": "Upper clip range (DAPO clip-higher); default: epsilon."})

@@ -141,7 +141,9 @@ class PPOConfig(TrainingArguments):
     stop_token_ids: list[int] | None = field(default=None, metadata={
         "help": "Tokens that end a completion; default: the tokenizer's EOS."})
     generation_backend: str = field(default="transformers", metadata={"help": "Generation backend by name."})
-    generation_backend_kwargs: dict | None = field(default=None, metadata={"help": "Settings for the backend."})
+    generation_backend_kwargs: dict | None = field(default=None, metadata={
+        "help": "Settings passed to the generation backend's factory; the transformers backend takes only dtype "
+                "(checked here). A backend object handed to the trainer is already built and reads none."})
     generation_batch_size: int = field(default=256, metadata={
         "help": "Most sequences the transformers backend decodes at once."})
 
