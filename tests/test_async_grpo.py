@@ -323,6 +323,31 @@ def test_a_script_without_a_main_guard_is_told_why_its_worker_died(tmp_path):
     assert "before it was ready" in out.stderr and 'if __name__ == "__main__":' in out.stderr
 
 
+def test_the_main_guard_hint_is_given_only_for_a_first_start_that_failed():
+    """The hint's conditions, on the trainer's failure check alone (the real case runs in the test above): a
+    non-zero exit before the worker was ready, with no worker of the run ready before (a restarted worker got past
+    the re-import once, so the main module is not the cause), and no traceback in the queue."""
+    import queue as queue_module
+    from types import SimpleNamespace
+
+    def failure(exitcode, ever_ready, traceback=None):
+        t = AsyncGRPOTrainer.__new__(AsyncGRPOTrainer)
+        t._err_q = queue_module.Queue()
+        if traceback:
+            t._err_q.put(traceback)
+        t._proc = SimpleNamespace(is_alive=lambda: False, exitcode=exitcode)
+        t._handoff = SimpleNamespace(worker_ready=lambda: False)
+        t._ever_ready = ever_ready
+        return t._worker_failure()
+
+    assert "__main__" in failure(1, ever_ready=False)
+    assert "__main__" not in failure(1, ever_ready=True)
+    assert "__main__" not in failure(0, ever_ready=False)
+    assert failure(-9, ever_ready=False).endswith("(killed by SIGKILL; the out-of-memory killer sends it)")
+    assert failure(-11, ever_ready=False).endswith("(killed by SIGSEGV)")
+    assert failure(1, ever_ready=False, traceback="Traceback: boom") == "Traceback: boom"
+
+
 def test_progress_bounds_nest():
     from toolkit.core.rollout_worker import Progress
 

@@ -126,7 +126,7 @@ def test_plain_sdpa_mixes_packed_examples_and_varlen_keeps_them_apart():
 
 
 @pytest.mark.parametrize("keep_for_backward", [False, True])
-def test_logps_with_entropy_equal_logps_and_a_separate_entropy(keep_for_backward):
+def test_logps_with_entropy_equal_logps_and_a_separate_entropy(keep_for_backward, monkeypatch):
     """completion_logps_and_entropy (GRPO's and PPO's training forward) gives completion_logps' values and
     gradients, and the entropy of the same softmax that completion_entropy (their fallback) and a plain
     log_softmax give."""
@@ -137,11 +137,18 @@ def test_logps_with_entropy_equal_logps_and_a_separate_entropy(keep_for_backward
     batch = pack_completions(prompts, completions, pad_token_id=0, padding_free=False)
     ref, ref_grads = _logps_and_grads(model, batch)
     model.zero_grad()
+    import toolkit.core.numerics as numerics
+
+    products = []  # LM-head products: the kept path makes one in forward and none in backward
+    real = numerics._chunk_logits
+    monkeypatch.setattr(numerics, "_chunk_logits", lambda *a: products.append(1) or real(*a))
     # keep_for_backward acts only when every position fits one chunk (19 here): otherwise chunks of 4
     lp, ent = completion_logps_and_entropy(model, batch, temperature=0.8, chunk_size=64 if keep_for_backward else 4,
                                            keep_for_backward=keep_for_backward)
     assert not ent.requires_grad and ent.shape == lp.shape == (sum(map(len, completions)),)
+    in_forward = len(products)
     (lp * torch.linspace(0.5, 1.5, len(lp))).sum().backward()
+    assert (in_forward, len(products) - in_forward) == ((1, 0) if keep_for_backward else (5, 5))
     torch.testing.assert_close(lp.detach(), ref, rtol=1e-5, atol=1e-6)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
