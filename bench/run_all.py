@@ -339,7 +339,8 @@ def table_rows() -> list[list[str]]:
                      f"{r['async/sync']:.2f}x{per_token('async')} (sync vs sequential env steps "
                      f"{r['sync/sync-sequential']:.2f}x)", "-", _when(d)])
         if "async-2rounds/sync" in r:
-            rows.append(["agent_rollouts", "the same, async with 2 rounds per generate call (max_staleness 2)",
+            rows.append(["agent_rollouts", "the same, async with up to 2 rounds per generate call (max_staleness 2, "
+                         "64 environment threads against sync's 32, scoring_concurrency 3)",
                          f"{res['async-2rounds']['episodes_per_s']:.2f}", f"{res['sync']['episodes_per_s']:.2f}",
                          f"{r['async-2rounds/sync']:.2f}x{per_token('async-2rounds')}", "-", _when(d)])
     for name, what in (("async_staleness", "held-out accuracy at max_staleness 0-8 per off-policy objective"),
