@@ -135,20 +135,31 @@ def training(kind: str, steps: int) -> dict:
             # the work differs with what each run learns (more tool calls, longer episodes): count it
             "sampled_tokens": round(sum(h["episodes/sampled_tokens_mean"] * per_step for h in t.state.log_history
                                         if "episodes/sampled_tokens_mean" in h)),
+            # seconds the rounds' episodes waited for their environments (nothing decoding meanwhile), and that
+            # over the training time: in the sync rows the cores' idle share, all that overlapping the waits can
+            # win back on the same cores (at most 1 / (1 - share))
+            "environment_s": round(sum(_values(t, "episodes/environment_s")), 2),
+            "environment_share_of_training": round(sum(_values(t, "episodes/environment_s")) / seconds, 3),
             # async warm start: rounds the trainer generated itself while its worker started, and the start-up
             # (trained rounds only: rounds a worker generated and then dropped are not counted)
             **({"rounds_in_trainer": _last(t, "async/rounds_in_trainer"),
-                "rounds_per_generate_mean": _mean(t, "async/rounds_per_generate"),
+                # a call of k rounds logs k on each of its k rounds: N rounds over the sum of 1/k is the calls'
+                # mean (a one-round call that the trainer made itself at warm start counts as one)
+                "rounds_per_generate_mean": _per_call(t, "async/rounds_per_generate"),
                 "worker_startup_s": _last(t, "async/worker_startup_s")} if kind.startswith("async") else {})}
 
 
-def _mean(trainer, key):
-    values = [h[key] for h in trainer.state.log_history if key in h]
-    return round(sum(values) / len(values), 2) if values else None
+def _values(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def _per_call(trainer, key):
+    values = _values(trainer, key)
+    return round(len(values) / sum(1 / v for v in values), 2) if values else None
 
 
 def _last(trainer, key):
-    values = [h[key] for h in trainer.state.log_history if key in h]
+    values = _values(trainer, key)
     return round(values[-1], 2) if values else None
 
 
@@ -196,17 +207,26 @@ def main() -> None:
     lines += ["", f"same episodes (ids) in both rows: {same}", "",
               f"GRPO training ({args.steps} steps x 32 episodes from the SFT warm-up; held-out: 64 greedy episodes):",
               "", "| row | episodes/s | training seconds | held-out success | reward per step | turns per episode, per step | "
-              "sampled tokens |", "|---|---|---|---|---|---|---|"]
+              "sampled tokens | environment waits, s (share of training time) |", "|---|---|---|---|---|---|---|---|"]
     for k in ("sync-sequential", "sync", "async", "async-2rounds"):
         r = results[k]
         lines.append(f"| {k} | {r['episodes_per_s']} | {r['seconds']} | {r['heldout_success']} | "
-                     f"{r['reward_per_step']} | {r['turns_per_step']} | {r['sampled_tokens']} |")
+                     f"{r['reward_per_step']} | {r['turns_per_step']} | {r['sampled_tokens']} | "
+                     f"{r['environment_s']} ({r['environment_share_of_training']:.0%}) |")
+    share = results["sync"]["environment_share_of_training"]
+    lines += ["", f"Environment waits: the time a round's episodes waited for their environments, with nothing "
+                  f"decoding (lockstep). In the sync row the cores stood idle for {share:.0%} of the training time, "
+                  f"so overlapping the waits with training, all async adds on these cores, can make it at most "
+                  f"{1 / max(1 - share, 1e-9):.2f}x as fast (more only from splitting the cores between two "
+                  f"processes, or from doing less work). In the async rows the waits are the worker's, overlapped "
+                  f"with training."]
     for k in ("async", "async-2rounds"):
         a = results[k]
         if a.get("rounds_in_trainer") is not None:
             lines += ["", f"{k} warm start: the worker was ready after {a['worker_startup_s']} s; the trainer "
                           f"generated {a['rounds_in_trainer']:.0f} of the {args.steps} rounds itself meanwhile; "
-                          f"rounds per worker generate call: {a['rounds_per_generate_mean']} on average"]
+                          f"rounds per generate call: {a['rounds_per_generate_mean']} on average (over the calls "
+                          f"whose rounds were trained)"]
     lines += [""] + [f"{k}: {v:.2f}x" for k, v in out["ratios"].items()]
     text = "\n".join(lines)
     print(text)

@@ -334,10 +334,15 @@ def table_rows() -> list[list[str]]:
             rate = (a["sampled_tokens"] / a["seconds"]) / (s["sampled_tokens"] / s["seconds"])
             return f"; per sampled token {rate:.2f}x ({a['sampled_tokens']} vs {s['sampled_tokens']} tokens)"
 
+        def idle():  # the sync run's waits with nothing decoding: what overlapping them can win back, at most
+            share = res["sync"].get("environment_share_of_training")
+            return "" if share is None else (f"; sync waited on environments {share:.0%} of its training time: "
+                                             f"overlap can gain at most {1 / max(1 - share, 1e-9):.2f}x")
+
         rows.append(["agent_rollouts", "GRPO episodes/s on a tool environment (waits 0.2-1 s): async vs sync",
                      f"{res['async']['episodes_per_s']:.2f}", f"{res['sync']['episodes_per_s']:.2f}",
                      f"{r['async/sync']:.2f}x{per_token('async')} (sync vs sequential env steps "
-                     f"{r['sync/sync-sequential']:.2f}x)", "-", _when(d)])
+                     f"{r['sync/sync-sequential']:.2f}x{idle()})", "-", _when(d)])
         if "async-2rounds/sync" in r:
             rows.append(["agent_rollouts", "the same, async with up to 2 rounds per generate call (max_staleness 2, "
                          "64 environment threads against sync's 32, scoring_concurrency 3)",

@@ -329,6 +329,60 @@ def test_a_rank_whose_episodes_ended_keeps_turning_while_another_rank_is_active(
     assert [(ep.ids, ep.mask, ep.finish) for ep in eps] == [(ep.ids, ep.mask, ep.finish) for ep in alone]
 
 
+class Waiting(Chatty):
+    """Chatty whose steps wait 0.3 s first, as a tool on a remote machine does."""
+
+    def step(self, text):
+        time.sleep(0.3)
+        return super().step(text)
+
+
+def test_run_episodes_times_its_waits_apart_from_its_sampling():
+    from toolkit.core.environments import TemplateDelta, environment_wait_metrics, run_episodes
+    from toolkit.core.generation import Completion
+
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    class TwoSlowTurns:
+        def reset(self, row):
+            time.sleep(0.1)
+            self.turn = 0
+            return [{"role": "user", "content": "go"}]
+
+        def step(self, text):
+            time.sleep(0.2)
+            self.turn += 1
+            return EnvResponse(messages=[{"role": "tool", "content": "ok"}], done=self.turn == 2)
+
+    def sample(contexts):
+        time.sleep(0.05)
+        return [Completion([65, end], [-0.1, -0.1], "stop") for _ in contexts]
+
+    timings = {"environment_s": 10.0}  # added to, not replaced: a caller may sum over calls
+    eps = run_episodes([TwoSlowTurns() for _ in range(4)], [{}] * 4, sample, TemplateDelta(tok), max_turns=3,
+                       timings=timings)
+    assert [len(ep.turns) for ep in eps] == [2] * 4
+    # 4 environments answer concurrently: one reset (0.1 s) and two steps (0.2 s) of waiting, not 4 times that
+    assert 10.0 + 0.5 <= timings["environment_s"] < 10.0 + 1.2
+    assert 0.1 <= timings["generate_s"] < 0.5  # two sampling calls of 0.05 s
+    assert environment_wait_metrics(1.5, 2.0) == {"episodes/environment_s": 1.5, "episodes/environment_share": 0.75}
+    assert environment_wait_metrics(0.0, 0.0)["episodes/environment_share"] == 0.0
+
+
+def test_grpo_logs_how_much_of_a_round_its_environments_kept_waiting(tmp_path):
+    fast = trainer(tmp_path / "fast")
+    fast.train()
+    slow = trainer(tmp_path / "slow", environment=Waiting)
+    slow.train()
+    share = {name: [h["episodes/environment_share"] for h in t.state.log_history if "episodes/environment_share" in h]
+             for name, t in (("fast", fast), ("slow", slow))}
+    waited = [h["episodes/environment_s"] for h in slow.state.log_history if "episodes/environment_s" in h]
+    assert len(share["fast"]) == len(share["slow"]) == 1
+    # the tiny model decodes in milliseconds: 3 turns of 0.3 s waits are most of the slow round, none of the fast
+    assert waited[0] >= 0.9 and share["slow"][0] > 0.5 and share["fast"][0] < 0.5 < share["slow"][0]
+
+
 def test_an_environment_factory_that_raises_costs_its_episode_not_the_run():
     from toolkit.core.environments import TemplateDelta, fresh_environments, run_episodes
     from toolkit.core.generation import Completion

@@ -492,11 +492,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         backend = self._warm_backend()  # the training model itself (or its cast copy: dtype)
         t0 = time.perf_counter()
         if self.environment_factory is not None:
+            timings: dict[str, float] = {}
             eps = self.run_episodes([self.rows[i] for i in idx for _ in range(G)], self.sampling, seed=seed,
-                                    group_size=G, backend=backend)
+                                    group_size=G, backend=backend, timings=timings)
             item = ScoredRound(round=r, version=self.state.global_step, row_indices=idx, completions=[],
                                rewards_per_func=[], failures={}, gen_s=time.perf_counter() - t0, score_s=0.0,
-                               wait_s=0.0, tokens=sum(sum(ep.mask) for ep in eps), episodes=eps)
+                               wait_s=0.0, tokens=sum(sum(ep.mask) for ep in eps), episodes=eps,
+                               environment_s=timings["environment_s"])
         else:
             scored = generate_and_score(backend, [self.prompt_ids[i] for i in idx], [self.rows[i] for i in idx],
                                         sampling=self.sampling, n=G, seed=seed, score=self.compute_rewards)
@@ -599,6 +601,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                "data (numbers, strings, lists, dicts) in EnvResponse.info")
         if item.episodes is not None:
             rollout = self.rollout_from_episodes(item.row_indices, item.episodes, item.gen_s)
+            if item.environment_s is not None:
+                from .environments import environment_wait_metrics
+
+                rollout.metrics.update(environment_wait_metrics(item.environment_s, item.gen_s))
             rollout.sampler_versions = [[item.version] * len(ids) for ids in rollout.completion_ids]
         else:
             # each token's version: the worker's record with in-flight updates, else the round's

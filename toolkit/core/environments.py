@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -193,7 +194,8 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
                  decode: Callable[[list[int]], str] | None = None, stop_token_ids: Sequence[int] = (),
                  concurrency: int = 32, step_timeout: float | None = None,
                  on_wait: Callable[[], None] | None = None,
-                 any_rank: Callable[[bool], bool] | None = None) -> list[Episode]:
+                 any_rank: Callable[[bool], bool] | None = None,
+                 timings: dict[str, float] | None = None) -> list[Episode]:
     """Run one episode per (environment, row) in lockstep, token-exact as `run_episode`.
 
     Each turn, the contexts of all unfinished episodes go to `sample` together (one batched generate), then their
@@ -212,6 +214,11 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
     with no contexts (the backend's generate still takes part in the other ranks' forwards; see
     `toolkit.core.generation.any_rank_if_sharded`). Ranks without a sharded model pass nothing and end when they
     are done.
+
+    `timings`, when given, gets the wall seconds spent in `sample` ("generate_s") and in waiting for the
+    environments' resets and steps ("environment_s"), added to what it holds. In lockstep nothing is sampled while
+    environments answer, so "environment_s" is time the sampler's compute stood idle: how much a round waits, and
+    so the most that overlapping those waits with other work (async GRPO on the same cores) can win back.
     """
     if max_turns < 1:
         raise ConfigError(f"max_turns: must be >= 1, got {max_turns}.")
@@ -223,6 +230,14 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
     # <|python_tag|> are special in their tokenizers) and drops only the stop token that ended the turn.
     decode = decode or (lambda ids: tok.decode(ids[:-1] if ids and ids[-1] in stops else ids))
     calls = _Calls(concurrency, step_timeout, on_wait)
+    clock = {"generate_s": 0.0, "environment_s": 0.0}
+
+    def timed(key: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            clock[key] += time.perf_counter() - started
 
     def rendered(messages: list[dict[str, Any]]) -> tuple[list[int] | None, str | None]:
         try:
@@ -231,7 +246,9 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
             return None, f"the chat template refused the environment's messages: {type(e).__name__}: {e}"[:500]
 
     episodes = []
-    for (ids, error) in calls.run([lambda e=env, r=row: delta.prompt_ids(e.reset(r)) for env, row in zip(envs, rows)]):
+    resets = timed("environment_s", lambda: calls.run([lambda e=env, r=row: delta.prompt_ids(e.reset(r))
+                                                        for env, row in zip(envs, rows)]))
+    for (ids, error) in resets:
         # a failed reset leaves no prompt to sample from: an empty episode, out of the loss
         episodes.append(Episode(prompt_ids=ids) if error is None else
                         Episode(prompt_ids=[], infos=[{"env_error": f"reset: {error}"}], finish="env_error"))
@@ -242,7 +259,7 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
         active = [i for i in active if len(episodes[i].ids) < max_tokens]
         if not (any_rank(bool(active)) if any_rank is not None else active):
             break
-        outs = sample([episodes[i].prompt_ids + episodes[i].ids for i in active])
+        outs = timed("generate_s", lambda: sample([episodes[i].prompt_ids + episodes[i].ids for i in active]))
         if len(outs) != len(active):
             raise ValueError(f"run_episodes: the sampler returned {len(outs)} completions for {len(active)} contexts")
         for i, out in zip(active, outs):
@@ -254,7 +271,8 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
             ep.turns.append((start, len(ep.ids)))
             ep.truncated = not (out.token_ids and out.token_ids[-1] in stops)
         texts = [decode(list(out.token_ids)) for out in outs]
-        answers = calls.run([lambda e=envs[i], t=text: e.step(t) for i, text in zip(active, texts)])
+        answers = timed("environment_s",
+                        lambda: calls.run([lambda e=envs[i], t=text: e.step(t) for i, text in zip(active, texts)]))
         still = []
         for i, (response, error) in zip(active, answers):
             ep = episodes[i]
@@ -283,6 +301,9 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
             ep.logprobs += [0.0] * len(ids)
             still.append(i)
         active = still
+    if timings is not None:
+        for key, seconds in clock.items():
+            timings[key] = timings.get(key, 0.0) + seconds
     return episodes
 
 
@@ -393,6 +414,15 @@ def episode_reward(ep: Episode, unfinished: float | None) -> float:
     if ep.reward is not None:
         return ep.reward
     return float("nan") if unfinished is None else float(unfinished)
+
+
+def environment_wait_metrics(environment_s: float, generation_s: float) -> dict[str, float]:
+    """What a round logs about its waits (`run_episodes(timings=...)`): the seconds its episodes waited for their
+    environments, and their share of the round's generation time. In lockstep nothing decodes during those waits,
+    so the share says how latency-bound the rollouts are: async GRPO overlaps waits with training, and on
+    cores that generation and training share, that idle time is the most it can win back."""
+    return {"episodes/environment_s": environment_s,
+            "episodes/environment_share": environment_s / generation_s if generation_s > 0 else 0.0}
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

@@ -529,9 +529,11 @@ class GRPOTrainer(Trainer):
         return self.generation_backend
 
     def run_episodes(self, rows: Sequence[dict[str, Any]], sampling: SamplingParams, *, seed: int,
-                     group_size: int = 1, backend: GenerationBackend | None = None) -> list[Any]:
+                     group_size: int = 1, backend: GenerationBackend | None = None,
+                     timings: dict[str, float] | None = None) -> list[Any]:
         """One episode per row with fresh environments (toolkit.core.environments.run_episodes). Rows come in
-        groups of `group_size` equal rows: their first turns share one prompt prefill (n=group_size)."""
+        groups of `group_size` equal rows: their first turns share one prompt prefill (n=group_size). `timings`
+        gets the seconds spent generating and waiting for environments (see run_episodes)."""
         from .environments import fresh_environments, group_sampler, run_episodes
         from .generation import any_rank_if_sharded
 
@@ -547,7 +549,7 @@ class GRPOTrainer(Trainer):
                             max_turns=args.max_turns, max_tokens=args.max_episode_tokens,
                             stop_token_ids=sampling.stop_token_ids, concurrency=args.environment_concurrency,
                             step_timeout=args.environment_step_timeout,
-                            any_rank=lambda flag: any_rank_if_sharded(flag, self.model))
+                            any_rank=lambda flag: any_rank_if_sharded(flag, self.model), timings=timings)
 
     @torch.no_grad()
     def generate_episodes(self, row_indices: Sequence[int]) -> Rollout:
@@ -556,10 +558,17 @@ class GRPOTrainer(Trainer):
         t0 = time.perf_counter()
         self.generation_backend.sync_weights(self.model)
         G = self.args.num_generations
+        timings: dict[str, float] = {}
         episodes = self.run_episodes([self.rows[i] for i in row_indices for _ in range(G)], self.sampling,
                                      seed=generation_seed(self.args.seed, self.state.global_step,
-                                                          self.accelerator.process_index), group_size=G)
-        return self.rollout_from_episodes(row_indices, episodes, time.perf_counter() - t0)
+                                                          self.accelerator.process_index), group_size=G,
+                                     timings=timings)
+        from .environments import environment_wait_metrics
+
+        t_gen = time.perf_counter() - t0
+        rollout = self.rollout_from_episodes(row_indices, episodes, t_gen)
+        rollout.metrics.update(environment_wait_metrics(timings["environment_s"], t_gen))
+        return rollout
 
     def rollout_from_episodes(self, row_indices: Sequence[int], episodes: Sequence[Any], t_gen: float) -> Rollout:
         """Finished episodes (G per prompt, prompt-major) -> a Rollout (also async GRPO's, from its worker)."""
