@@ -144,7 +144,8 @@ def training(kind: str, steps: int) -> dict:
             # (trained rounds only: rounds a worker generated and then dropped are not counted)
             **({"rounds_in_trainer": _last(t, "async/rounds_in_trainer"),
                 # a call of k rounds logs k on each of its k rounds: N rounds over the sum of 1/k is the calls'
-                # mean (a one-round call that the trainer made itself at warm start counts as one)
+                # mean (a one-round call that the trainer made itself at warm start counts as one). Needs
+                # logging_steps=1 (set above): a log averaging several rounds' k would not invert.
                 "rounds_per_generate_mean": _per_call(t, "async/rounds_per_generate"),
                 "worker_startup_s": _last(t, "async/worker_startup_s")} if kind.startswith("async") else {})}
 

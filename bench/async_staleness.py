@@ -94,12 +94,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # a worker's seed
     ap.add_argument("--seeds", default=None, help="comma-separated seeds: run max_staleness 0 and 4 on each and "
                                                   "write bench/results/async_staleness_seeds.* (not the full sweep)")
+    ap.add_argument("--out", default="async_staleness_seeds",
+                    help="the results' name with --seeds: bench/results/<out>.{json,txt} (more seeds in their own file)")
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.steps, args.seed)), flush=True)
         return
     if args.seeds is not None:
-        _seeds(args.steps, [int(x) for x in args.seeds.split(",")])
+        _seeds(args.steps, [int(x) for x in args.seeds.split(",")], args.out)
         return
     started = time.perf_counter()
     results = {"base": run_in_subprocess(os.path.abspath(__file__), ["--worker", "base"], env={"HF_HUB_OFFLINE": "1"})}
@@ -142,7 +144,7 @@ def main() -> None:
     _plot(out, os.path.join(results_dir, "async_staleness.png"))
 
 
-def _seeds(steps: int, seeds: list[int]) -> None:
+def _seeds(steps: int, seeds: list[int], name: str = "async_staleness_seeds") -> None:
     started = time.perf_counter()
     objectives = list(OBJECTIVES)
     results = {}
@@ -197,9 +199,9 @@ def _seeds(steps: int, seeds: list[int]) -> None:
     text = "\n".join(lines)
     print(text)
     results_dir = os.path.join(ROOT, "bench", "results")
-    with open(os.path.join(results_dir, "async_staleness_seeds.json"), "w") as f:
+    with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
         json.dump(out, f, indent=1)
-    with open(os.path.join(results_dir, "async_staleness_seeds.txt"), "w") as f:
+    with open(os.path.join(results_dir, f"{name}.txt"), "w") as f:
         f.write(text + "\n")
 
 

@@ -54,7 +54,7 @@ from .checkpoint import write_atomic
 from .distributed import env_world_size, refuse_sharding
 from .errors import ConfigError, TrainingHealthError
 from .generation import Completion
-from .grpo import GRPOConfig, GRPOTrainer, Rollout
+from .grpo import GRPOConfig, GRPOTrainer, Rollout, _accepts_keyword
 from .models import DEFAULT_MODEL, unwrap_model
 from .rollout import generate_and_score, generation_seed
 from .rollout_worker import Handoff, ScoredRound, StopFlag, round_sampler, worker_main
@@ -493,12 +493,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         t0 = time.perf_counter()
         if self.environment_factory is not None:
             timings: dict[str, float] = {}
+            takes_timings = _accepts_keyword(self.run_episodes, "timings")  # an older override: no waits logged
             eps = self.run_episodes([self.rows[i] for i in idx for _ in range(G)], self.sampling, seed=seed,
-                                    group_size=G, backend=backend, timings=timings)
+                                    group_size=G, backend=backend, **({"timings": timings} if takes_timings else {}))
             item = ScoredRound(round=r, version=self.state.global_step, row_indices=idx, completions=[],
                                rewards_per_func=[], failures={}, gen_s=time.perf_counter() - t0, score_s=0.0,
                                wait_s=0.0, tokens=sum(sum(ep.mask) for ep in eps), episodes=eps,
-                               environment_s=timings["environment_s"])
+                               environment_s=timings.get("environment_s"))
         else:
             scored = generate_and_score(backend, [self.prompt_ids[i] for i in idx], [self.rows[i] for i in idx],
                                         sampling=self.sampling, n=G, seed=seed, score=self.compute_rewards)

@@ -216,7 +216,8 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
     are done.
 
     `timings`, when given, gets the wall seconds spent in `sample` ("generate_s") and in waiting for the
-    environments' resets and steps ("environment_s"), added to what it holds. In lockstep nothing is sampled while
+    environments' resets and steps ("environment_s", which includes rendering the starting prompts' chat
+    template on the reset threads), added to what it holds. In lockstep nothing is sampled while
     environments answer, so "environment_s" is time the sampler's compute stood idle: how much a round waits, and
     so the most that overlapping those waits with other work (async GRPO on the same cores) can win back.
     """
@@ -419,8 +420,9 @@ def episode_reward(ep: Episode, unfinished: float | None) -> float:
 def environment_wait_metrics(environment_s: float, generation_s: float) -> dict[str, float]:
     """What a round logs about its waits (`run_episodes(timings=...)`): the seconds its episodes waited for their
     environments, and their share of the round's generation time. In lockstep nothing decodes during those waits,
-    so the share says how latency-bound the rollouts are: async GRPO overlaps waits with training, and on
-    cores that generation and training share, that idle time is the most it can win back."""
+    so the share says how latency-bound the rollouts are. Async GRPO overlaps waits with training; on cores
+    that generation and training share, the waits are the idle time overlap can win back (their share of the
+    whole step, training included, bounds that gain at equal work)."""
     return {"episodes/environment_s": environment_s,
             "episodes/environment_share": environment_s / generation_s if generation_s > 0 else 0.0}
 

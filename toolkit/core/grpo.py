@@ -337,6 +337,17 @@ class Rollout:
     sampler_versions: list[list[int]] | None = None
 
 
+def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn` takes keyword `name` (by name or through **kwargs)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 class GRPOTrainer(Trainer):
     """GRPO on prompt-only (or prompt-completion; the completion is ignored) data with reward functions.
 
@@ -559,15 +570,20 @@ class GRPOTrainer(Trainer):
         self.generation_backend.sync_weights(self.model)
         G = self.args.num_generations
         timings: dict[str, float] = {}
+        # a subclass's run_episodes written before `timings` existed is called as before (and logs no waits)
+        takes_timings = _accepts_keyword(self.run_episodes, "timings")
+        t_episodes = time.perf_counter()
         episodes = self.run_episodes([self.rows[i] for i in row_indices for _ in range(G)], self.sampling,
                                      seed=generation_seed(self.args.seed, self.state.global_step,
                                                           self.accelerator.process_index), group_size=G,
-                                     timings=timings)
+                                     **({"timings": timings} if takes_timings else {}))
         from .environments import environment_wait_metrics
 
-        t_gen = time.perf_counter() - t0
-        rollout = self.rollout_from_episodes(row_indices, episodes, t_gen)
-        rollout.metrics.update(environment_wait_metrics(timings["environment_s"], t_gen))
+        now = time.perf_counter()
+        rollout = self.rollout_from_episodes(row_indices, episodes, now - t0)
+        if "environment_s" in timings:
+            # over the episodes' time (as the async worker's rounds), not the weight sync before them
+            rollout.metrics.update(environment_wait_metrics(timings["environment_s"], now - t_episodes))
         return rollout
 
     def rollout_from_episodes(self, row_indices: Sequence[int], episodes: Sequence[Any], t_gen: float) -> Rollout:
