@@ -408,7 +408,7 @@ def main() -> None:
     if args.list:
         for b in BENCHES:
             needs = "; ".join(f"needs {p}" for p, _ in b.needs)
-            print(f"{b.name:22s} {b.group:5s} ~{b.minutes:3d} min  bench/{b.script} {' '.join(b.args)}  {needs}")
+            print(f"{b.name:26s} {b.group:5s} ~{b.minutes:3d} min  bench/{b.script} {' '.join(b.args)}  {needs}")
         return
     info_path = RESULTS / "run_all.json"
     if args.table:

@@ -338,14 +338,16 @@ class Rollout:
 
 
 def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
-    """Whether `fn` takes keyword `name` (by name or through **kwargs)."""
+    """Whether `fn` takes keyword `name` (by name or through **kwargs; a **kwargs wrapper around a function that
+    does not take it cannot be told apart)."""
     import inspect
 
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return any((p.name == name and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+               or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class GRPOTrainer(Trainer):
