@@ -104,6 +104,42 @@ def test_stop_tokens_end_completions_and_seed_reproduces():
     assert stopped and all(c.token_ids[-1] == 5 and 5 not in c.token_ids[:-1] for c in stopped)
 
 
+@pytest.mark.parametrize("shared_start", [False, True])
+def test_finished_rows_leave_the_batch_and_the_others_sample_the_same_tokens(shared_start):
+    """Once a quarter of the batch has stopped, those rows are dropped from it and from the KV cache. Every step
+    still draws one uniform per sequence of the whole batch, so the rows left sample what they would have sampled
+    with every row kept (tokens equal; log-probs equal up to the rounding of a smaller batch's kernels)."""
+    tok, model = tiny_tokenizer(), tiny_model().eval()
+    rows_per_forward = []
+    model.register_forward_pre_hook(lambda m, a, kw: rows_per_forward.append(kw["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    prompts = _shared_start_prompts(tok) if shared_start else _prompts(tok)
+    params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=tuple(range(100, 140)))  # ~10%: rows stop apart
+    runs = {}
+    for compact in (False, True):
+        backend = TransformersBackend(model, pad_token_id=tok.pad_token_id)
+        backend.compact_finished_rows = compact
+        rows_per_forward.clear()
+        runs[compact] = (backend.generate(prompts, params, n=4, seed=11), list(rows_per_forward))
+    (kept, kept_rows), (compacted, compacted_rows) = runs[False], runs[True]
+    assert [[c.token_ids for c in g] for g in compacted] == [[c.token_ids for c in g] for g in kept]
+    assert [[c.finish_reason for c in g] for g in compacted] == [[c.finish_reason for c in g] for g in kept]
+    for g_kept, g_compacted in zip(kept, compacted):
+        for a, b in zip(g_kept, g_compacted):
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=1e-5)
+    lengths = sorted(len(c.token_ids) for g in kept for c in g)
+    assert lengths[0] < lengths[-1] and lengths[2] < 24  # the check is not vacuous: rows did stop at different steps
+    prefill = 2 if shared_start else 1  # forwards before the first decode step
+    decode_kept, decode_compacted = kept_rows[prefill:], compacted_rows[prefill:]
+    assert set(decode_kept) == {12} and len(decode_compacted) == len(decode_kept)  # as many steps, the longest row's
+    assert decode_compacted == sorted(decode_compacted, reverse=True) and decode_compacted[-1] < 12
+    # each decode forward runs on the rows not yet finished, plus those finished since the last drop (under a
+    # quarter of the batch: at a quarter they are dropped)
+    for step, rows in enumerate(decode_compacted, start=1):
+        running = sum(1 for n in lengths if n > step)
+        assert running <= rows and 4 * (rows - running) < rows, (step, rows, running)
+
+
 def test_truncate_logits_top_k_top_p_min_p():
     z = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert torch.isinf(truncate_logits(z, top_k=2)[0, 2:]).all() and torch.isfinite(truncate_logits(z, top_k=2)[0, :2]).all()

@@ -38,6 +38,24 @@ def test_the_same_seed_draws_the_same_tokens_and_log_probs_match_the_softmax():
     torch.testing.assert_close(a[1], expected)
 
 
+def test_given_uniforms_are_the_draws_the_generator_would_have_made_and_a_row_draws_only_its_own():
+    """The decode loop draws one uniform per sequence of the whole batch and samples the rows still decoding with
+    theirs: given uniforms must be used exactly as drawn ones, row by row."""
+    import pytest
+
+    logits = torch.randn(6, 700, generator=torch.Generator().manual_seed(8))  # over _CDF_BLOCK: two-level cdf
+    params = SamplingParams(max_tokens=1, temperature=0.9)
+    drawn = sample_tokens(logits, params, torch.Generator().manual_seed(9))
+    u = torch.rand((6, 1), generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    given = sample_tokens(logits, params, None, uniforms=u)
+    assert torch.equal(given[0], drawn[0]) and torch.equal(given[1], drawn[1])
+    some = torch.tensor([1, 4, 5])  # a batch that lost rows 0, 2 and 3
+    part = sample_tokens(logits[some], params, None, uniforms=u[some].squeeze(-1))
+    assert torch.equal(part[0], drawn[0][some])
+    with pytest.raises(ValueError, match="5 uniforms for 6 rows"):
+        inverse_cdf_sample(torch.softmax(logits, -1), None, uniforms=u[:5])
+
+
 def test_rows_that_are_not_a_distribution_stop_with_the_reason_not_a_token():
     import pytest
 
