@@ -1,6 +1,6 @@
 """Regenerate bench/results/ and the table in bench/README.md, one benchmark after another.
 
-    python bench/run_all.py                       # the core group (ceiling, SFT, DPO, GRPO, PPO vs TRL): ~35 min
+    python bench/run_all.py                       # the core group (ceiling, SFT, DPO, GRPO, PPO vs TRL, decode): ~40 min
     python bench/run_all.py --group all           # every benchmark whose inputs exist: several hours
     python bench/run_all.py --only ppo_vs_trl     # one (or a few) by name
     python bench/run_all.py --table               # only rebuild bench/README.md from the results as they are
@@ -58,6 +58,7 @@ BENCHES = [
     Bench("dpo_vs_trl", "dpo_vs_trl.py", "core", 7),
     Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 4),
     Bench("ppo_vs_trl", "ppo_vs_trl.py", "core", 5, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
+    Bench("decode_batch", "decode_batch.py", "core", 5),
     Bench("grpo_vllm", "grpo_vllm.py", "vllm", 14, python=".venv-vllm",
           needs=[(".venv-vllm/bin/python", "bash scripts/setup-vllm.sh")]),
     Bench("multiprocess", "multi_process.py", "long", 8, args=["--steps", "3"]),
@@ -261,6 +262,16 @@ def table_rows() -> list[list[str]]:
                          f"{t['sec_per_update']:.1f}; {t['peak_rss_mb']:.0f} MB (TRL 1.8)",
                          f"{t['sec_per_update'] / o['sec_per_update']:.2f}x speed, "
                          f"{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory{tokens}", "-", _when(d)])
+    d = _load("decode_batch")
+    if d:
+        for cap, r in d["results"].items():
+            o, k, t = r["dropped"], r["kept"], r["transformers"]
+            rows.append(["decode_batch", f"decode tokens/s, 4 prompts x 8 samples, max {cap} new tokens (ours drops "
+                         f"finished rows; kept: {k['tokens_per_s']:.0f} tokens/s, so dropping is "
+                         f"{k['seconds'] / o['seconds']:.2f}x)",
+                         f"{o['tokens_per_s']:.0f}", f"{t['tokens_per_s']:.0f} (transformers generate)",
+                         f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x tokens/s; generated tokens "
+                         f"{o['generated_tokens']} vs {t['generated_tokens']}", "-", _when(d)])
     d = _load("grpo_vllm")
     if d:
         res = d["results"]

@@ -104,23 +104,36 @@ def test_stop_tokens_end_completions_and_seed_reproduces():
     assert stopped and all(c.token_ids[-1] == 5 and 5 not in c.token_ids[:-1] for c in stopped)
 
 
+def _generate_with_and_without_dropping(prompts, params, make_backend, *, seed):
+    """{drop finished rows?: (groups, rows of each forward)}, each run with a backend from make_backend()."""
+    runs = {}
+    for compact in (False, True):
+        backend, model = make_backend()
+        rows_per_forward = []
+        model.register_forward_pre_hook(lambda m, a, kw: rows_per_forward.append(kw["input_ids"].shape[0]),
+                                        with_kwargs=True)
+        backend._compact_finished_rows = compact
+        runs[compact] = (backend.generate(prompts, params, n=4, seed=seed), rows_per_forward)
+    return runs
+
+
+_STOP_APART = tuple(range(100, 140))  # ~10% of the tiny vocabulary: rows stop at different steps
+
+
 @pytest.mark.parametrize("shared_start", [False, True])
 def test_finished_rows_leave_the_batch_and_the_others_sample_the_same_tokens(shared_start):
     """Once a quarter of the batch has stopped, those rows are dropped from it and from the KV cache. Every step
     still draws one uniform per sequence of the whole batch, so the rows left sample what they would have sampled
     with every row kept (tokens equal; log-probs equal up to the rounding of a smaller batch's kernels)."""
-    tok, model = tiny_tokenizer(), tiny_model().eval()
-    rows_per_forward = []
-    model.register_forward_pre_hook(lambda m, a, kw: rows_per_forward.append(kw["input_ids"].shape[0]),
-                                    with_kwargs=True)
+    tok = tiny_tokenizer()
+
+    def make_backend():
+        model = tiny_model().eval()
+        return TransformersBackend(model, pad_token_id=tok.pad_token_id), model
+
     prompts = _shared_start_prompts(tok) if shared_start else _prompts(tok)
-    params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=tuple(range(100, 140)))  # ~10%: rows stop apart
-    runs = {}
-    for compact in (False, True):
-        backend = TransformersBackend(model, pad_token_id=tok.pad_token_id)
-        backend.compact_finished_rows = compact
-        rows_per_forward.clear()
-        runs[compact] = (backend.generate(prompts, params, n=4, seed=11), list(rows_per_forward))
+    params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=_STOP_APART)
+    runs = _generate_with_and_without_dropping(prompts, params, make_backend, seed=11)
     (kept, kept_rows), (compacted, compacted_rows) = runs[False], runs[True]
     assert [[c.token_ids for c in g] for g in compacted] == [[c.token_ids for c in g] for g in kept]
     assert [[c.finish_reason for c in g] for g in compacted] == [[c.finish_reason for c in g] for g in kept]
@@ -140,9 +153,61 @@ def test_finished_rows_leave_the_batch_and_the_others_sample_the_same_tokens(sha
         assert running <= rows and 4 * (rows - running) < rows, (step, rows, running)
 
 
+def test_rows_dropped_before_an_in_flight_update_leave_the_others_tokens_and_versions_as_they_were():
+    """New weights arrive after rows were dropped: the rebuilt cache holds the rows left only, and every row's
+    tokens, log-probs and versions equal those of the loop that kept every row."""
+    tok = tiny_tokenizer()
+    new = tiny_model(seed=1)
+
+    def make_backend():
+        model = tiny_model(seed=0).eval()
+        calls = []
+
+        def refresh():
+            calls.append(1)
+            if len(calls) == 8:  # after the 8th sampled token: version 1
+                model.load_state_dict(new.state_dict())
+                return 1
+            return None
+
+        return TransformersBackend(model, pad_token_id=tok.pad_token_id, refresh_weights=refresh, version=0), model
+
+    params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=_STOP_APART)
+    runs = _generate_with_and_without_dropping(_prompts(tok), params, make_backend, seed=11)
+    (kept, kept_rows), (compacted, compacted_rows) = runs[False], runs[True]
+    for g_kept, g_compacted in zip(kept, compacted):
+        for a, b in zip(g_kept, g_compacted):
+            assert (b.token_ids, b.versions, b.finish_reason) == (a.token_ids, a.versions, a.finish_reason)
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=1e-5)
+    versions = [c.versions for g in kept for c in g]
+    assert any(1 in v for v in versions) and any(v and 1 not in v for v in versions)  # some rows saw the update
+    # the refresh prefill (the 9th forward: prefill + 7 decode steps before it) ran on fewer rows than the batch
+    assert kept_rows[8] == 12 and compacted_rows[8] < 12
+
+
+def test_a_bfloat16_copy_drops_finished_rows_too():
+    """The cast copy decodes with the same loop: each completion ends at its first stop token or at the cap, with
+    a log-prob per token (its tokens may differ from the kept loop's by bfloat16 rounding at another batch size,
+    so they are not compared)."""
+    tok, model = tiny_tokenizer(), tiny_model().eval()
+    rows_per_forward = []
+    backend = TransformersBackend(model, pad_token_id=tok.pad_token_id, dtype="bfloat16")
+    backend._generation_model().register_forward_pre_hook(
+        lambda m, a, kw: rows_per_forward.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=_STOP_APART)
+    groups = backend.generate(_prompts(tok), params, n=4, seed=11)
+    for c in (c for g in groups for c in g):
+        assert all(t not in _STOP_APART for t in c.token_ids[:-1])
+        assert (c.finish_reason == "stop" and c.token_ids[-1] in _STOP_APART
+                or c.finish_reason == "length" and len(c.token_ids) == 24)
+        assert len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs)
+    assert rows_per_forward[1] == 12 and min(rows_per_forward[1:]) < 12  # rows were dropped on the copy too (0: prefill)
+
+
 def test_truncate_logits_top_k_top_p_min_p():
     z = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    assert torch.isinf(truncate_logits(z, top_k=2)[0, 2:]).all() and torch.isfinite(truncate_logits(z, top_k=2)[0, :2]).all()
+    assert torch.isinf(truncate_logits(z, top_k=2)[0, 2:]).all()
+    assert torch.isfinite(truncate_logits(z, top_k=2)[0, :2]).all()
     kept = torch.isfinite(truncate_logits(z, top_p=0.7)[0]).tolist()
     assert kept == [True, True, False, False]  # 0.5 < 0.7, 0.5 + 0.3 reaches it
     kept = torch.isfinite(truncate_logits(z, min_p=0.5)[0]).tolist()

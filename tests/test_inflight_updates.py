@@ -51,12 +51,15 @@ def test_a_completion_continues_under_new_weights_and_each_token_carries_its_ver
     assert backend.version == 7
 
 
-def test_rows_that_finished_before_the_update_and_several_chunks_keep_exact_logprobs():
-    """Stop tokens end some rows before the refresh (the rebuilt cache then has masked gaps), and a small
-    max_batch_size splits the prompts into chunks: the update lands in the first chunk, the second runs on it."""
+@pytest.mark.parametrize("drop_finished", [False, True])
+def test_rows_that_finished_before_the_update_and_several_chunks_keep_exact_logprobs(drop_finished):
+    """Stop tokens end some rows before the refresh, and a small max_batch_size splits the prompts into chunks:
+    the update lands in the first chunk, the second runs on it. Keeping finished rows, the rebuilt cache has
+    masked gaps; dropping them (a quarter of a 4-row chunk is one row), it holds the rows left only."""
     old, new = tiny_model(seed=0), tiny_model(seed=1)
     model = tiny_model(seed=0).eval()
-    calls = []
+    calls, rows_per_forward = [], []
+    model.register_forward_pre_hook(lambda m, a, kw: rows_per_forward.append(kw["input_ids"].shape), with_kwargs=True)
 
     def refresh():
         calls.append(1)
@@ -66,6 +69,7 @@ def test_rows_that_finished_before_the_update_and_several_chunks_keep_exact_logp
         return None
 
     backend = TransformersBackend(model, pad_token_id=2, refresh_weights=refresh, version=0, max_batch_size=4)
+    backend._compact_finished_rows = drop_finished
     prompts_ = [[5, 9, 11, 4], [7, 8], [20, 21, 22], [6]]
     stop = tuple(range(100, 260))  # ~40% of the vocabulary: rows stop at different steps
     groups = backend.generate(prompts_, SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=stop), n=4,
@@ -80,6 +84,8 @@ def test_rows_that_finished_before_the_update_and_several_chunks_keep_exact_logp
             torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=2e-4, rtol=1e-4)
     # rows that ended under the old weights, rows that switched mid-way, rows (later chunks) all on the new ones
     assert kinds == {(True, False), (True, True), (False, True)}
+    refill = next(shape for shape in rows_per_forward[1:] if shape[1] > 1)  # the first chunk's rebuilt cache
+    assert (refill[0] < 4) == drop_finished
 
 
 def test_without_refresh_no_versions_are_reported():

@@ -344,6 +344,18 @@ def _refresh_copy(dst: torch.nn.Module, src: torch.nn.Module) -> bool:
 _DROP_FINISHED_AT = 0.25
 
 
+def _rows_can_be_dropped(cache: Any) -> bool:
+    """Whether every layer of a (prefilled) cache holds only keys and values, which `batch_select_indices` cuts
+    down. A layer that also keeps a recurrent or convolutional state (hybrid models) has no such method or would
+    cut the keys alone; those caches keep every row to the end."""
+    from transformers import cache_utils
+
+    plain = tuple(getattr(cache_utils, name) for name in ("DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer")
+                  if hasattr(cache_utils, name))
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in plain for layer in layers)
+
+
 class TransformersBackend:
     """Batched, KV-cached sampling with the training model itself (so weights never need syncing), or with a copy
     of it in another dtype, refreshed at each call (`dtype`, below).
@@ -351,11 +363,11 @@ class TransformersBackend:
     Efficient on CPU: each prompt is prefilled once and its KV cache shared by its `n` samples
     (GRPO's G generations of one prompt differ only after the prompt), and the start all of a batch's prompts
     share (a chat template's system prompt) is prefilled once for all of them; all sequences then decode
-    together, one forward per token, computing the LM head for the last position only; finished
-    sequences stop counting and leave the batch and its KV cache once a quarter of it has finished (each step
-    still draws one uniform per sequence, finished or not, so a sequence's tokens do not depend on when the
-    others finished, up to the rounding of a smaller batch's kernels), and the loop ends when all are done
-    (under FSDP2, where rows are not dropped, when all are done on every rank: each forward all-gathers the sharded weights, so the ranks decode in lockstep). Under FSDP2 a
+    together, one forward per token, computing the LM head for the last position only; finished sequences stop
+    counting and leave the batch and its KV cache once a quarter of it has finished (each step still draws one
+    uniform per sequence, finished or not, so a sequence's draws do not depend on when the others finished), and
+    the loop ends when all are done. Under FSDP2 no row is dropped and the loop ends when all are done on every
+    rank: each forward all-gathers the sharded weights, so the ranks decode in lockstep. Under FSDP2 a
     call also runs as many batches (chunks of `max_batch_size` sequences) on every rank: a rank with fewer
     prompts, none included (multi-turn episodes end at different turns on different ranks), steps a one-token
     placeholder batch that is done from its first token and returns nothing.
@@ -399,8 +411,8 @@ class TransformersBackend:
 
     # Drop finished sequences from the batch and its KV cache as decoding goes on (see _generate_chunk). The
     # tokens are the same either way up to the rounding of batch-size-dependent kernels; False keeps every row to
-    # the end (the comparison in tests/test_generation.py).
-    compact_finished_rows: bool = True
+    # the end (the comparison in tests/test_generation.py and bench/decode_batch.py).
+    _compact_finished_rows: bool = True
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -505,13 +517,13 @@ class TransformersBackend:
             # The rows still in the batch (indices into the `total` sequences): once a quarter of them have
             # finished they are dropped from the batch and its KV cache, so the late decode steps of a batch with
             # a few long completions run on those rows only (each step also copies the cache, in DynamicCache's
-            # concatenation). Measured on 2 cores, the 135M model, 4 batches of 4 prompts x 8 at temperature 0.7:
-            # 1.42x faster at max 64 tokens, 1.06x at max 16 (dropping at half finished: 1.35x and 0.98x).
-            # Not under FSDP2 (each rank keeps stepping its rows in lockstep, see above), nor for
-            # caches other than plain keys and values (recurrent or sliding-window layers). Each step still draws
-            # one uniform per sequence of the whole batch, finished or not, and samples the rows in the batch with
-            # theirs: a sequence's draws, and so its tokens, do not depend on when the others finished.
-            compact = not lockstep and self.compact_finished_rows and _plain_kv_cache(model)
+            # concatenation). bench/decode_batch.py measures it. Not under FSDP2 (each rank keeps stepping its
+            # rows in lockstep, see above), and only when every cache layer is a plain key/value one (a recurrent
+            # or convolutional state would keep every row). Each step still draws one uniform per sequence of the
+            # whole batch, finished or not, and samples the rows in the batch with theirs: a sequence's draws do
+            # not depend on when the others finished (its tokens, up to the rounding of a smaller batch's kernels).
+            compact = (not lockstep and self._compact_finished_rows and bool(stop.numel())
+                       and _rows_can_be_dropped(cache))
             rows = torch.arange(total)
             rows_dev = rows.to(device)
             for step in range(params.max_tokens):
