@@ -105,15 +105,14 @@ def test_stop_tokens_end_completions_and_seed_reproduces():
 
 
 def _generate_with_and_without_dropping(prompts, params, make_backend, *, seed):
-    """{drop finished rows?: (groups, rows of each forward)}, each run with a backend from make_backend()."""
+    """{drop finished rows?: (groups, [rows, columns] of each forward)}, each with a backend from make_backend()."""
     runs = {}
     for compact in (False, True):
         backend, model = make_backend()
-        rows_per_forward = []
-        model.register_forward_pre_hook(lambda m, a, kw: rows_per_forward.append(kw["input_ids"].shape[0]),
-                                        with_kwargs=True)
+        shapes = []  # [rows, columns] of each forward's input_ids
+        model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
         backend._compact_finished_rows = compact
-        runs[compact] = (backend.generate(prompts, params, n=4, seed=seed), rows_per_forward)
+        runs[compact] = (backend.generate(prompts, params, n=4, seed=seed), shapes)
     return runs
 
 
@@ -134,7 +133,8 @@ def test_finished_rows_leave_the_batch_and_the_others_sample_the_same_tokens(sha
     prompts = _shared_start_prompts(tok) if shared_start else _prompts(tok)
     params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=_STOP_APART)
     runs = _generate_with_and_without_dropping(prompts, params, make_backend, seed=11)
-    (kept, kept_rows), (compacted, compacted_rows) = runs[False], runs[True]
+    (kept, kept_shapes), (compacted, compacted_shapes) = runs[False], runs[True]
+    kept_rows, compacted_rows = [r for r, _ in kept_shapes], [r for r, _ in compacted_shapes]
     assert [[c.token_ids for c in g] for g in compacted] == [[c.token_ids for c in g] for g in kept]
     assert [[c.finish_reason for c in g] for g in compacted] == [[c.finish_reason for c in g] for g in kept]
     for g_kept, g_compacted in zip(kept, compacted):
@@ -174,15 +174,17 @@ def test_rows_dropped_before_an_in_flight_update_leave_the_others_tokens_and_ver
 
     params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=_STOP_APART)
     runs = _generate_with_and_without_dropping(_prompts(tok), params, make_backend, seed=11)
-    (kept, kept_rows), (compacted, compacted_rows) = runs[False], runs[True]
+    (kept, kept_shapes), (compacted, compacted_shapes) = runs[False], runs[True]
     for g_kept, g_compacted in zip(kept, compacted):
         for a, b in zip(g_kept, g_compacted):
             assert (b.token_ids, b.versions, b.finish_reason) == (a.token_ids, a.versions, a.finish_reason)
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=1e-5)
     versions = [c.versions for g in kept for c in g]
     assert any(1 in v for v in versions) and any(v and 1 not in v for v in versions)  # some rows saw the update
-    # the refresh prefill (the 9th forward: prefill + 7 decode steps before it) ran on fewer rows than the batch
-    assert kept_rows[8] == 12 and compacted_rows[8] < 12
+    # the refresh prefill is the 9th forward (prefill + 7 decode steps before it): many columns, and fewer rows
+    # than the batch where finished rows were dropped
+    assert kept_shapes[8][1] > 1 and compacted_shapes[8][1] > 1 and all(c == 1 for _, c in kept_shapes[1:8])
+    assert kept_shapes[8][0] == 12 and compacted_shapes[8][0] < 12
 
 
 def test_a_bfloat16_copy_drops_finished_rows_too():
@@ -196,12 +198,39 @@ def test_a_bfloat16_copy_drops_finished_rows_too():
         lambda m, a, kw: rows_per_forward.append(kw["input_ids"].shape[0]), with_kwargs=True)
     params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=_STOP_APART)
     groups = backend.generate(_prompts(tok), params, n=4, seed=11)
-    for c in (c for g in groups for c in g):
-        assert all(t not in _STOP_APART for t in c.token_ids[:-1])
-        assert (c.finish_reason == "stop" and c.token_ids[-1] in _STOP_APART
-                or c.finish_reason == "length" and len(c.token_ids) == 24)
-        assert len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs)
-    assert rows_per_forward[1] == 12 and min(rows_per_forward[1:]) < 12  # rows were dropped on the copy too (0: prefill)
+    copy = backend._generation_model()
+    for prompt, group in zip(_prompts(tok), groups):
+        for c in group:
+            assert all(t not in _STOP_APART for t in c.token_ids[:-1])
+            assert (c.finish_reason == "stop" and c.token_ids[-1] in _STOP_APART
+                    or c.finish_reason == "length" and len(c.token_ids) == 24)
+            # each token's log-prob is the copy's, given this row's own prefix: a row whose cache was mixed up
+            # with another's when rows were dropped would be far off
+            with torch.no_grad():
+                logits = copy(input_ids=torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1].float()
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=5e-2, rtol=0)
+    assert rows_per_forward[1] == 12 and min(rows_per_forward[1:]) < 12  # rows dropped on the copy too (0: prefill)
+
+
+def test_rows_are_dropped_only_from_caches_of_plain_keys_and_values():
+    """Full-attention, sliding-window and shared (dummy) layers are cut down row by row; a layer that also keeps a
+    recurrent or convolutional state has no such cut (or would cut its keys alone): such caches keep every row."""
+    from types import SimpleNamespace
+
+    from transformers import cache_utils
+
+    from toolkit.core.generation import _rows_can_be_dropped
+
+    def cache(*layers):
+        return SimpleNamespace(layers=list(layers))
+
+    full, window = cache_utils.DynamicLayer(), cache_utils.DynamicSlidingWindowLayer(sliding_window=4)
+    assert _rows_can_be_dropped(cache(full, window, cache_utils.DummyLayer()))
+    assert not _rows_can_be_dropped(cache(full, cache_utils.LinearAttentionLayer()))
+    assert not _rows_can_be_dropped(cache(full, cache_utils.LinearAttentionAndFullAttentionLayer()))
+    assert not _rows_can_be_dropped(cache())  # no layers known: nothing to go by
+    assert _rows_can_be_dropped(cache_utils.DynamicCache(config=tiny_model().config))  # the tiny Llama's own cache
 
 
 def test_truncate_logits_top_k_top_p_min_p():
