@@ -1,6 +1,6 @@
 """Benchmark: our GRPOTrainer against TRL's GRPOTrainer (its default transformers generation), one run.
 
-    python bench/grpo_vs_trl.py              # about 4 minutes on 2 CPU cores
+    python bench/grpo_vs_trl.py              # about 6 minutes on 2 CPU cores
     python bench/grpo_vs_trl.py --steps 6    # more steps, less noise
 
 Same model (the embedded SmolLM2-135M-Instruct), same prompts (generated arithmetic, conversational),
@@ -16,6 +16,11 @@ this is where our step's time goes). It is not the same numerics as TRL's float3
 setting on its transformers path, so it is its own row, with the sampler-trainer log-prob gap it brings (the
 gap the sampler correction, importance_sampling_cap 2, corrects). It pays only where the CPU computes bfloat16
 natively (AMX / AVX-512 BF16); the row prints the CPU flags.
+
+Two more runs put both sides in bfloat16 mixed precision, which is TRL's own default (`bf16=True` unless fp16 is
+set; the first two runs set bf16=False on TRL so that both train in float32): `trl-bf16` is TRL with bf16=True,
+`toolkit-bf16` ours with bf16=True (autocast over the forward, float32 weights and optimizer) and the bfloat16
+generation copy. Both pass `use_cpu=True`, which transformers asks for before it allows bf16 on a CPU.
 """
 
 from __future__ import annotations
@@ -51,7 +56,10 @@ def worker(kind: str, steps: int) -> dict:
     if kind.startswith("toolkit"):
         from toolkit import GRPOConfig, GRPOTrainer
 
-        extra = {"generation_backend_kwargs": {"dtype": "bfloat16"}} if kind == "toolkit-bf16-generation" else {}
+        extra = ({"generation_backend_kwargs": {"dtype": "bfloat16"}}
+                 if kind in ("toolkit-bf16-generation", "toolkit-bf16") else {})
+        if kind == "toolkit-bf16":
+            extra.update(bf16=True, use_cpu=True)
         trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common, **extra), train_dataset=rows,
                               callbacks=[timer])
     else:
@@ -63,7 +71,7 @@ def worker(kind: str, steps: int) -> dict:
             return numeric_match(prompts, completions, completion_ids, answer=kw["answer"])
 
         trainer = TRLTrainer(model=path, reward_funcs=reward, processing_class=None,
-                             args=TRLConfig(**common, use_cpu=True, bf16=False,
+                             args=TRLConfig(**common, use_cpu=True, bf16=kind == "trl-bf16",
                                             model_init_kwargs={"dtype": torch.float32}),
                              train_dataset=Dataset.from_list(rows), callbacks=[timer])
     trainer.train()
@@ -91,7 +99,7 @@ def worker(kind: str, steps: int) -> dict:
 
 def main() -> None:
     args = bench_args(__doc__, worker, default_steps=4)
-    results = run_each(__file__, ("toolkit", "trl", "toolkit-bf16-generation"), args.steps,
+    results = run_each(__file__, ("toolkit", "trl", "toolkit-bf16-generation", "toolkit-bf16", "trl-bf16"), args.steps,
                        lambda r: f"{r['sec_per_step']:.1f} s/step, peak RSS {r['peak_rss_mb']:.0f} MB")
     o, t, b = results["toolkit"], results["trl"], results["toolkit-bf16-generation"]
     s = SETTINGS
@@ -125,6 +133,21 @@ def main() -> None:
     if b["sampler_logp_gap_mean"] is not None and o["sampler_logp_gap_mean"] is not None:
         print(f"| ours: sampler-trainer log-prob gap, mean per token (float32 generation: "
               f"{o['sampler_logp_gap_mean']:.1e}) | {b['sampler_logp_gap_mean']:.1e} | | |")
+    m, tb = results["toolkit-bf16"], results["trl-bf16"]
+    print("\nBoth in bfloat16 mixed precision (bf16=True, TRL's default; ours also generating on its bfloat16 copy)")
+    print("| | ours, bf16=True | TRL, bf16=True | ratio (ours/TRL) |")
+    print("|---|---|---|---|")
+    print(f"| seconds per step | {m['sec_per_step']:.1f} | {tb['sec_per_step']:.1f} | "
+          f"{m['sec_per_step'] / tb['sec_per_step']:.2f} (speed-up {tb['sec_per_step'] / m['sec_per_step']:.2f}x) |")
+    print(f"| peak RSS MB | {m['peak_rss_mb']:.0f} | {tb['peak_rss_mb']:.0f} | "
+          f"{m['peak_rss_mb'] / tb['peak_rss_mb']:.2f} |")
+    print(f"| generated tokens (all {args.steps} steps) | {m['generated_tokens']} | {tb['generated_tokens']} | "
+          f"{m['generated_tokens'] / max(tb['generated_tokens'], 1):.2f} |")
+    if m["generation_s_per_step"] is not None:
+        print(f"| ours: generation s/step | {m['generation_s_per_step']:.1f} | | |")
+        print(f"| ours: training s/step (float32 run: {o['train_s_per_step']:.1f}) | {m['train_s_per_step']:.1f} | | |")
+    if m["sampler_logp_gap_mean"] is not None:
+        print(f"| ours: sampler-trainer log-prob gap, mean per token | {m['sampler_logp_gap_mean']:.1e} | | |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": s, "steps": args.steps, "results": results, "provenance": provenance()}, f,

@@ -56,7 +56,7 @@ BENCHES = [
     Bench("logps_memory", "logps_memory.py", "core", 1, json_flag=False),
     Bench("sft_vs_trl", "sft_vs_trl.py", "core", 9),  # TRL at its defaults; --trl-no-gc adds the other rows
     Bench("dpo_vs_trl", "dpo_vs_trl.py", "core", 7),
-    Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 4),
+    Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 6),
     Bench("ppo_vs_trl", "ppo_vs_trl.py", "core", 5, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
     Bench("decode_batch", "decode_batch.py", "core", 5),
     Bench("grpo_vllm", "grpo_vllm.py", "vllm", 14, python=".venv-vllm",
@@ -248,6 +248,15 @@ def table_rows() -> list[list[str]]:
                          f"{t['sec_per_step'] / b['sec_per_step']:.2f}x speed, "
                          f"{b['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory; generated tokens "
                          f"{b['generated_tokens']} vs {t['generated_tokens']}", "-", _when(d)])
+        m, tb = d["results"].get("toolkit-bf16"), d["results"].get("trl-bf16")
+        if m and tb:
+            rows.append(["grpo_vs_trl", "GRPO s/step; peak RSS, both in bfloat16 mixed precision (bf16=True, TRL's "
+                         "default; ours generating on its bfloat16 copy)",
+                         f"{m['sec_per_step']:.1f}; {m['peak_rss_mb']:.0f} MB",
+                         f"{tb['sec_per_step']:.1f}; {tb['peak_rss_mb']:.0f} MB",
+                         f"{tb['sec_per_step'] / m['sec_per_step']:.2f}x speed, "
+                         f"{m['peak_rss_mb'] / tb['peak_rss_mb']:.2f}x memory; generated tokens "
+                         f"{m['generated_tokens']} vs {tb['generated_tokens']}", "-", _when(d)])
     d = _load("ppo_vs_trl")
     if d:
         t = d["results"]["trl"]

@@ -115,3 +115,73 @@ def test_separate_layout_log_probs_equal_the_shared_layout_on_cpu():
         shared = completion_logps(model, build("shared_prompt"))
         separate = completion_logps(model, build("separate"))
     torch.testing.assert_close(shared, separate, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_small_low_precision_segments_on_cpu_attend_in_float32(dtype):
+    """Packed layouts make one sdpa call per segment; on CPU a small bf16/fp16 one runs in float32 (torch's
+    low-precision CPU kernel pays a fixed cost per call) and comes back in the dtype that kernel would return,
+    forward and backward, also inside an autocast region. Large segments keep the low-precision kernel."""
+    import torch.nn.functional as F
+
+    from toolkit.core.attention import _CPU_FLOAT32_BELOW, _segment_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 12, 16, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(1, 2, 20, 16, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(1, 2, 20, 16, generator=g).to(dtype).requires_grad_()
+    mask = torch.ones(12, 20, dtype=torch.bool)
+    mask[:, 8:] = torch.ones(12, 12, dtype=torch.bool).tril()
+    out = _segment_sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert out.dtype == dtype
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(out.float(), ref.to(dtype).float())  # computed in float32, rounded once at the end
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad.to(dtype))
+    ref.backward(grad.to(dtype).float())
+    for low, full in ((q, q32), (k, k32), (v, v32)):
+        assert low.grad.dtype == dtype
+        torch.testing.assert_close(low.grad.float(), full.grad.to(dtype).float(), rtol=0, atol=0)
+    # bf16=True training: autocast on, query and key in float32 (the rotary embedding promotes them), value in bf16
+    q32, k32 = (t.detach().float() for t in (q, k))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = _segment_sdpa(q32, k32, v.detach(), attn_mask=mask, enable_gqa=True)
+    assert mixed.dtype == torch.bfloat16
+    expected = F.scaled_dot_product_attention(q32, k32, v.detach().float(), attn_mask=mask, enable_gqa=True)
+    assert torch.equal(mixed, expected.bfloat16())
+    big = torch.randn(1, 1, 300, 8, dtype=dtype)
+    assert 300 * 300 >= _CPU_FLOAT32_BELOW
+    torch.testing.assert_close(_segment_sdpa(big, big, big, is_causal=True),
+                               F.scaled_dot_product_attention(big, big, big, is_causal=True), rtol=0, atol=0)
+
+
+def test_grpo_with_bf16_true_trains_its_packed_segments_in_float32_attention(tmp_path, monkeypatch):
+    """bf16=True on CPU: accelerate wraps the forward in autocast and the rotary embedding hands query and key over
+    in float32, so the low-precision check must look at autocast too. Every segment of the training forward
+    reaches the kernel in float32 with autocast off, and the step trains the float32 weights."""
+    import torch.nn.functional as F
+
+    import toolkit.core.attention as attention
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no", bf16=True,
+                      use_cpu=True, per_device_train_batch_size=4, num_generations=2, max_completion_length=4,
+                      learning_rate=1e-2, temperature=1.0)
+    trainer = GRPOTrainer(model, [lambda completions, **kw: [float(len(c)) for c in completions]], args,
+                          train_dataset=[{"prompt": "a b"}, {"prompt": "c d e"}] * 2, processing_class=tiny_tokenizer())
+    trainer.train()
+    training = [s for s in seen if s[0]]
+    assert training, "the training forward never reached the packed attention"
+    assert all(s[1:] == (False, torch.float32, torch.float32, torch.float32) for s in training), set(training)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))

@@ -107,6 +107,24 @@ def test_chunked_logps_bf16_upcasts_the_head():
     torch.testing.assert_close(ours, _naive_logps(hidden.float(), weight.float(), targets), rtol=1e-5, atol=1e-5)
 
 
+def test_chunked_logps_upcast_holds_under_autocast():
+    """A wrapper's bf16 autocast region must not take the promised float32 LM head back to bfloat16."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(9, 64, generator=g)
+    weight = torch.randn(500, 64, generator=g)
+    targets = torch.randint(0, 500, (9,), generator=g)
+    reference = _naive_logps(hidden, weight, targets)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        upcast = chunked_token_logps(hidden, weight, targets, chunk_size=4, upcast=True)
+        entropy = chunked_entropy(hidden, weight, chunk_size=4, upcast=True)
+        low = chunked_token_logps(hidden, weight, targets, chunk_size=4, upcast=False)
+    torch.testing.assert_close(upcast, reference, rtol=1e-5, atol=1e-5)
+    p = torch.softmax(hidden @ weight.t(), -1)
+    torch.testing.assert_close(entropy, -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-5)
+    # without upcast autocast applies as the caller asked: the bfloat16 product is visibly different
+    assert (low - reference).abs().max() > 1e-3
+
+
 def test_chunked_logps_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"hidden \[N, H\]"):
         chunked_token_logps(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long))

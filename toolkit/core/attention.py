@@ -63,6 +63,32 @@ class _Segments:
         return self.t[:, :, start:end]
 
 
+# Below this many query x key positions, a bfloat16 / float16 segment on CPU is attended in float32 and cast back.
+# torch's CPU flash-attention kernel pays a fixed cost per call in low precision, mostly in backward: forward +
+# backward of a 10-token segment took 1.0 ms in bfloat16 against 0.17 ms in float32 (0.23 ms cast up and back),
+# and the packed layouts make one call per segment (56 per layer in the GRPO benchmark), so bf16 mixed-precision
+# training ran slower than float32. The two cross near 256 x 256 positions; above it bfloat16 is the faster
+# (measured on the 2-core Xeon, torch 2.13; bench/grpo_vs_trl.py's bf16 rows show the step).
+_CPU_FLOAT32_BELOW = 256 * 256
+
+
+def _segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` for one segment; small low-precision CPU segments in float32.
+
+    Low precision is the inputs' dtype or, under CPU autocast (bf16=True: accelerate wraps the forward in it),
+    the autocast dtype: there the rotary embedding hands query and key over in float32 and autocast would run the
+    kernel in bfloat16. The result comes back in the dtype the kernel would have returned.
+    """
+    if q.device.type == "cpu" and q.shape[2] * k.shape[2] < _CPU_FLOAT32_BELOW:
+        low = {t.dtype for t in (q, k, v)} & {torch.bfloat16, torch.float16}
+        autocast = torch.is_autocast_enabled("cpu")
+        if low or autocast:
+            out_dtype = torch.get_autocast_dtype("cpu") if autocast else q.dtype
+            with torch.autocast("cpu", enabled=False):
+                return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(out_dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def _shared_prefix_attention(query, key, value, groups, dropout: float, scaling: float | None, gqa: bool,
                              context: tuple[int, int] | None = None):
     """Attention for rows laid out as [context] [prompt | completion_1 | ... | completion_G] per group.
@@ -80,8 +106,8 @@ def _shared_prefix_attention(query, key, value, groups, dropout: float, scaling:
     ctx_k = ctx_v = None
     if context is not None and context[1] > context[0]:
         c0, c1 = context
-        outs.append(F.scaled_dot_product_attention(q(c0, c1), k_(c0, c1), v_(c0, c1),
-                                                   is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+        outs.append(_segment_sdpa(q(c0, c1), k_(c0, c1), v_(c0, c1),
+                                  is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
         ctx_k, ctx_v = k_(c0, c1), v_(c0, c1)
 
     def after(prefix_k, prefix_v, start, end):
@@ -91,15 +117,14 @@ def _shared_prefix_attention(query, key, value, groups, dropout: float, scaling:
         v = torch.cat([prefix_v, v_(start, end)], dim=2)
         mask = torch.ones(n, n_prefix + n, dtype=torch.bool, device=query.device)
         mask[:, n_prefix:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-        return F.scaled_dot_product_attention(q(start, end), k, v, attn_mask=mask, dropout_p=dropout,
-                                              scale=scaling, enable_gqa=gqa)
+        return _segment_sdpa(q(start, end), k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
 
     for p_start, p_end, completions in groups:
         kp, vp = k_(p_start, p_end), v_(p_start, p_end)
         if p_end > p_start:
             if ctx_k is None:
-                outs.append(F.scaled_dot_product_attention(q(p_start, p_end), kp, vp, is_causal=True,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+                outs.append(_segment_sdpa(q(p_start, p_end), kp, vp, is_causal=True,
+                                          dropout_p=dropout, scale=scaling, enable_gqa=gqa))
             else:
                 outs.append(after(ctx_k, ctx_v, p_start, p_end))
         if ctx_k is not None:  # the whole prompt: the shared context, then this group's own part of it
@@ -134,8 +159,8 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     for start, end in bounds:
         if end <= start:
             continue
-        outs.append(F.scaled_dot_product_attention(q(start, end), k(start, end), v(start, end),
-                                                   is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+        outs.append(_segment_sdpa(q(start, end), k(start, end), v(start, end),
+                                  is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
     out = torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

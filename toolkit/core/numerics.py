@@ -10,6 +10,7 @@ H for hidden size and V for vocabulary size.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Literal
 
@@ -52,9 +53,13 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if upcast and h.dtype != torch.float32:
         h, weight = h.float(), weight.float()
         bias = bias.float() if bias is not None else None
-    logits = h @ weight.t()
-    if bias is not None:
-        logits = logits + bias
+    # Under autocast (a wrapper's mixed-precision region) the product would be taken back to bfloat16 / float16
+    # whatever its inputs: `upcast` promises float32, so autocast is off for it.
+    with torch.autocast(h.device.type, enabled=False) if upcast and torch.is_autocast_enabled(h.device.type) \
+            else contextlib.nullcontext():
+        logits = h @ weight.t()
+        if bias is not None:
+            logits = logits + bias
     return logits.float()
 
 
