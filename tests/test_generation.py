@@ -448,3 +448,25 @@ def test_a_cast_copy_follows_in_flight_updates_and_is_rebuilt_for_another_model(
     backend.generate(_prompts(tok), SamplingParams(max_tokens=2), n=1, seed=0)
     assert backend._copy is not second
     assert backend._copy.lm_head.weight.shape[0] == other.config.vocab_size
+
+
+def test_bf16_true_with_float32_weights_and_no_generation_dtype_warns(tmp_path, caplog):
+    """bf16=True alone decodes under accelerate's autocast with float32 weights (a cast of every weight at every
+    decode step): the trainer says so and names the setting; not when a dtype is given or training is float32."""
+    import logging
+
+    from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+
+    def build(**kw):
+        args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
+                          per_device_train_batch_size=2, num_generations=2, use_cpu=True, **kw)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="toolkit.core.generation"):
+            GRPOTrainer(tiny_model(), [lambda completions, **k: [0.0] * len(completions)], args,
+                        train_dataset=[{"prompt": "a"}] * 2, processing_class=tiny_tokenizer())
+        return [r.getMessage() for r in caplog.records if r.name == "toolkit.core.generation"]
+
+    said = build(bf16=True)
+    assert len(said) == 1 and "generation_backend_kwargs={'dtype': 'bfloat16'}" in said[0]
+    assert build(bf16=True, generation_backend_kwargs={"dtype": "bfloat16"}) == []
+    assert build() == []

@@ -54,11 +54,12 @@ def toolkit_register_generation_backends():
     def transformers(model, tokenizer, config):
         """Generation with the training model itself (no copy, no weight sync needed; kwargs: dtype, to decode
         with a copy of the weights in that dtype)."""
-        from .generation import TransformersBackend
+        from .generation import TransformersBackend, _warn_mixed_precision_generation
 
+        kwargs = config.generation_backend_kwargs or {}
+        _warn_mixed_precision_generation(model, config, kwargs)
         return TransformersBackend(model, pad_token_id=tokenizer.pad_token_id,
-                                   max_batch_size=config.generation_batch_size,
-                                   **(config.generation_backend_kwargs or {}))
+                                   max_batch_size=config.generation_batch_size, **kwargs)
 
     def vllm(model, tokenizer, config):
         """A vLLM engine in the training process; weights pushed in place (kwargs: model_path, sync_every,
