@@ -156,32 +156,59 @@ def test_small_low_precision_segments_on_cpu_attend_in_float32(dtype):
                                F.scaled_dot_product_attention(big, big, big, is_causal=True), rtol=0, atol=0)
 
 
+def test_float32_and_large_segments_reach_the_kernel_untouched(monkeypatch):
+    """Float32 outside autocast, and segments at or above the threshold, go to sdpa as they are: same tensors."""
+    import toolkit.core.attention as attention
+    from toolkit.core.attention import _segment_sdpa
+
+    got = []
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda q, k, v, **kw: got.append((q, k, v, kw)))
+    small = torch.randn(1, 2, 10, 8)
+    _segment_sdpa(small, small, small, is_causal=True)
+    big = torch.randn(1, 1, 256, 8, dtype=torch.bfloat16)
+    _segment_sdpa(big, big, big, is_causal=True)
+    mixed_q, bf16 = torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8, dtype=torch.bfloat16)
+    _segment_sdpa(mixed_q, bf16, bf16)  # mixed dtypes outside autocast: the kernel's own error, not a silent cast
+    assert [(a is x, b is y, c is z) for (a, b, c, _), (x, y, z) in zip(got, [(small,) * 3, (big,) * 3,
+                                                                              (mixed_q, bf16, bf16)])] == [(True,) * 3] * 3
+    assert got[0][3] == {"is_causal": True}
+
+
 def test_grpo_with_bf16_true_trains_its_packed_segments_in_float32_attention(tmp_path, monkeypatch):
     """bf16=True on CPU: accelerate wraps the forward in autocast and the rotary embedding hands query and key over
-    in float32, so the low-precision check must look at autocast too. Every segment of the training forward
-    reaches the kernel in float32 with autocast off, and the step trains the float32 weights."""
+    in float32 (value in bfloat16). Every packed segment of the training forward reaches the kernel in float32
+    with autocast off."""
     import torch.nn.functional as F
 
     import toolkit.core.attention as attention
 
-    seen = []
-    real = F.scaled_dot_product_attention
+    seen, inside = [], []
+    real_kernel, real_segment = F.scaled_dot_product_attention, attention._segment_sdpa
 
-    def spy(q, k, v, **kwargs):
-        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), q.dtype, k.dtype, v.dtype))
-        return real(q, k, v, **kwargs)
+    def kernel(q, k, v, **kwargs):
+        if inside:  # only what our packed layouts hand the kernel (transformers' own sdpa calls pass here too)
+            seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), q.dtype, k.dtype, v.dtype))
+        return real_kernel(q, k, v, **kwargs)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    def segment(*args, **kwargs):
+        inside.append(1)
+        try:
+            return real_segment(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", kernel)
+    monkeypatch.setattr(attention, "_segment_sdpa", segment)
     model = tiny_model()
     before = [p.detach().clone() for p in model.parameters()]
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no", bf16=True,
                       use_cpu=True, per_device_train_batch_size=4, num_generations=2, max_completion_length=4,
-                      learning_rate=1e-2, temperature=1.0)
+                      learning_rate=1e-2, temperature=1.0, generation_backend_kwargs={"dtype": "bfloat16"})
     trainer = GRPOTrainer(model, [lambda completions, **kw: [float(len(c)) for c in completions]], args,
                           train_dataset=[{"prompt": "a b"}, {"prompt": "c d e"}] * 2, processing_class=tiny_tokenizer())
+    assert model.config._attn_implementation == VARLEN_ATTENTION and trainer.packed_layout == "shared_prompt"
     trainer.train()
     training = [s for s in seen if s[0]]
     assert training, "the training forward never reached the packed attention"
     assert all(s[1:] == (False, torch.float32, torch.float32, torch.float32) for s in training), set(training)
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))  # it did train

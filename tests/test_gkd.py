@@ -255,3 +255,18 @@ def test_place_frozen_leaves_a_dispatched_model_where_it_is():
     assert place_frozen(dispatched, torch.device("cpu")) is dispatched
     plain = tiny_model()
     assert place_frozen(plain, torch.device("cpu")) is plain and plain.device.type == "cpu"
+
+
+def test_fp32_lm_head_holds_inside_a_bf16_autocast_region():
+    """The student's and teacher's heads are float32 under fp32_lm_head even where a wrapper's autocast is on."""
+    from toolkit.experimental.gkd import _chunk_jsd
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(5, 32, generator=g), torch.randn(300, 32, generator=g)
+    th, tw = torch.randn(5, 32, generator=g), torch.randn(300, 32, generator=g)
+    plain = _chunk_jsd(h, w, None, th, tw, None, 0.5, 1.0, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        upcast = _chunk_jsd(h, w, None, th, tw, None, 0.5, 1.0, True)
+        low = _chunk_jsd(h, w, None, th, tw, None, 0.5, 1.0, False)
+    torch.testing.assert_close(upcast, plain, rtol=1e-6, atol=1e-6)
+    assert (low - plain).abs() > 1e-4  # without upcast the caller's autocast applies

@@ -123,6 +123,18 @@ def test_chunked_logps_upcast_holds_under_autocast():
     torch.testing.assert_close(entropy, -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-5)
     # without upcast autocast applies as the caller asked: the bfloat16 product is visibly different
     assert (low - reference).abs().max() > 1e-3
+    # backward() called inside the region too (its LM-head products recomputed and multiplied): float32 gradients
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    _naive_logps(h_ref, w_ref, targets).sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked_token_logps(h, w, targets, chunk_size=4, upcast=True).sum().backward()
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+    # a float32 hidden state before a bfloat16 head: upcast covers the head too
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = chunked_token_logps(hidden, weight.bfloat16(), targets, chunk_size=4, upcast=True)
+    torch.testing.assert_close(mixed, _naive_logps(hidden, weight.bfloat16().float(), targets), rtol=1e-5, atol=1e-5)
 
 
 def test_chunked_logps_rejects_bad_shapes():

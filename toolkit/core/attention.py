@@ -68,8 +68,10 @@ class _Segments:
 # backward of a 10-token segment took 1.0 ms in bfloat16 against 0.17 ms in float32 (0.23 ms cast up and back),
 # and the packed layouts make one call per segment (56 per layer in the GRPO benchmark), so bf16 mixed-precision
 # training ran slower than float32. The two cross near 256 x 256 positions; above it bfloat16 is the faster
-# (measured on the 2-core Xeon, torch 2.13; bench/grpo_vs_trl.py's bf16 rows show the step).
+# (measured on one 2-core AVX-512/AMX Xeon, torch 2.13; another CPU may cross elsewhere).
 _CPU_FLOAT32_BELOW = 256 * 256
+_LOW_PRECISION = {torch.bfloat16, torch.float16}
+_CPU_ATTENTION_DTYPES = _LOW_PRECISION | {torch.float32}
 
 
 def _segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -77,15 +79,21 @@ def _segment_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -
 
     Low precision is the inputs' dtype or, under CPU autocast (bf16=True: accelerate wraps the forward in it),
     the autocast dtype: there the rotary embedding hands query and key over in float32 and autocast would run the
-    kernel in bfloat16. The result comes back in the dtype the kernel would have returned.
+    kernel in bfloat16. The result comes back in the dtype the kernel would have returned. Anything else (float64,
+    mixed dtypes outside autocast, another device) goes to the kernel as it is, errors included.
     """
     if q.device.type == "cpu" and q.shape[2] * k.shape[2] < _CPU_FLOAT32_BELOW:
-        low = {t.dtype for t in (q, k, v)} & {torch.bfloat16, torch.float16}
-        autocast = torch.is_autocast_enabled("cpu")
-        if low or autocast:
-            out_dtype = torch.get_autocast_dtype("cpu") if autocast else q.dtype
-            with torch.autocast("cpu", enabled=False):
-                return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(out_dtype)
+        dtypes = {t.dtype for t in (q, k, v)}
+        if dtypes <= _CPU_ATTENTION_DTYPES:
+            autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in _LOW_PRECISION
+            low = len(dtypes) == 1 and dtypes <= _LOW_PRECISION
+            if autocast or low:
+                out_dtype = torch.get_autocast_dtype("cpu") if autocast else q.dtype
+                mask = kwargs.get("attn_mask")
+                if mask is not None and mask.is_floating_point():  # an additive mask must match the query's dtype
+                    kwargs["attn_mask"] = mask.float()
+                with torch.autocast("cpu", enabled=False):  # else CPU autocast could take it back to bfloat16
+                    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(out_dtype)
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 

@@ -48,15 +48,20 @@ __all__ = [
 DEFAULT_CHUNK_SIZE = 512
 
 
+def _upcast_region(upcast: bool, device_type: str):
+    """Autocast off where `upcast` promises float32 products: a wrapper's bfloat16 / float16 autocast region would
+    take them back to low precision whatever their inputs' dtypes."""
+    if upcast and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:
     """[n, H] x [V, H] -> [n, V] logits, in fp32 when `upcast` (ScaleRL: fp32 LM head raises the asymptote)."""
-    if upcast and h.dtype != torch.float32:
+    if upcast:
         h, weight = h.float(), weight.float()
         bias = bias.float() if bias is not None else None
-    # Under autocast (a wrapper's mixed-precision region) the product would be taken back to bfloat16 / float16
-    # whatever its inputs: `upcast` promises float32, so autocast is off for it.
-    with torch.autocast(h.device.type, enabled=False) if upcast and torch.is_autocast_enabled(h.device.type) \
-            else contextlib.nullcontext():
+    with _upcast_region(upcast, h.device.type):
         logits = h @ weight.t()
         if bias is not None:
             logits = logits + bias
@@ -114,6 +119,11 @@ class _ChunkedTokenLogps(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, *_no_grad_for_entropy):
+        with _upcast_region(ctx.upcast, grad_logps.device.type):  # a backward() called inside autocast
+            return _ChunkedTokenLogps._backward(ctx, grad_logps)
+
+    @staticmethod
+    def _backward(ctx, grad_logps):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]

@@ -46,6 +46,7 @@ from toolkit.core.errors import ConfigError, DataError
 from toolkit.core.generation import Completion
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer, Rollout
 from toolkit.core.models import DEFAULT_MODEL, load_model, load_tokenizer, output_head, place_frozen, unwrap_model
+from toolkit.core.numerics import _upcast_region
 from toolkit.core.packing import completion_hidden
 from toolkit.core.rollout import generation_seed
 
@@ -80,10 +81,11 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
 
 def _chunk_jsd(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, temperature, upcast):
     dtype = torch.float32 if upcast else hidden.dtype
-    student = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-    with torch.no_grad():
-        teacher = F.linear(teacher_hidden.to(dtype), teacher_weight.to(dtype),
-                           None if teacher_bias is None else teacher_bias.to(dtype))
+    with _upcast_region(upcast, hidden.device.type):
+        student = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        with torch.no_grad():
+            teacher = F.linear(teacher_hidden.to(dtype), teacher_weight.to(dtype),
+                               None if teacher_bias is None else teacher_bias.to(dtype))
     return generalized_jsd(student, teacher, beta, temperature).sum()
 
 
