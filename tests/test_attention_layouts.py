@@ -150,6 +150,9 @@ def test_small_low_precision_segments_on_cpu_attend_in_float32(dtype):
     assert mixed.dtype == torch.bfloat16
     expected = F.scaled_dot_product_attention(q32, k32, v.detach().float(), attn_mask=mask, enable_gqa=True)
     assert torch.equal(mixed, expected.bfloat16())
+    additive = torch.zeros(12, 20).masked_fill(~mask, float("-inf")).to(dtype)  # a float mask in the inputs' dtype
+    torch.testing.assert_close(_segment_sdpa(q.detach(), k.detach(), v.detach(), attn_mask=additive, enable_gqa=True),
+                               out.detach())  # (cast down to the query's float32, else sdpa refuses the mask)
     big = torch.randn(1, 1, 300, 8, dtype=dtype)
     assert 300 * 300 >= _CPU_FLOAT32_BELOW
     torch.testing.assert_close(_segment_sdpa(big, big, big, is_causal=True),
@@ -169,8 +172,12 @@ def test_float32_and_large_segments_reach_the_kernel_untouched(monkeypatch):
     _segment_sdpa(big, big, big, is_causal=True)
     mixed_q, bf16 = torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8, dtype=torch.bfloat16)
     _segment_sdpa(mixed_q, bf16, bf16)  # mixed dtypes outside autocast: the kernel's own error, not a silent cast
-    assert [(a is x, b is y, c is z) for (a, b, c, _), (x, y, z) in zip(got, [(small,) * 3, (big,) * 3,
-                                                                              (mixed_q, bf16, bf16)])] == [(True,) * 3] * 3
+    double = torch.randn(1, 2, 10, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast leaves float64 alone, and so do we
+        _segment_sdpa(double, double, double)
+    expected = [(small,) * 3, (big,) * 3, (mixed_q, bf16, bf16), (double,) * 3]
+    assert len(got) == 4
+    assert all(a is x and b is y and c is z for (a, b, c, _), (x, y, z) in zip(got, expected))
     assert got[0][3] == {"is_causal": True}
 
 
@@ -182,7 +189,7 @@ def test_grpo_with_bf16_true_trains_its_packed_segments_in_float32_attention(tmp
 
     import toolkit.core.attention as attention
 
-    seen, inside = [], []
+    seen, inside, entered = [], [], []
     real_kernel, real_segment = F.scaled_dot_product_attention, attention._segment_sdpa
 
     def kernel(q, k, v, **kwargs):
@@ -190,10 +197,11 @@ def test_grpo_with_bf16_true_trains_its_packed_segments_in_float32_attention(tmp
             seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), q.dtype, k.dtype, v.dtype))
         return real_kernel(q, k, v, **kwargs)
 
-    def segment(*args, **kwargs):
+    def segment(q, k, v, **kwargs):
+        entered.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), v.dtype))
         inside.append(1)
         try:
-            return real_segment(*args, **kwargs)
+            return real_segment(q, k, v, **kwargs)
         finally:
             inside.pop()
 
@@ -208,7 +216,10 @@ def test_grpo_with_bf16_true_trains_its_packed_segments_in_float32_attention(tmp
                           train_dataset=[{"prompt": "a b"}, {"prompt": "c d e"}] * 2, processing_class=tiny_tokenizer())
     assert model.config._attn_implementation == VARLEN_ATTENTION and trainer.packed_layout == "shared_prompt"
     trainer.train()
+    # the training forward came in under autocast with a bfloat16 value (the case the float32 path is for) ...
+    assert (True, True, torch.bfloat16) in entered, set(entered)
+    # ... and every packed segment of it reached the kernel in float32 with autocast off
     training = [s for s in seen if s[0]]
-    assert training, "the training forward never reached the packed attention"
-    assert all(s[1:] == (False, torch.float32, torch.float32, torch.float32) for s in training), set(training)
+    assert training and all(s[1:] == (False, torch.float32, torch.float32, torch.float32) for s in training), set(
+        training)
     assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))  # it did train

@@ -30,6 +30,7 @@ import contextlib
 import copy
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -318,6 +319,11 @@ def _warn_mixed_precision_generation(model: torch.nn.Module, config: Any, kwargs
     2.0-2.6 s on a bfloat16 copy and 2.7-3.2 s in float32). Not changed silently: the copy costs memory."""
     low = "bfloat16" if getattr(config, "bf16", False) else "float16" if getattr(config, "fp16", False) else None
     if low is None or kwargs.get("dtype") is not None:
+        return
+    # DeepSpeed casts the module itself (accelerate's autocast is off there); other ranks would say it again
+    if getattr(config, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return
+    if os.environ.get("RANK", "0") != "0":
         return
     weights = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if weights == {torch.float32}:
