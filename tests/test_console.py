@@ -57,3 +57,29 @@ def test_grpo_lines_carry_reward_and_count_warnings(tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ") and "runtime_s" not in ln]
     assert len(lines) == 3 and all("reward 1.000" in ln for ln in lines)
     assert any("warning" in ln.split(" | ")[-1] for ln in lines), lines
+
+
+def test_counted_warnings_still_reach_stderr_where_nothing_else_is_configured(capsys):
+    """The counter on the "toolkit" logger must not take the place of Python's last-resort handler (a notebook
+    with no logging set up), also when an interrupted train() left it attached; where a handler is configured
+    (the CLI, pytest) it prints nothing twice."""
+    from toolkit.core.console import _WarningCounter
+
+    toolkit_logger, root = logging.getLogger("toolkit"), logging.getLogger()
+    counter, saved = _WarningCounter(), root.handlers[:]
+    toolkit_logger.addHandler(counter)
+    try:
+        root.handlers.clear()
+        logging.getLogger("toolkit.core.generation").warning("bf16=True with float32 weights: nobody configured")
+        assert counter.count == 1
+        assert "nobody configured" in capsys.readouterr().err
+        seen = []
+        handler = logging.Handler(level=logging.WARNING)
+        handler.emit = lambda record: seen.append(record.getMessage())
+        root.addHandler(handler)
+        logging.getLogger("toolkit.core.generation").warning("configured")
+        assert counter.count == 2 and seen == ["configured"]
+        assert "configured" not in capsys.readouterr().err
+    finally:
+        toolkit_logger.removeHandler(counter)
+        root.handlers[:] = saved

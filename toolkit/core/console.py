@@ -45,6 +45,23 @@ class _WarningCounter(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.count += 1
+        # Attached to the "toolkit" logger, this handler alone would stop Python's last-resort handler (stderr,
+        # WARNING and up) from printing toolkit's warnings where nothing else is configured (a notebook): counted,
+        # never shown, and after an interrupted train() (no on_train_end) for the rest of the session. So it
+        # passes them on to it then.
+        if not self._seen_elsewhere(record) and logging.lastResort is not None:
+            logging.lastResort.handle(record)
+
+    @staticmethod
+    def _seen_elsewhere(record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            if any(not isinstance(h, _WarningCounter) and record.levelno >= h.level for h in logger.handlers):
+                return True
+            if not logger.propagate:
+                return False
+            logger = logger.parent
+        return False
 
 
 def compact_line(logs: dict[str, Any], *, step: int, max_steps: int, seconds_per_step: float | None,
