@@ -24,6 +24,10 @@ SUPPORT = sandbox_support()
 LIMITS = SandboxLimits(wall_seconds=4, cpu_seconds=2, memory_mb=256, max_processes=32, max_file_mb=4,
                        max_output_bytes=4096)
 
+# Seconds past the wall limit a killed run may take to be reported: killing a process tree (a fork bomb's 32
+# processes) on a loaded 2-core machine took 3.1 s past the limit once in CI. Still far from "never killed".
+KILL_SLACK = 10
+
 
 @pytest.fixture(scope="module")
 def sandbox():
@@ -85,14 +89,14 @@ def test_infinite_loop_is_killed_within_the_limits(sandbox):
     assert not result.ok
     # the CPU limit (2 s, SIGXCPU then SIGKILL) or the wall clock (4 s) ends it, whichever comes first
     assert result.exit_code in (-signal.SIGXCPU, -signal.SIGKILL) or result.timed_out, result
-    assert time.monotonic() - started < LIMITS.wall_seconds + 3
+    assert time.monotonic() - started < LIMITS.wall_seconds + KILL_SLACK
     assert_still_works(sandbox)
 
 
 def test_sleeping_forever_is_killed_at_the_wall_clock(sandbox):
     result = sandbox.run_python("import time\ntime.sleep(3600)")
     assert result.timed_out and result.exit_code is None and result.killed_reason == "timeout"
-    assert LIMITS.wall_seconds <= result.seconds < LIMITS.wall_seconds + 3
+    assert LIMITS.wall_seconds <= result.seconds < LIMITS.wall_seconds + KILL_SLACK
     assert "killed" in result.as_text()
     assert_still_works(sandbox)
 
@@ -100,7 +104,7 @@ def test_sleeping_forever_is_killed_at_the_wall_clock(sandbox):
 def test_fork_bomb_is_contained_and_leaves_no_process(sandbox):
     result = sandbox.run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
     assert not result.ok
-    assert result.seconds < LIMITS.wall_seconds + 3
+    assert result.seconds < LIMITS.wall_seconds + KILL_SLACK
     assert_still_works(sandbox)
 
 
@@ -269,7 +273,7 @@ def test_strict_mode_names_what_the_kernel_lacks(monkeypatch):
 def test_unread_stdin_does_not_hang_the_caller(sandbox):
     started = time.monotonic()
     result = sandbox.run_python("import time\ntime.sleep(30)", stdin="x" * (1 << 20))
-    assert result.timed_out and time.monotonic() - started < LIMITS.wall_seconds + 3
+    assert result.timed_out and time.monotonic() - started < LIMITS.wall_seconds + KILL_SLACK
     echo = sandbox.run_python("import sys\nsys.stdout.write(sys.stdin.read()[-10:])", stdin="y" * 200_000 + "END")
     assert echo.ok and echo.stdout.endswith("END"), echo
 
