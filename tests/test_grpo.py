@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -327,6 +328,32 @@ def test_nan_reward_stops_with_the_tensor_named(tmp_path):
     t = make(tmp_path, rewards=(inf_reward,), max_steps=1)
     with pytest.raises(TrainingHealthError, match="reward function 'inf_reward' returned inf for 1 rows"):
         t.train()
+
+
+@pytest.mark.parametrize("name", ["gradient_checkpointing", "activation_checkpointing"])
+@pytest.mark.parametrize("config", ["GRPOConfig", "PPOConfig", "SFTConfig", "DPOConfig", "AsyncGRPOConfig"])
+def test_checkpointing_asked_for_under_either_name_is_kept(tmp_path, config, name):
+    # PPOConfig(gradient_checkpointing=True) came out False: PPO's default overwrote the old name.
+    import toolkit
+    for value in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers' note on the old name
+            c = getattr(toolkit, config)(output_dir=str(tmp_path), **{name: value})
+        assert c.activation_checkpointing is value and c.gradient_checkpointing is value
+
+
+def test_cpu_checkpointing_default_follows_the_micro_batch(tmp_path, monkeypatch):
+    from toolkit import AsyncGRPOConfig, PPOConfig, SFTConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = str(tmp_path)
+    assert not GRPOConfig(output_dir=out).activation_checkpointing  # 8 completions x 64 tokens
+    assert not GRPOConfig(output_dir=out, per_device_train_batch_size=64, max_completion_length=64).activation_checkpointing
+    assert GRPOConfig(output_dir=out, per_device_train_batch_size=128, max_completion_length=64).activation_checkpointing
+    assert AsyncGRPOConfig(output_dir=out, per_device_train_batch_size=128,
+                           max_completion_length=64).activation_checkpointing
+    assert not PPOConfig(output_dir=out, per_device_train_batch_size=128, max_completion_length=64).activation_checkpointing
+    assert SFTConfig(output_dir=out).activation_checkpointing
 
 
 def test_config_errors_name_the_field(tmp_path):

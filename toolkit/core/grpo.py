@@ -101,6 +101,11 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "Rollout"]
 
 logger = logging.getLogger(__name__)
 
+# On CPU, activation checkpointing is on by default only when a micro-batch may sample more tokens than this
+# (per_device_train_batch_size x max_completion_length); see GRPOConfig.__post_init__.
+_CPU_CHECKPOINTING_ABOVE_TOKENS = 4096
+
+
 @dataclass
 class GRPOConfig(TrainingArguments):
     """Settings of `GRPOTrainer`: every `TrainingArguments` field plus the ones below (TRL's names).
@@ -232,7 +237,17 @@ class GRPOConfig(TrainingArguments):
     kl_ceiling: float = field(default=1.0, metadata={"help": "Warn when mean KL to the reference exceeds this."})
 
     def __post_init__(self):
-        apply_cpu_training_defaults(self)
+        # GRPO trains on completions packed behind their shared prompt, a few hundred to a few thousand tokens a
+        # micro-batch; there the second forward of activation checkpointing costs more time than the memory is
+        # worth. Measured on SmolLM2-135M, 2 CPU cores, 2 runs each (training time of steps 2-4, relative to the
+        # same run's generation time since the machine's speed drifts): 32 completions x 16 tokens a micro-batch,
+        # 16% faster without it at +0.1-0.2 GB peak RSS; 128 x 24 (the main job's GRPO stage), 8% faster at
+        # +1.4 GB (5.0 against 3.5 GB). Above _CPU_CHECKPOINTING_ABOVE_TOKENS sampled tokens a micro-batch the
+        # memory grows past what a laptop holds, and the default stays on.
+        bound = (self.per_device_train_batch_size * self.max_completion_length
+                 if isinstance(self.per_device_train_batch_size, int) and isinstance(self.max_completion_length, int)
+                 else 0)
+        apply_cpu_training_defaults(self, cpu_checkpointing=bound > _CPU_CHECKPOINTING_ABOVE_TOKENS)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         super().__post_init__()

@@ -388,22 +388,25 @@ def _check_training_numbers(args: Any) -> None:
                               "you can write to.")
 
 
-def apply_cpu_training_defaults(args: Any) -> None:
+def apply_cpu_training_defaults(args: Any, *, cpu_checkpointing: bool = True) -> None:
     """Defaults every trainer config shares, resolved before TrainingArguments.__post_init__, and the checks of
     its numbers (`_check_training_numbers`), so a bad value fails before transformers or any model sees it.
 
-    Activation checkpointing is on by default without a GPU: on CPU it saves memory *and* time,
-    because touching freshly allocated memory (page faults) costs more than recomputing a layer.
-    Measured on SmolLM2-135M, 4 rows of 100-500 tokens: 7.0 s/step and 2.7 GB peak with it,
-    7.8 s and 4.7 GB without. Pinned memory only warns without an accelerator.
+    Activation checkpointing, when the user set neither `activation_checkpointing` nor its old name
+    `gradient_checkpointing`, is `cpu_checkpointing` without a GPU and off with one. On CPU it can save memory
+    *and* time for long rows, because touching freshly allocated memory (page faults) costs more than
+    recomputing a layer: measured on SmolLM2-135M, 4 rows of 100-500 tokens, 7.0 s/step and 2.7 GB peak with
+    it, 7.8 s and 4.7 GB without. For short micro-batches the recomputed forward costs more than it saves,
+    so PPO and GRPO pass their own default (see their configs). Pinned memory only warns without an accelerator.
     """
     _check_training_numbers(args)
     if not torch.cuda.is_available():
         args.dataloader_pin_memory = False
-    # transformers >= 5.2x renamed gradient_checkpointing to activation_checkpointing (old name kept as alias)
+    # transformers >= 5.2x renamed gradient_checkpointing to activation_checkpointing (old name kept as alias):
+    # a value under either name is the user's, and the default must not overwrite it.
     name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
     if getattr(args, name) is None and getattr(args, "gradient_checkpointing", None) is None:
-        setattr(args, name, not torch.cuda.is_available())
+        setattr(args, name, cpu_checkpointing and not torch.cuda.is_available())
     if getattr(args, name + "_kwargs") is None:
         setattr(args, name + "_kwargs", {"use_reentrant": False})
 
