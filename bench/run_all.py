@@ -147,14 +147,58 @@ def _noise(line: str) -> bool:
 
 def _load(name: str) -> dict | None:
     p = RESULTS / f"{name}.json"
-    return json.loads(p.read_text()) if p.exists() else None
+    if not p.exists():
+        return None
+    d = json.loads(p.read_text())
+    d["_bench"] = name  # for _when: which script measured it
+    return d
+
+
+# What a result's numbers depend on besides its own script: the library, the example plugins, the dependency pins
+# and the benchmarks' shared helpers. A change to any of them after a result's commit may move its numbers.
+CODE_PATHS = ("toolkit", "plugins", "pyproject.toml", "constraints.txt", "scripts/setup.sh", "bench/_common.py")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+_CHANGED: dict[tuple[str, str], list[str] | None] = {}
+
+
+def _changed_since(commit: str, script: str) -> list[str] | None:
+    """The files under CODE_PATHS (and the result's own script) that differ between `commit` and HEAD; None where
+    git cannot tell (no repository, a commit it does not hold)."""
+    key = (commit, script)
+    if key not in _CHANGED:
+        out = _git("diff", "--name-only", commit, "HEAD", "--", *CODE_PATHS, f"bench/{script}")
+        _CHANGED[key] = None if out is None else [line for line in out.splitlines() if line]
+    return _CHANGED[key]
+
+
+def _code_status(d: dict, commit: str) -> str:
+    """"; code unchanged since" or "; code changed since: <files>" against the commit the table is rendered at."""
+    bench = next((b for b in BENCHES if b.name == d.get("_bench")), None)
+    if bench is None:
+        return ""
+    changed = _changed_since(commit, bench.script)
+    if changed is None:
+        return ""
+    if not changed:
+        return "; code unchanged since"
+    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+    return f"; **code changed since**: {shown}"
 
 
 def _when(d: dict) -> str:
     prov = d.get("provenance")
     if prov:
         return (f"{prov['commit'][:8]}{' (tree changed)' if prov.get('tree_changed') else ''}, {prov['date'][:10]}"
-                f"{_cpu(prov)}")
+                f"{_cpu(prov)}{_code_status(d, prov['commit'])}")
     if d.get("commit"):
         return f"{str(d['commit'])[:8]}, {d.get('date', 'date not recorded')}"
     return "not recorded (before run_all.py)"
@@ -169,9 +213,13 @@ def _cpu_kind(prov: dict | None) -> str | None:
 
 
 def _cpu(prov: dict) -> str:
-    """Which kind of CPU a result was measured on, where recorded: the machines here differ up to 4x in matmul."""
+    """Which kind of CPU a result was measured on, where recorded: the machines here differ up to 4x in matmul.
+    Its model name too: an Intel Xeon and an AMD EPYC, both with AVX-512, have measured 400 and 140 GFLOP/s."""
     kind = _cpu_kind(prov)
-    return {None: "", "AVX-512": ", AVX-512 CPU", "AVX2": ", AVX2 CPU (no AVX-512)"}.get(kind, ", CPU without AVX2")
+    name = prov.get("cpu") or ""
+    name = "Intel Xeon " if "Xeon" in name else "AMD EPYC " if "EPYC" in name else ""
+    return {None: "", "AVX-512": f", {name}AVX-512 CPU", "AVX2": f", {name}AVX2 CPU (no AVX-512)"}.get(
+        kind, ", CPU without AVX2")
 
 
 def _f(x, nd=1):
@@ -194,7 +242,8 @@ def table_rows() -> list[list[str]]:
         commit, because one machine's speed varies over a day (its measured matmul peak has halved for hours at
         a time): a ceiling from another run would misstate the fraction."""
         p, c = d.get("provenance") or {}, ceiling.get("provenance") or {}
-        return _cpu_kind(p) == _cpu_kind(c) and p.get("commit") is not None and p.get("commit") == c.get("commit")
+        return (_cpu_kind(p) == _cpu_kind(c) and p.get("cpu") == c.get("cpu") and p.get("commit") is not None
+                and p.get("commit") == c.get("commit"))
 
     def ceil_train(tokens_per_s, seq_len, d):
         if not ceiling:
@@ -402,11 +451,18 @@ def write_table(run_info: dict | None) -> None:
              "and one exception holds for every row but one: TRL's default is bf16=True (mixed precision), and",
              "the benchmarks set bf16=False so that both sides train in float32, the same work (ours defaults to",
              "float32). The grpo_vs_trl row marked bfloat16 mixed precision runs both sides with bf16=True.",
-             "The machines differ: one kind has AVX-512 (fp32 matmul about 400 GFLOP/s on 2 threads), another AVX2",
-             "only (about 100); where a result recorded its CPU, the last column says which. One machine's speed also",
-             "varies over a day (the AVX-512 kind has measured half its usual matmul peak for hours at a time), and",
-             "a ratio moves with it. Compare ratios within a row, and absolute numbers only between rows measured",
-             "at the same commit; the ceiling column is shown only for rows measured at the ceiling's commit.",
+             "The machines differ: an Intel Xeon with AVX-512 (fp32 matmul about 400 GFLOP/s on 2 threads at its best),",
+             "an AMD EPYC with AVX-512 (about 140), an AVX2-only kind (about 100); TRL's step and ours do not scale",
+             "alike between them, so a ratio moves with the machine. Where a result recorded its CPU, the last column",
+             "says which. A machine's speed also varies over a day (the Intel Xeon has measured half its usual",
+             "matmul peak for hours at a time), and a ratio moves with it. Compare ratios within a row, and absolute",
+             "numbers only between rows measured at the same commit; the ceiling column is shown only for rows",
+             "measured at the ceiling's commit on the same CPU.",
+             "",
+             f"The last column also says whether the code a row measured has changed between its commit and the "
+             f"commit this table was written at ({(_git('rev-parse', 'HEAD') or 'unknown')[:10]}): `git diff` over "
+             f"{', '.join(CODE_PATHS)} and the row's own script. A row marked **code changed since** was measured "
+             f"before such a change, and its numbers may not hold for the code as it is now.",
              ""]
     if run_info:
         lines += [f"Last run: `python bench/run_all.py {run_info['argv']}` at {run_info['commit'][:10]}, "

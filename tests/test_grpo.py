@@ -340,6 +340,11 @@ def test_checkpointing_asked_for_under_either_name_is_kept(tmp_path, config, nam
             warnings.simplefilter("ignore", FutureWarning)  # transformers' note on the old name
             c = getattr(toolkit, config)(output_dir=str(tmp_path), **{name: value})
         assert c.activation_checkpointing is value and c.gradient_checkpointing is value
+    # and so are its settings: transformers copies the new name's over the old one's, so ours must not fill it in
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        c = getattr(toolkit, config)(output_dir=str(tmp_path), **{name: True, f"{name}_kwargs": {"use_reentrant": True}})
+    assert c.activation_checkpointing_kwargs == c.gradient_checkpointing_kwargs == {"use_reentrant": True}
 
 
 def test_cpu_checkpointing_default_follows_the_micro_batch(tmp_path, monkeypatch):

@@ -462,3 +462,16 @@ def test_failed_resets_train_as_placeholders_and_async_evaluates_in_process(tmp_
     # no worker is started for it: the trainer process evaluates with its own model
     assert heldout_episodes(a, task_rows("calculator", 4, seed=5, max_value=99, kind="prompt_only")) == (0.0, 0.0)
     assert a._proc is None
+
+
+def test_cpu_checkpointing_default_counts_episode_tokens(tmp_path, monkeypatch):
+    # Single completions of 6 tokens keep a micro-batch far under the bound; episodes of up to 600 ids (tool output
+    # included) do not: 8 x 600 = 4800 > 4096. Named or given as a factory, the default follows the episodes.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not config(tmp_path, max_episode_tokens=600).activation_checkpointing
+    assert config(tmp_path, max_episode_tokens=600, environment="calculator").activation_checkpointing
+    t = trainer(tmp_path, max_episode_tokens=600)
+    assert t.args.activation_checkpointing and t.args.gradient_checkpointing
+    assert not trainer(tmp_path, max_episode_tokens=500).args.activation_checkpointing  # 4000: under the bound
+    # a value the user gave is theirs, episodes or not
+    assert not trainer(tmp_path, max_episode_tokens=600, activation_checkpointing=False).args.activation_checkpointing

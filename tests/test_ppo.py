@@ -2,6 +2,7 @@
 PEFT reference, exact resume, early stop, EOS penalty, adaptive KL, and config errors before any model loads."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -317,3 +318,16 @@ def test_config_errors_name_the_field_before_any_model_loads(tmp_path):
     with pytest.raises(ConfigError, match="train_dataset: 4 prompts, fewer than one update needs"):
         PPOTrainer("no-such/model", [low_ids], cfg(tmp_path), train_dataset=prompts(4),
                    processing_class=tiny_tokenizer())
+
+
+def test_checkpointing_asked_for_by_its_old_name_reaches_policy_and_critic(tmp_path):
+    # PPOConfig(gradient_checkpointing=True) used to come out off, and the settings given were never used.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' note on the old name
+        t = make(tmp_path, max_steps=1, value_model=classifier(1), gradient_checkpointing=True,
+                 gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False})
+    t.train()
+    for m in (t.model, t.critic.backbone):
+        assert m.is_gradient_checkpointing
+        layer = next(x for x in m.modules() if getattr(x, "gradient_checkpointing", False))
+        assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": False, "preserve_rng_state": False}

@@ -67,8 +67,7 @@ class _Segments:
 # torch's CPU flash-attention kernel pays a fixed cost per call in low precision, mostly in backward: forward +
 # backward of a 10-token segment took 1.0 ms in bfloat16 against 0.17 ms in float32 (0.23 ms cast up and back),
 # and the packed layouts make one call per segment (28 a layer in a GRPO benchmark micro-batch, each run twice
-# with the activation checkpointing that CPU runs default to), so bf16 mixed-precision training ran slower than
-# float32. The two cross near 256 x 256 positions; above it bfloat16 is the faster
+# where activation checkpointing is on), so bf16 mixed-precision training ran slower than float32. The two cross near 256 x 256 positions; above it bfloat16 is the faster
 # (measured on one 2-core AVX-512/AMX Xeon, torch 2.13; another CPU may cross elsewhere).
 _CPU_FLOAT32_BELOW = 256 * 256
 _LOW_PRECISION = {torch.bfloat16, torch.float16}

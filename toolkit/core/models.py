@@ -334,8 +334,8 @@ def prepare_model(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
 def apply_peft(model: PreTrainedModel, peft_config: Any) -> PreTrainedModel:
     """Wrap `model` with adapters; a 4/8-bit model is first prepared for k-bit training (QLoRA).
 
-    Activation checkpointing is left to Trainer (our configs turn it on without a GPU), so peft
-    is asked not to enable its own.
+    Activation checkpointing is left to Trainer (each config resolves its default in
+    `apply_cpu_training_defaults`), so peft is asked not to enable its own.
     """
     from peft import get_peft_model, prepare_model_for_kbit_training
 
@@ -407,7 +407,7 @@ def apply_cpu_training_defaults(args: Any, *, cpu_checkpointing: bool = True) ->
     name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
     if getattr(args, name) is None and getattr(args, "gradient_checkpointing", None) is None:
         setattr(args, name, cpu_checkpointing and not torch.cuda.is_available())
-    if getattr(args, name + "_kwargs") is None:
+    if getattr(args, name + "_kwargs") is None and getattr(args, "gradient_checkpointing_kwargs", None) is None:
         setattr(args, name + "_kwargs", {"use_reentrant": False})
 
 

@@ -814,12 +814,14 @@ class PPOTrainer(Trainer):
         self.create_optimizer()
         self.create_scheduler(num_training_steps=total, optimizer=self.optimizer)  # stepped once per update
         if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False):
+            ckpt_kwargs = (getattr(args, "activation_checkpointing_kwargs", None)
+                           or getattr(args, "gradient_checkpointing_kwargs", None) or {"use_reentrant": False})
             for m in (self.model, self.critic.backbone):
                 # transformers >= 5.2x renamed gradient_checkpointing_enable (the old name warns)
                 if hasattr(m, "activation_checkpointing_enable"):
-                    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                    m.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(ckpt_kwargs))
                 elif hasattr(m, "gradient_checkpointing_enable"):
-                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(ckpt_kwargs))
         start = 0
         path = resolve_resume(resume_from_checkpoint, args.output_dir)
         if path is not None:

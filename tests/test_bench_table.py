@@ -1,0 +1,60 @@
+"""bench/run_all.py's table says, for each row, whether the code it measured changed after its commit."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUN_ALL = Path(__file__).resolve().parents[1] / "bench" / "run_all.py"
+
+
+@pytest.fixture
+def run_all(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("run_all_under_test", RUN_ALL)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    module._CHANGED.clear()
+    return module
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True,
+                          env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                               "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}).stdout.strip()
+
+
+def _commit(repo: Path, files: dict[str, str], message: str) -> str:
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", message)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def test_rows_say_whether_their_code_changed_since_their_commit(tmp_path, run_all):
+    _git(tmp_path, "init", "-q")
+    measured = _commit(tmp_path, {"toolkit/core/grpo.py": "a = 1\n", "bench/grpo_vs_trl.py": "x\n",
+                                  "bench/dpo_vs_trl.py": "y\n", "docs/grpo.md": "text\n"}, "measured here")
+    row = {"_bench": "grpo_vs_trl"}
+    assert run_all._code_status(row, measured) == "; code unchanged since"
+
+    _commit(tmp_path, {"docs/grpo.md": "more text\n", "bench/README.md": "table\n"}, "docs only")
+    run_all._CHANGED.clear()
+    assert run_all._code_status(row, measured) == "; code unchanged since"  # docs and the table are not code
+
+    _commit(tmp_path, {"bench/dpo_vs_trl.py": "y2\n"}, "another benchmark's script")
+    run_all._CHANGED.clear()
+    assert run_all._code_status(row, measured) == "; code unchanged since"
+    assert "bench/dpo_vs_trl.py" in run_all._code_status({"_bench": "dpo_vs_trl"}, measured)
+
+    _commit(tmp_path, {"toolkit/core/grpo.py": "a = 2\n"}, "the library")
+    run_all._CHANGED.clear()
+    assert run_all._code_status(row, measured) == "; **code changed since**: toolkit/core/grpo.py"
+
+    assert run_all._code_status(row, "0" * 40) == ""  # a commit git does not hold: no claim either way
+    assert run_all._code_status({"_bench": "not_a_benchmark"}, measured) == ""
