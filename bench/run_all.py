@@ -91,7 +91,7 @@ def header(script: str, prov: dict, seconds: float) -> str:
     libs = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "trl") if v.get(k))
     changed = " (tree changed)" if prov.get("tree_changed") else " (tree state unknown)" if prov.get(
         "tree_changed") is None else ""
-    cpu = f", {prov['cpu']}{_cpu(prov)}" if prov.get("cpu") else ""
+    cpu = _cpu(prov) if prov.get("cpu") else ""
     return (f"# bench/{script} at {prov['commit'][:10]}{changed} ({prov['date']}, {prov['cpu_cores']} cores{cpu}, {libs}); "
             f"run time {seconds / 60:.1f} min; written by bench/run_all.py\n\n")
 
@@ -171,11 +171,12 @@ _CHANGED: dict[tuple[str, str], list[str] | None] = {}
 
 
 def _changed_since(commit: str, script: str) -> list[str] | None:
-    """The files under CODE_PATHS (and the result's own script) that differ between `commit` and HEAD; None where
-    git cannot tell (no repository, a commit it does not hold)."""
+    """The files under CODE_PATHS (and the result's own script) that differ between `commit` and the working tree
+    (HEAD plus uncommitted changes: the code as it is when the table is written); None where git cannot tell (no
+    repository, a commit it does not hold)."""
     key = (commit, script)
     if key not in _CHANGED:
-        out = _git("diff", "--name-only", commit, "HEAD", "--", *CODE_PATHS, f"bench/{script}")
+        out = _git("diff", "--name-only", commit, "--", *CODE_PATHS, f"bench/{script}")
         _CHANGED[key] = None if out is None else [line for line in out.splitlines() if line]
     return _CHANGED[key]
 
@@ -460,9 +461,11 @@ def write_table(run_info: dict | None) -> None:
              "measured at the ceiling's commit on the same CPU.",
              "",
              f"The last column also says whether the code a row measured has changed between its commit and the "
-             f"commit this table was written at ({(_git('rev-parse', 'HEAD') or 'unknown')[:10]}): `git diff` over "
-             f"{', '.join(CODE_PATHS)} and the row's own script. A row marked **code changed since** was measured "
-             f"before such a change, and its numbers may not hold for the code as it is now.",
+             f"tree this table was written from (at {(_git('rev-parse', 'HEAD') or 'unknown')[:10]}, uncommitted "
+             f"changes included): `git diff` over {', '.join(CODE_PATHS)} and the row's own script. A row marked "
+             f"**code changed since** was measured before such a change, and its numbers may not hold for the code "
+             f"as it is now. A row marked (tree changed) was measured with uncommitted changes, which its commit "
+             f"does not hold; its code status compares the commit.",
              ""]
     if run_info:
         lines += [f"Last run: `python bench/run_all.py {run_info['argv']}` at {run_info['commit'][:10]}, "

@@ -56,5 +56,12 @@ def test_rows_say_whether_their_code_changed_since_their_commit(tmp_path, run_al
     run_all._CHANGED.clear()
     assert run_all._code_status(row, measured) == "; **code changed since**: toolkit/core/grpo.py"
 
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    run_all._CHANGED.clear()
+    assert run_all._code_status(row, head) == "; code unchanged since"
+    (tmp_path / "toolkit/core/grpo.py").write_text("a = 3\n")  # uncommitted: the code as it is now counts
+    run_all._CHANGED.clear()
+    assert run_all._code_status(row, head) == "; **code changed since**: toolkit/core/grpo.py"
+
     assert run_all._code_status(row, "0" * 40) == ""  # a commit git does not hold: no claim either way
     assert run_all._code_status({"_bench": "not_a_benchmark"}, measured) == ""

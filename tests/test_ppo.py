@@ -331,3 +331,12 @@ def test_checkpointing_asked_for_by_its_old_name_reaches_policy_and_critic(tmp_p
         assert m.is_gradient_checkpointing
         layer = next(x for x in m.modules() if getattr(x, "gradient_checkpointing", False))
         assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": False, "preserve_rng_state": False}
+
+
+def test_checkpointing_settings_ppo_cannot_honour_are_refused_before_the_first_update(tmp_path):
+    # transformers' Trainer reads every_n_layers itself; handed on to torch.utils.checkpoint it would raise mid-step.
+    t = make(tmp_path, max_steps=1, activation_checkpointing=True,
+             activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": 2})
+    with pytest.raises(ConfigError, match="activation_checkpointing_kwargs: 'every_n_layers' is not supported"):
+        t.train()
+    assert t.state.global_step == 0

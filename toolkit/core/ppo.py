@@ -814,14 +814,22 @@ class PPOTrainer(Trainer):
         self.create_optimizer()
         self.create_scheduler(num_training_steps=total, optimizer=self.optimizer)  # stepped once per update
         if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False):
-            ckpt_kwargs = (getattr(args, "activation_checkpointing_kwargs", None)
-                           or getattr(args, "gradient_checkpointing_kwargs", None) or {"use_reentrant": False})
+            ckpt_kwargs = getattr(args, "activation_checkpointing_kwargs", None)
+            if ckpt_kwargs is None:
+                ckpt_kwargs = getattr(args, "gradient_checkpointing_kwargs", None)
+            ckpt_kwargs = dict({"use_reentrant": False} if ckpt_kwargs is None else ckpt_kwargs)
+            # transformers' Trainer reads these two itself and hands the rest to torch.utils.checkpoint, which
+            # would raise on them; PPO enables checkpointing on two models itself and supports neither.
+            for key in ("every_n_layers", "offload"):
+                if ckpt_kwargs.pop(key, None) is not None:
+                    raise ConfigError(f"activation_checkpointing_kwargs: '{key}' is not supported by PPO (it "
+                                      "checkpoints every layer of policy and critic); remove it.")
             for m in (self.model, self.critic.backbone):
                 # transformers >= 5.2x renamed gradient_checkpointing_enable (the old name warns)
                 if hasattr(m, "activation_checkpointing_enable"):
-                    m.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(ckpt_kwargs))
+                    m.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
                 elif hasattr(m, "gradient_checkpointing_enable"):
-                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(ckpt_kwargs))
+                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
         start = 0
         path = resolve_resume(resume_from_checkpoint, args.output_dir)
         if path is not None:
