@@ -5,8 +5,8 @@
     python bench/grpo_cuda.py --model DIR --random-init --steps 2 --prompts-per-step 1 --max-completion-length 4
                                                        # tries the script out on a CPU in about a minute
 
-Not part of bench/run_all.py: the project's own machines have no GPU. It was run on a lent H200 (see
-bench/results/grpo_cuda.txt for the commit and the model it ran on).
+Not part of bench/run_all.py: the project's own machines have no GPU. Not yet run on one: it was tried on a CPU
+only (the third command above), to check the script itself.
 
 Both sides: bf16=True (TRL's default; ours autocasts the forward over float32 weights, and generates on its
 bfloat16 copy), the same prompts (generated arithmetic, conversational), num_generations 8, 8 prompts per step,

@@ -340,3 +340,53 @@ def test_checkpointing_settings_ppo_cannot_honour_are_refused_before_the_first_u
     with pytest.raises(ConfigError, match="activation_checkpointing_kwargs: 'every_n_layers' is not supported"):
         t.train()
     assert t.state.global_step == 0
+
+
+def test_reference_critic_reward_model_and_batches_go_to_the_training_device(tmp_path, monkeypatch):
+    # Trainer places only the policy. On a GPU, PPO's reference, critic, reward model and the batches it packs for
+    # its own forwards must follow, or the first rollout mixes devices. No GPU here: the training device is made
+    # the meta device (every tensor moved there loses its data, so nothing runs; where each one lands is the test).
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "device", property(lambda self: (self._setup_devices, torch.device("meta"))[1]))
+    for critic, extra in (("head", {}), ("separate", {"value_model": classifier(1)})):
+        t = make(tmp_path / critic, critic=critic, reward_model=classifier(2), **extra)
+        modules = {"policy": t.model, "reference": t.ref_model, "critic": t.critic, "reward model": t.reward_model}
+        for name, module in modules.items():
+            devices = {p.device.type for p in module.parameters()}
+            assert devices == {"meta"}, f"critic={critic}: the {name} is on {devices}"
+        batch = t._pack([[5, 6, 7], [5, 6]], [[8, 9], [10]])
+        placed = {k: v.device.type for k, v in batch.items() if torch.is_tensor(v)}
+        assert placed and set(placed.values()) == {"meta"}, placed
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_bf16_runs_every_forward_of_rollout_and_update_under_autocast(tmp_path, bf16):
+    # PPO owns its loop, outside the accelerate wrap that gives other trainers their autocast: bf16=True used to
+    # train in float32, silently.
+    seen = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU machine checks CUDA's autocast
+
+    class Spy(PPOTrainer):
+        def compute_token_logps(self, model, batch, hidden=None):
+            seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled(device)))
+            return super().compute_token_logps(model, batch, hidden=hidden)
+
+    # one epoch of one mini-batch: the update's only step is taken at the rollout's weights, so the ratio is 1 up
+    # to the rounding of packing 8 rows at once against micro-batches of 4 (same autocast on both sides)
+    t = Spy(tiny_model(), [low_ids], cfg(tmp_path, max_steps=1, bf16=bf16, use_cpu=device == "cpu", num_ppo_epochs=1,
+                                         num_mini_batches=1, gradient_accumulation_steps=2),
+            train_dataset=prompts(), processing_class=tiny_tokenizer())
+    t.train()
+    assert {grad for grad, _ in seen} == {False, True}  # rollout scoring and the update's forwards
+    assert {autocast for _, autocast in seen} == {bf16}
+    assert math.isfinite(logged(t, "loss")[-1])
+    assert logged(t, "policy/approxkl_avg")[0] < (1e-4 if bf16 else 1e-10), logged(t, "policy/approxkl_avg")
+
+
+def test_fp16_is_refused_before_any_model_loads(tmp_path):
+    # fp16 needs a loss scaler between backward and the step; PPO's own loop has none (gradients would underflow)
+    args = cfg(tmp_path)
+    args.fp16 = True  # transformers refuses fp16=True on a machine without a GPU; set as a GPU machine would
+    with pytest.raises(ConfigError, match="fp16: PPOTrainer does not support fp16"):
+        PPOTrainer(tiny_model(), [low_ids], args, train_dataset=prompts(), processing_class=tiny_tokenizer())

@@ -283,3 +283,23 @@ def test_the_cli_trains_a_lora_reward_model_with_its_head(tmp_path):
     assert rc == 0
     config = json.loads((tmp_path / "out" / "final" / "adapter_config.json").read_text())
     assert config["task_type"] == "SEQ_CLS" and "score" in str(config.get("modules_to_save"))
+
+
+def test_a_reward_model_loaded_by_path_goes_to_this_process_gpu(tmp_path, monkeypatch):
+    # scored on the CPU beside a GPU policy, the reward model would be the slowest part of every step
+    from transformers import LlamaForSequenceClassification
+
+    from toolkit.core import rewards
+    from toolkit.core.rewards import RewardModelReward
+
+    config = tiny_model().config
+    config.num_labels, config.pad_token_id = 1, tiny_tokenizer().pad_token_id
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tiny_tokenizer().save_pretrained(tmp_path / "rm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert {p.device.type for p in RewardModelReward(str(tmp_path / "rm")).model.parameters()} == {"cpu"}
+    placed = RewardModelReward(str(tmp_path / "rm"), device="meta")  # any device asked for (no GPU here)
+    assert {p.device.type for p in placed.model.parameters()} == {"meta"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rewards._default_device() == torch.device("cuda", 1)

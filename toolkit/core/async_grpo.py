@@ -246,7 +246,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         args = self.args
         state = self._engine_state()
         if not hasattr(self, "_shared"):
-            self._shared = {k: v.detach().clone().contiguous().share_memory_() for k, v in state.items()}
+            # On the CPU whatever the training device: the worker decodes on the CPU, and a copy_ from a GPU into
+            # host memory has finished when it returns, before the version is bumped. GPU tensors would reach the
+            # worker through CUDA IPC, where copy_ is only queued and a reader could see half-written weights.
+            self._shared = {k: v.detach().to("cpu", copy=True).contiguous().share_memory_() for k, v in state.items()}
             # lock=False here and for the heartbeat and stop flag below: a synchronized Value takes a semaphore on
             # every read, and a worker stopped or killed while holding it (an OOM kill; SIGSTOP in the hung-worker
             # test, where CI once hung for 15 minutes in the trainer's Event.set()) would block the trainer

@@ -30,6 +30,7 @@ __all__ = [
 
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -79,15 +80,22 @@ def _peft_config(run: RunArgs):
                       target_modules=run.lora_target_modules, task_type="CAUSAL_LM")
 
 
-def _model_init_kwargs(run: RunArgs) -> dict[str, Any]:
+def _model_init_kwargs(run: RunArgs, cfg: Any = None) -> dict[str, Any]:
     if not run.load_in_4bit:
         return {}
     import torch
     from transformers import BitsAndBytesConfig
 
+    if torch.cuda.is_available() and not getattr(cfg, "use_cpu", False):
+        # this process's own GPU (torchrun sets LOCAL_RANK): Trainer never moves a quantized model, so where it
+        # loads is where it trains; bitsandbytes' GPU kernels compute in bfloat16 where the GPU has it
+        device_map: Any = {"": int(os.environ.get("LOCAL_RANK", "0"))}
+        compute = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        device_map, compute = "cpu", torch.float32
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                      bnb_4bit_compute_dtype=torch.float32),
-            "device_map": "cpu"}
+                                                      bnb_4bit_compute_dtype=compute),
+            "device_map": device_map}
 
 
 def _parse(argv: list[str], config_cls: type) -> tuple[RunArgs, Any] | None:
@@ -224,7 +232,7 @@ def run_sft(argv: list[str]) -> int:
 
     def make(run, cfg, train, held_out):
         return SFTTrainer(run.model, cfg, train_dataset=train, eval_dataset=held_out,
-                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run, cfg))
 
     return _run_offline(argv, SFTConfig, make, kind="prompt_completion", title="SFT")
 
@@ -234,7 +242,7 @@ def run_dpo(argv: list[str]) -> int:
 
     def make(run, cfg, train, held_out):
         return DPOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
-                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run, cfg))
 
     return _run_offline(argv, DPOConfig, make, kind="preference", title="DPO",
                         eval_keys=("eval_rewards/accuracies", "eval_rewards/margins"))
@@ -245,7 +253,7 @@ def run_grpo(argv: list[str]) -> int:
 
     def make(run, cfg, train, callbacks):
         return GRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=_peft_config(run),
-                           model_init_kwargs=_model_init_kwargs(run), callbacks=callbacks)
+                           model_init_kwargs=_model_init_kwargs(run, cfg), callbacks=callbacks)
 
     return _run_online(argv, GRPOConfig, make, title="GRPO", reward_key="reward", step_name="optimizer step")
 
@@ -255,7 +263,7 @@ def run_async_grpo(argv: list[str]) -> int:
 
     def make(run, cfg, train, callbacks):
         return AsyncGRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train,
-                                peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run),
+                                peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run, cfg),
                                 callbacks=callbacks)
 
     return _run_online(argv, AsyncGRPOConfig, make, title="Async GRPO", reward_key="reward",
@@ -267,7 +275,7 @@ def run_ppo(argv: list[str]) -> int:
 
     def make(run, cfg, train, callbacks):
         return PPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=_peft_config(run),
-                          model_init_kwargs=_model_init_kwargs(run), callbacks=callbacks)
+                          model_init_kwargs=_model_init_kwargs(run, cfg), callbacks=callbacks)
 
     return _run_online(argv, PPOConfig, make, title="PPO", reward_key="objective/scores", step_name="PPO update")
 

@@ -318,7 +318,7 @@ def _warn_mixed_precision_generation(model: torch.nn.Module, config: Any, kwargs
     every weight (a scratch run of bench/grpo_vs_trl.py's setting on CPU: 3.9 s of generation a step, against
     2.0-2.6 s on a bfloat16 copy and 2.7-3.2 s in float32). Not changed silently: the copy costs memory."""
     low = "bfloat16" if getattr(config, "bf16", False) else "float16" if getattr(config, "fp16", False) else None
-    if low is None or kwargs.get("dtype") is not None:
+    if low is None or kwargs.get("dtype") is not None or not getattr(config, "_generation_under_autocast", True):
         return
     # DeepSpeed casts the module itself (accelerate's autocast is off there); other ranks would say it again
     if getattr(config, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":

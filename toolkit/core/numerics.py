@@ -545,7 +545,7 @@ def second_moment_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: f
     if n == 0 or float(sq.mean()) <= threshold:
         return keep
     order = torch.argsort(sq, stable=True)               # ascending
-    prefix_mean = torch.cumsum(sq[order], 0) / torch.arange(1, n + 1, dtype=torch.float64)
+    prefix_mean = torch.cumsum(sq[order], 0) / torch.arange(1, n + 1, dtype=torch.float64, device=sq.device)
     # prefix means never decrease (each added value is >= the ones before it): keep the longest prefix within
     m = int((prefix_mean <= threshold).sum())
     kept_flat = torch.zeros(n, dtype=torch.bool)
@@ -679,7 +679,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     reduce = reduce or (lambda t: t)
     v, r = values[mask].double(), returns[mask].double()
     d = r - v
-    sums = reduce(torch.stack([r.sum(), d.sum(), torch.tensor(float(r.numel()), dtype=torch.float64)]))
+    sums = reduce(torch.stack([r.sum(), d.sum(), torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device)]))
     n = sums[2]
     if n < 1:
         return float("nan")

@@ -66,6 +66,7 @@ from .models import (
     load_classifier,
     load_model,
     load_tokenizer,
+    place_frozen,
     prepare_model,
     sequence_classifier_parts,
     unwrap_model,
@@ -118,6 +119,10 @@ class PPOConfig(TrainingArguments):
     `num_mini_batches` optimizer steps; `max_steps` counts updates. A mini-batch is
     `per_device_train_batch_size` x `gradient_accumulation_steps` completions.
     """
+
+    # PPO's loop never wraps the policy's forward in accelerate's autocast, so generation with bf16=True decodes
+    # in the weights' own dtype (read by the transformers backend's mixed-precision warning; not a field)
+    _generation_under_autocast = False
 
     output_dir: str | None = field(default="outputs/ppo", metadata={"help": "Checkpoints, final model, report."})
     learning_rate: float = field(default=3e-6, metadata={"help": "Peak AdamW learning rate (policy and critic)."})
@@ -343,6 +348,11 @@ class PPOTrainer(Trainer):
             raise ConfigError(f"args: PPOTrainer needs a PPOConfig, got {type(args).__name__}.")
         refuse_sharding("PPOTrainer", args, "it owns its loop and all-reduces the policy's and critic's gradients "
                                             "itself (DDP-style, every rank holds both models whole)")
+        if args.fp16 or getattr(args, "mixed_precision", None) == "fp16":  # accelerate launch --mixed_precision
+            # fp16 needs a loss scaler between backward and the optimizer step, which PPO's own loop does not
+            # run: unscaled float16 gradients underflow and the run learns nothing, silently.
+            raise ConfigError("fp16: PPOTrainer does not support fp16 mixed precision (its own loop has no loss "
+                              "scaler); use bf16=True (autocast over float32 weights) or train in float32.")
         if callable(reward_funcs) or isinstance(reward_funcs, str):
             reward_funcs = [reward_funcs]
         reward_funcs = list(reward_funcs)
@@ -409,6 +419,10 @@ class PPOTrainer(Trainer):
         else:
             self.critic = ScalarHead(hidden_size)
         self.reward_model = None
+        # a value or reward model dispatched by accelerate (device_map=) stays where its hooks put it; the flag is
+        # read off the loaded model, since the wrapper around its parts below does not carry it
+        self._dispatched = {"critic": bool(getattr(value_model, "hf_device_map", None)),
+                            "reward model": bool(getattr(reward_model, "hf_device_map", None))}
         if reward_model is not None:
             rm = reward_model if isinstance(reward_model, nn.Module) else load_classifier(reward_model, dtype)
             self.reward_model = ScalarHead(hidden_size, *sequence_classifier_parts(rm)).eval().requires_grad_(False)
@@ -441,6 +455,14 @@ class PPOTrainer(Trainer):
 
         super().__init__(model=policy, args=args, train_dataset=Dataset.from_list([{"row_index": 0}]),
                          processing_class=tokenizer, callbacks=callbacks)
+        # Trainer places only the policy; the reference, critic and reward model were built on the CPU. Every
+        # tensor a rollout or an update builds goes to this device too (`_pack`, `generate_rollout`).
+        if self.ref_model is not None:
+            place_frozen(self.ref_model, self.args.device)
+        if self.reward_model is not None and not self._dispatched["reward model"]:
+            self.reward_model.to(self.args.device)
+        if not self._dispatched["critic"]:
+            self.critic.to(self.args.device)
         install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
         self._step_metrics: dict[str, list[float]] = defaultdict(list)
 
@@ -550,7 +572,10 @@ class PPOTrainer(Trainer):
         # the task's instruction): with toolkit_varlen that start is laid out once per batch and every sequence
         # attends to it. Same log-probs, values and gradients as separate sequences, fewer tokens through every
         # forward and backward (bench/ppo_vs_trl.py: 27 of 58 tokens per sequence).
-        return pack_for_layout(self.packed_layout, prompts, completions, pad_token_id=self.processing_class.pad_token_id)
+        batch = pack_for_layout(self.packed_layout, prompts, completions,
+                                pad_token_id=self.processing_class.pad_token_id)
+        # on the training device: PPO runs its own forwards, so Trainer's input placement never sees these batches
+        return {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     # ----------------------------------------------------------------------------------- rollout
 
@@ -564,12 +589,13 @@ class PPOTrainer(Trainer):
         self.generation_backend.sync_weights(self.model)
         groups = self.generation_backend.generate(prompts, self.sampling, n=1, seed=seed)
         completions = [g[0].token_ids for g in groups]
-        truncated = torch.tensor([g[0].finish_reason == "length" for g in groups])
+        device = self.args.device
+        truncated = torch.tensor([g[0].finish_reason == "length" for g in groups], device=device)
         sampler = [torch.tensor(g[0].logprobs, dtype=torch.float32) for g in groups]
         t_gen = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        scores = self.compute_rewards([self.rows[i] for i in row_indices], prompts, completions)
+        scores = self.compute_rewards([self.rows[i] for i in row_indices], prompts, completions).to(device)
         if args.missing_eos_penalty is not None:
             scores = torch.where(truncated, scores - args.missing_eos_penalty, scores)
         t_score = time.perf_counter() - t1
@@ -578,37 +604,39 @@ class PPOTrainer(Trainer):
         batch = self._pack(prompts, completions)
         lengths = batch["completion_lengths"]
         T = int(lengths.max())
-        mask = torch.arange(T)[None, :] < lengths[:, None]
+        mask = torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
         was = self.model.training
         self.model.eval()
-        hidden = completion_hidden(self.model, batch)
-        logps = self._to_rows(self.compute_token_logps(self.model, batch, hidden=hidden), mask)
-        ref_ctx = unwrap_peft(self.model).disable_adapter() if self.ref_model is None else contextlib.nullcontext()
-        with ref_ctx:
-            ref_model = self.ref_model if self.ref_model is not None else self.model
-            ref_logps = self._to_rows(self.compute_token_logps(ref_model, batch), mask)
-        values = self._to_rows(self.compute_values(batch, hidden=hidden), mask)
+        with self.accelerator.autocast():  # bf16=True: the update's forwards run under the same autocast
+            hidden = completion_hidden(self.model, batch)
+            logps = self._to_rows(self.compute_token_logps(self.model, batch, hidden=hidden), mask)
+            ref_ctx = unwrap_peft(self.model).disable_adapter() if self.ref_model is None else contextlib.nullcontext()
+            with ref_ctx:
+                ref_model = self.ref_model if self.ref_model is not None else self.model
+                ref_logps = self._to_rows(self.compute_token_logps(ref_model, batch), mask)
+            values = self._to_rows(self.compute_values(batch, hidden=hidden), mask)
         self.model.train(was)
         t_fwd = time.perf_counter() - t2
 
         kl = kl_estimate(logps, ref_logps, args.kl_estimator) * mask
         rewards = -self.kl_controller.value * kl
         last = lengths - 1
-        rewards[torch.arange(len(prompts)), last] += scores
+        rewards[torch.arange(len(prompts), device=last.device), last] += scores
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, reduce=self._sum_over_ranks)
         advantages, returns = self.compute_advantages(rewards, values, mask)
         rollout = PPORollout(
             row_indices=list(row_indices), prompt_ids=prompts, completion_ids=completions, mask=mask, logps=logps,
-            ref_logps=ref_logps, sampler_logps=self._to_rows(torch.cat(sampler), mask), values=values,
+            ref_logps=ref_logps, sampler_logps=self._to_rows(torch.cat(sampler).to(device), mask), values=values,
             rewards=rewards, advantages=advantages, returns=returns, scores=scores, kl=kl, truncated=truncated)
         rollout.metrics = self._rollout_metrics(rollout, t_gen, t_score, t_fwd)
         return rollout
 
     def compute_rewards(self, rows: list[dict[str, Any]], prompts: list[list[int]],
                         completions: list[list[int]]) -> torch.Tensor:
-        """[B] scores: weighted reward functions plus the reward model. Override to score differently."""
-        total = torch.zeros(len(rows))
+        """[B] scores on the training device: weighted reward functions plus the reward model. Override to score
+        differently."""
+        total = torch.zeros(len(rows), device=self.args.device)
         if self.reward_runner is not None:
             outcome, _ = score_completions(self.reward_runner, self.processing_class, rows, completions,
                                            conversational=self.dataset_format.conversational,
@@ -622,10 +650,11 @@ class PPOTrainer(Trainer):
                         f"PPO: reward function '{name}' gave no finite reward for "
                         f"{int((~torch.isfinite(values)).sum())} of {len(rows)} completions ({outcome.failures.get(name, 0)} failures). Every completion "
                         "needs a score in PPO; fix the function or return 0 for unscoreable rows.")
-            total += (per_func * self.reward_weights[:, None]).sum(0)
+            total += (per_func * self.reward_weights[:, None]).sum(0).to(total.device)
         if self.reward_model is not None:
             batch = self._pack(prompts, completions)
-            rm_scores = self.reward_model(batch, positions=batch["sequence_ends"])  # at each sequence's last token
+            with self.accelerator.autocast():
+                rm_scores = self.reward_model(batch, positions=batch["sequence_ends"])  # at each sequence's last token
             self._step_metrics["rewards/reward_model/mean"].append(float(rm_scores.mean()))
             total += self.args.reward_model_weight * rm_scores
         return total
@@ -751,11 +780,12 @@ class PPOTrainer(Trainer):
                 idx = [i - rank * B for i in perm[m * mb_global:(m + 1) * mb_global] if rank * B <= i < (rank + 1) * B]
                 loss_tokens = self._sum_over_ranks(rollout.mask[idx].sum().double()).float()
                 # the same keys on every rank, also one with no rows in this mini-batch (they are reduced together)
-                sums = {k: torch.zeros((), dtype=torch.float64) for k in _STAT_KEYS}
+                sums = {k: torch.zeros((), dtype=torch.float64, device=self.args.device) for k in _STAT_KEYS}
                 for k in range(0, len(idx), micro):
                     batch = self._micro_batch(rollout, idx[k:k + micro])
                     batch["loss_tokens"] = loss_tokens
-                    loss, s = self.compute_loss(self.model, batch, return_outputs=True)
+                    with self.accelerator.autocast():  # bf16=True; PPO's loop is its own, outside accelerate's wrap
+                        loss, s = self.compute_loss(self.model, batch, return_outputs=True)
                     loss.backward()
                     for name in _STAT_KEYS:
                         sums[name] = sums[name] + s[name].to(sums[name].device)
@@ -953,7 +983,9 @@ class PPOTrainer(Trainer):
                 raise ConfigError(f"resume_from_checkpoint: '{path}' does not match this policy (missing "
                                   f"{missing[:3]}, unexpected {unexpected[:3]}).")
         self.critic.load_state_dict(critic_state)
-        tensors = torch.load(folder / STATE_FILE, weights_only=True)  # never unpickles code
+        # never unpickles code; onto the CPU first (written from one GPU, read on every rank's own or on none),
+        # and load_state_dict moves the optimizer's state to each parameter's device
+        tensors = torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")
         self.optimizer.load_state_dict(tensors["optimizer"])
         self.lr_scheduler.load_state_dict(tensors["scheduler"])
         self.kl_controller.value = loop["kl_coef"]
@@ -983,9 +1015,9 @@ class PPOTrainer(Trainer):
         tok = {"objective/kl_per_token": r.kl[m], "objective/reward_per_token": r.rewards[m], "val/mean": r.values[m],
                "val/returns_mean": r.returns[m], "sampler/logp_abs_diff_mean": mismatch}
         keys = list(seq) + list(tok)
+        count = torch.tensor(float(len(r.scores)), dtype=torch.float64, device=m.device)  # stack wants one device
         local = torch.stack([v.double().sum() for v in seq.values()] + [v.double().sum() for v in tok.values()]
-                            + [torch.tensor(float(len(r.scores)), dtype=torch.float64), m.sum().double(),
-                               (r.scores.double() ** 2).sum()])
+                            + [count, m.sum().double(), (r.scores.double() ** 2).sum()])
         total = self._sum_over_ranks(local).tolist()
         n_seq, n_tok, sq = total[-3], max(total[-2], 1.0), total[-1]
         out = {k: v / (n_seq if k in seq else n_tok) for k, v in zip(keys, total)}

@@ -21,6 +21,7 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -406,6 +407,13 @@ def weighted_total(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> tor
     return torch.where(judged.any(0), total, torch.full_like(total, float("nan")))
 
 
+def _default_device() -> torch.device:
+    """This process's GPU where there is one (torchrun's LOCAL_RANK picks it), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 class RewardModelReward:
     """A reward function that scores prompt + completion with a sequence-classification reward model.
 
@@ -418,11 +426,14 @@ class RewardModelReward:
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, batch_size: int = 16, dtype: str = "float32",
-                 chat_template_kwargs: dict | None = None):
+                 chat_template_kwargs: dict | None = None, device: str | torch.device | None = None):
         from .models import load_classifier, load_tokenizer, sequence_classifier_parts
 
         source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
-        self.model = load_classifier(model, dtype) if isinstance(model, str) else model
+        # A model loaded here goes to `device`, by default this process's GPU where there is one (scoring at CPU
+        # speed beside a GPU policy would be the slowest part of a step); a model given as an object stays put.
+        self.model = (load_classifier(model, dtype).to(device if device is not None else _default_device())
+                      if isinstance(model, str) else model)
         self.model.eval().requires_grad_(False)
         if tokenizer is None:
             if not source:

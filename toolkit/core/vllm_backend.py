@@ -360,7 +360,10 @@ class VLLMBackend(_SyncEvery):
                               "pushed into the engine in this process); unset it or use 'vllm-server'.")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB only
         started = time.perf_counter()
-        self.llm = vllm.LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+        # eager by default: CUDA-graph capture costs start-up time and memory that short CPU runs never win back;
+        # on a GPU pass enforce_eager=False in generation_backend_kwargs for graph-captured decoding
+        engine_kwargs.setdefault("enforce_eager", True)
+        self.llm = vllm.LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
                             seed=seed, logprobs_mode="processed_logprobs",
                             gpu_memory_utilization=gpu_memory_utilization, **engine_kwargs)
         logger.info("vLLM engine ready in %.1f s (%s, max_model_len=%d).", time.perf_counter() - started, model_path,

@@ -204,7 +204,14 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max_model_len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kv_cache_gib", type=int, default=1)
+    ap.add_argument("--kv_cache_gib", type=int, default=1, help="KV cache on a CPU build of vLLM (whole GiB)")
+    ap.add_argument("--dtype", default="float32",
+                    help="engine weights: float32 (the default, as the trainer's weights) or bfloat16 / auto on a GPU")
+    ap.add_argument("--gpu_memory_utilization", type=float, default=0.1,
+                    help="share of the GPU's memory the engine may take (weights + KV cache); on a GPU of its own, "
+                         "e.g. 0.85. A CPU build of vLLM sizes its cache by --kv_cache_gib instead")
+    ap.add_argument("--no_enforce_eager", action="store_true",
+                    help="capture CUDA graphs for decoding (faster on a GPU; start-up takes longer)")
     ap.add_argument("--token", default=None, help="the token every request must carry (default: $TOOLKIT_VLLM_TOKEN, "
                                                    "else a random one, printed)")
     ap.add_argument("--max_request_mib", type=int, default=16, help="largest /generate body")
@@ -218,7 +225,9 @@ def serve(argv: list[str]) -> int:
     from .vllm_backend import VLLMBackend
 
     path = str(resolve_model_path(args.model))
-    backend = VLLMBackend(path, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=args.kv_cache_gib)
+    backend = VLLMBackend(path, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=args.kv_cache_gib,
+                          dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                          enforce_eager=not args.no_enforce_eager)
     server = make_server(backend, args.host, args.port, path, token=token, max_request_bytes=args.max_request_mib * MIB,
                          max_upload_bytes=args.max_upload_gib * 1024 * MIB)
     url = f"http://{args.host}:{server.server_address[1]}"
