@@ -49,6 +49,9 @@ class Bench:
     json_flag: bool = True          # takes --json <path>; else the script writes its own results files
     python: str = ".venv"
     needs: list[tuple[str, str]] = field(default_factory=list)  # (path that must exist, command that makes it)
+    # what the row's numbers also depend on besides CODE_PATHS and its own script (a helper module it imports, the
+    # configs it trains with, the setup of its interpreter): a change to one of these marks the row changed too
+    inputs: tuple[str, ...] = ()
 
 
 BENCHES = [
@@ -60,14 +63,15 @@ BENCHES = [
     Bench("ppo_vs_trl", "ppo_vs_trl.py", "core", 5, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
     Bench("decode_batch", "decode_batch.py", "core", 5),
     Bench("grpo_vllm", "grpo_vllm.py", "vllm", 14, python=".venv-vllm",
-          needs=[(".venv-vllm/bin/python", "bash scripts/setup-vllm.sh")]),
+          needs=[(".venv-vllm/bin/python", "bash scripts/setup-vllm.sh")], inputs=("scripts/setup-vllm.sh",)),
     Bench("multiprocess", "multi_process.py", "long", 8, args=["--steps", "3"]),
     Bench("experimental_vs_trl", "experimental_vs_trl.py", "long", 15),
     Bench("online_vs_trl", "online_vs_trl.py", "long", 16),
-    Bench("async_grpo", "async_grpo.py", "long", 16, json_flag=False),
+    Bench("async_grpo", "async_grpo.py", "long", 16, json_flag=False, inputs=("bench/async_model.py",)),
     # three more seeds of the latency-bound case, in their own file: six seeds in all say how much the ratio varies
     Bench("async_grpo_seeds_3_5", "async_grpo.py", "long", 14, json_flag=False,
-          args=["--cases", "latency", "--seeds", "3,4,5", "--out", "async_grpo_seeds_3_5"]),
+          args=["--cases", "latency", "--seeds", "3,4,5", "--out", "async_grpo_seeds_3_5"],
+          inputs=("bench/async_model.py",)),
     Bench("async_staleness", "async_staleness.py", "long", 29, json_flag=False),
     # the criterion's bounds (0 and 4) on three more seeds: one seed of the sweep cannot tell a gap from noise
     Bench("async_staleness_seeds", "async_staleness.py", "long", 34, json_flag=False, args=["--seeds", "1,2,3"]),
@@ -76,12 +80,16 @@ BENCHES = [
           args=["--seeds", "4,5,6", "--out", "async_staleness_seeds_4_6"]),
     Bench("learning_vs_trl", "learning_vs_trl.py", "long", 25, json_flag=False,
           args=["--minutes", "6", "--eval-every", "1.5"],
-          needs=[("outputs/arithmetic/0-sft/final", "toolkit pipeline --config examples/arithmetic_pipeline.toml")]),
+          needs=[("outputs/arithmetic/0-sft/final", "toolkit pipeline --config examples/arithmetic_pipeline.toml")],
+          inputs=("examples/arithmetic_pipeline.toml", "examples/arithmetic_warmup_sft.toml",
+                  "examples/grpo_arithmetic.toml")),
     Bench("agent_rollouts", "agent_rollouts.py", "long", 35, json_flag=False,
-          needs=[("outputs/tools/0-sft/final", "toolkit pipeline --config examples/tools_pipeline.toml")]),
+          needs=[("outputs/tools/0-sft/final", "toolkit pipeline --config examples/tools_pipeline.toml")],
+          inputs=("examples/tools_pipeline.toml", "examples/tools_warmup_sft.toml", "examples/grpo_tools.toml")),
     Bench("distillation", "distillation.py", "long", 1,
           needs=[("outputs/grpo-arithmetic/report", "toolkit grpo --config examples/grpo_arithmetic.toml"),
-                 ("outputs/gkd-arithmetic/report", "toolkit gkd --config examples/gkd_arithmetic.toml")]),
+                 ("outputs/gkd-arithmetic/report", "toolkit gkd --config examples/gkd_arithmetic.toml")],
+          inputs=("examples/grpo_arithmetic.toml", "examples/gkd_arithmetic.toml")),
 ]
 GROUPS = {"core": ("core",), "vllm": ("vllm",), "long": ("long",), "all": ("core", "vllm", "long")}
 
@@ -167,16 +175,16 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-_CHANGED: dict[tuple[str, str], list[str] | None] = {}
+_CHANGED: dict[tuple[str, str, tuple[str, ...]], list[str] | None] = {}
 
 
-def _changed_since(commit: str, script: str) -> list[str] | None:
-    """The files under CODE_PATHS (and the result's own script) that differ between `commit` and the working tree
-    (HEAD plus uncommitted changes: the code as it is when the table is written); None where git cannot tell (no
-    repository, a commit it does not hold)."""
-    key = (commit, script)
+def _changed_since(commit: str, script: str, inputs: tuple[str, ...] = ()) -> list[str] | None:
+    """The files under CODE_PATHS (and the result's own script and other inputs) that differ between `commit` and
+    the working tree (HEAD plus uncommitted changes: the code as it is when the table is written); None where git
+    cannot tell (no repository, a commit it does not hold)."""
+    key = (commit, script, inputs)
     if key not in _CHANGED:
-        out = _git("diff", "--name-only", commit, "--", *CODE_PATHS, f"bench/{script}")
+        out = _git("diff", "--name-only", commit, "--", *CODE_PATHS, f"bench/{script}", *inputs)
         _CHANGED[key] = None if out is None else [line for line in out.splitlines() if line]
     return _CHANGED[key]
 
@@ -186,7 +194,7 @@ def _code_status(d: dict, commit: str) -> str:
     bench = next((b for b in BENCHES if b.name == d.get("_bench")), None)
     if bench is None:
         return ""
-    changed = _changed_since(commit, bench.script)
+    changed = _changed_since(commit, bench.script, bench.inputs)
     if changed is None:
         return ""
     if not changed:
@@ -462,7 +470,8 @@ def write_table(run_info: dict | None) -> None:
              "",
              f"The last column also says whether the code a row measured has changed between its commit and the "
              f"tree this table was written from (at {(_git('rev-parse', 'HEAD') or 'unknown')[:10]}, uncommitted "
-             f"changes included): `git diff` over {', '.join(CODE_PATHS)} and the row's own script. A row marked "
+             f"changes included): `git diff` over {', '.join(CODE_PATHS)}, the row's own script and the other inputs "
+             f"it names in bench/run_all.py (a helper module, its configs, its interpreter's setup). A row marked "
              f"**code changed since** was measured before such a change, and its numbers may not hold for the code "
              f"as it is now. A row marked (tree changed) was measured with uncommitted changes, which its commit "
              f"does not hold; its code status compares the commit.",

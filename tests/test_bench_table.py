@@ -65,3 +65,24 @@ def test_rows_say_whether_their_code_changed_since_their_commit(tmp_path, run_al
 
     assert run_all._code_status(row, "0" * 40) == ""  # a commit git does not hold: no claim either way
     assert run_all._code_status({"_bench": "not_a_benchmark"}, measured) == ""
+
+
+def test_a_rows_other_inputs_count_as_its_code(tmp_path, run_all):
+    # async_grpo imports bench/async_model.py; learning_vs_trl trains with the main job's configs: a change to
+    # either is a change to what the row measured, and to no other row
+    _git(tmp_path, "init", "-q")
+    measured = _commit(tmp_path, {"bench/async_grpo.py": "x\n", "bench/async_model.py": "m = 1\n",
+                                  "bench/grpo_vs_trl.py": "g\n", "examples/arithmetic_pipeline.toml": "a = 1\n",
+                                  "bench/learning_vs_trl.py": "l\n"}, "measured here")
+    _commit(tmp_path, {"bench/async_model.py": "m = 2\n", "examples/arithmetic_pipeline.toml": "a = 2\n"},
+            "the pipeline model and the main job's config")
+    assert run_all._code_status({"_bench": "async_grpo"}, measured) == \
+        "; **code changed since**: bench/async_model.py"
+    assert run_all._code_status({"_bench": "async_grpo_seeds_3_5"}, measured) == \
+        "; **code changed since**: bench/async_model.py"
+    assert run_all._code_status({"_bench": "learning_vs_trl"}, measured) == \
+        "; **code changed since**: examples/arithmetic_pipeline.toml"
+    assert run_all._code_status({"_bench": "grpo_vs_trl"}, measured) == "; code unchanged since"
+    for b in run_all.BENCHES:  # an input that names no file would never mark anything changed
+        for path in b.inputs:
+            assert (RUN_ALL.parents[1] / path).is_file(), f"{b.name}: input {path} does not exist"
