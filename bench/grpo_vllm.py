@@ -11,14 +11,16 @@ as `--lora_r 16` makes it (every linear layer of the blocks: after the first syn
 holding adapters are uploaded); and TRL's
 GRPOTrainer with use_vllm=True, vllm_mode="colocate" (reported as failed if it does not run on
 this CPU). Each configuration runs in its own process; engine start-up is excluded (the first step
-is excluded from timing). Printed: steps per minute, generation and weight-sync seconds per step, the
-last sync's size, and ratios to our transformers backend.
+is excluded from timing). Printed: steps per minute, generation seconds per step, weight-sync seconds (median
+and max of the syncs of steps 2..N: the first is a server's first upload, or with LoRA the full one), the last
+sync's size, and ratios to our transformers backend.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import socket
 import subprocess
 import sys
@@ -32,6 +34,23 @@ KINDS = ("transformers", "vllm", "vllm-server", "vllm-server-lora", "trl-vllm-co
 # LoRA as `toolkit grpo --lora_r 16` makes it (all linear layers of the blocks): after the first sync only the
 # blocks holding adapters are sent
 LORA = dict(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def sync_recorder(trainer):
+    """A TrainerCallback recording, at the end of every step, the seconds of the weight sync that step made (our
+    vLLM backends sync before each step's generation; `sync_every` is 1 here). Empty for backends without one."""
+    from transformers import TrainerCallback
+
+    class SyncRecorder(TrainerCallback):
+        def __init__(self):
+            self.seconds: list[float] = []
+
+        def on_step_end(self, args, state, control, **kw):
+            seconds = getattr(getattr(trainer, "generation_backend", None), "last_sync_s", None)
+            if seconds:
+                self.seconds.append(seconds)
+
+    return SyncRecorder()
 
 
 def worker(kind: str, steps: int) -> dict:
@@ -87,6 +106,8 @@ def worker(kind: str, steps: int) -> dict:
                                                                 generation_backend_kwargs=kwargs),
                               peft_config=LoraConfig(**LORA) if kind.endswith("lora") else None,
                               train_dataset=rows, callbacks=[timer])
+    syncs = sync_recorder(trainer)
+    trainer.add_callback(syncs)
     try:
         trainer.train()
     finally:
@@ -104,6 +125,11 @@ def worker(kind: str, steps: int) -> dict:
             "kind": kind, "steps_per_min": 60 / per_step, "sec_per_step": per_step,
             "generation_s_per_step": sum(gen) / len(gen) if gen else None,
             "last_weight_sync_s": getattr(backend, "last_sync_s", None),
+            # every step's sync; the summary leaves out the first (a server's first upload pages in its buffer, and
+            # with LoRA the first sync sends every weight), so it is the median of the steady-state syncs
+            "weight_syncs_s": syncs.seconds or None,
+            "weight_sync_s": statistics.median(syncs.seconds[1:]) if len(syncs.seconds) > 1 else None,
+            "weight_sync_max_s": max(syncs.seconds[1:]) if len(syncs.seconds) > 1 else None,
             "last_weight_sync_mb": getattr(backend, "last_sync_bytes", 0) / 1e6 or None,
             "mean_reward": sum(h.get("reward", 0) for h in hist) / max(len(hist), 1)}
 
@@ -117,7 +143,7 @@ def main() -> None:
     s = SETTINGS
     print(f"\nGRPO, SmolLM2-135M-Instruct, {s['prompts_per_step']} prompts x {s['num_generations']} completions, "
           f"max {s['max_completion_length']} new tokens, {args.steps} steps (first excluded)")
-    print("| backend | steps/min | s/step | generation s/step | generated tokens (all steps) | weight sync s | sync MB "
+    print("| backend | steps/min | s/step | generation s/step | generated tokens (all steps) | weight sync s, median (max) of steps 2..N | sync MB "
           "| vs transformers |")
     print("|---|---|---|---|---|---|---|---|")
     for kind in KINDS:
@@ -126,7 +152,8 @@ def main() -> None:
             print(f"| {kind} | failed | | | | | | see below |")
             continue
         gen = f"{r['generation_s_per_step']:.1f}" if r["generation_s_per_step"] is not None else "-"
-        sync = f"{r['last_weight_sync_s']:.2f}" if r["last_weight_sync_s"] is not None else "-"
+        sync = (f"{r['weight_sync_s']:.2f} ({r['weight_sync_max_s']:.2f})" if r.get("weight_sync_s") is not None
+                else "-")
         mb = f"{r['last_weight_sync_mb']:.0f}" if r.get("last_weight_sync_mb") else "-"
         # LoRA trains something else than the full model: its step time is not compared
         ratio = "-" if kind.endswith("lora") else f"{r['steps_per_min'] / base['steps_per_min']:.2f}x"
