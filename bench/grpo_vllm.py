@@ -1,6 +1,6 @@
 """Benchmark: GRPO steps per minute with each generation backend, one run, in .venv-vllm.
 
-    bash scripts/setup-vllm.sh && .venv-vllm/bin/python bench/grpo_vllm.py     # ~14 minutes on 2 CPU cores
+    bash scripts/setup-vllm.sh && .venv-vllm/bin/python bench/grpo_vllm.py     # ~8 minutes on 2 CPU cores
 
 Same model (the embedded SmolLM2-135M-Instruct), prompts (generated arithmetic), 4 prompts x 8
 completions per step, max 16 new tokens, temperature 0.7, dapo loss, no KL, numeric-match reward,
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -37,18 +37,24 @@ LORA = dict(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_
 
 
 def sync_recorder(trainer):
-    """A TrainerCallback recording, at the end of every step, the seconds of the weight sync that step made (our
-    vLLM backends sync before each step's generation; `sync_every` is 1 here). Empty for backends without one."""
+    """A TrainerCallback recording, at the end of every step that uploaded new weights (the backend's
+    `weights_version` moved), the seconds of that upload (`last_sync_s`: the engine's load, or the HTTP upload
+    and the server's load; gathering or merging the weights is not in it). Our vLLM backends sync before each
+    step's generation (`sync_every` is 1 here, one round per step); a step with several syncs would record
+    its last. Empty for backends without one."""
     from transformers import TrainerCallback
 
     class SyncRecorder(TrainerCallback):
         def __init__(self):
             self.seconds: list[float] = []
+            self._version = None
 
         def on_step_end(self, args, state, control, **kw):
-            seconds = getattr(getattr(trainer, "generation_backend", None), "last_sync_s", None)
-            if seconds:
-                self.seconds.append(seconds)
+            backend = getattr(trainer, "generation_backend", None)
+            version = getattr(backend, "weights_version", None)
+            if version is not None and version != self._version and getattr(backend, "last_sync_s", 0):
+                self._version = version
+                self.seconds.append(backend.last_sync_s)
 
     return SyncRecorder()
 
@@ -125,8 +131,8 @@ def worker(kind: str, steps: int) -> dict:
             "kind": kind, "steps_per_min": 60 / per_step, "sec_per_step": per_step,
             "generation_s_per_step": sum(gen) / len(gen) if gen else None,
             "last_weight_sync_s": getattr(backend, "last_sync_s", None),
-            # every step's sync; the summary leaves out the first (a server's first upload pages in its buffer, and
-            # with LoRA the first sync sends every weight), so it is the median of the steady-state syncs
+            # every step's sync; the summary leaves out the first (the first upload of a model: a server pages in
+            # its buffer, LoRA sends every weight), so it is the median of the steady-state syncs
             "weight_syncs_s": syncs.seconds or None,
             "weight_sync_s": statistics.median(syncs.seconds[1:]) if len(syncs.seconds) > 1 else None,
             "weight_sync_max_s": max(syncs.seconds[1:]) if len(syncs.seconds) > 1 else None,
@@ -135,7 +141,9 @@ def worker(kind: str, steps: int) -> dict:
 
 
 def main() -> None:
-    args = bench_args(__doc__, worker, default_steps=4)
+    # 8 steps: the server's uploads take a few steps to settle (3.6, 1.3, 1.1, 0.66 s in one 4-step run), and the
+    # sync summary needs more than two or three samples after the first
+    args = bench_args(__doc__, worker, default_steps=8)
     results = run_each(__file__, KINDS, args.steps,
                        lambda r: f"{r['steps_per_min']:.2f} steps/min ({r['sec_per_step']:.1f} s/step)",
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}, keep_going=True)
