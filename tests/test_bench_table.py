@@ -86,3 +86,18 @@ def test_a_rows_other_inputs_count_as_its_code(tmp_path, run_all):
     for b in run_all.BENCHES:  # an input that names no file would never mark anything changed
         for path in b.inputs:
             assert (RUN_ALL.parents[1] / path).is_file(), f"{b.name}: input {path} does not exist"
+
+
+def test_the_sync_cell_reads_old_and_new_grpo_vllm_results(run_all):
+    # results written before bench/grpo_vllm.py recorded every sync hold only the last one
+    old = {"last_weight_sync_s": 1.254}
+    assert (run_all._sync_s(old), run_all._sync_cell(old), run_all._sync_kind(old)) == (
+        1.254, "1.25", " (the last step's)")
+    new = {"last_weight_sync_s": 0.64, "weight_sync_s": 0.65, "weight_sync_max_s": 1.56}
+    assert (run_all._sync_s(new), run_all._sync_cell(new), run_all._sync_kind(new)) == (
+        0.65, "0.65 (1.56)", " (median (max) of steps 2..N)")
+    # a run with a single sync has no median: the last sync stands in, labelled as such
+    single = {"last_weight_sync_s": 0.9, "weight_sync_s": None, "weight_sync_max_s": None}
+    assert (run_all._sync_s(single), run_all._sync_cell(single), run_all._sync_kind(single)) == (
+        0.9, "0.90", " (the last step's)")
+    assert run_all._sync_target(run_all._sync_s(new)) == "target sync < 1 s: met"
