@@ -71,10 +71,12 @@ def worker(kind: str, steps: int, path: str) -> dict:
                   num_generations=s["num_generations"], max_completion_length=s["max_completion_length"],
                   temperature=s["temperature"], beta=0.0, loss_type="dapo")
     timer = step_timer()
-    if kind == "toolkit":
+    if kind in ("toolkit", "toolkit_ckpt"):
         from toolkit import GRPOConfig, GRPOTrainer
 
-        config = GRPOConfig(**common, generation_backend_kwargs={"dtype": "bfloat16"})
+        # toolkit: our default on a GPU (activation checkpointing off); toolkit_ckpt: on, as TRL's GRPOConfig has it
+        config = GRPOConfig(**common, generation_backend_kwargs={"dtype": "bfloat16"},
+                            **({"activation_checkpointing": True} if kind == "toolkit_ckpt" else {}))
         trainer = GRPOTrainer(path, [length_reward], config, train_dataset=rows, callbacks=[timer])
     else:
         from datasets import Dataset
@@ -111,7 +113,7 @@ def main() -> None:
         raise SystemExit(0)
     path = _model_dir(args.model, args.random_init)
     results = {}
-    for kind in ("toolkit", "trl"):
+    for kind in ("toolkit", "toolkit_ckpt", "trl"):
         started = time.perf_counter()
         results[kind] = run_in_subprocess(__file__, ["--model", path, "--steps", str(args.steps), "--worker", kind,
                                                      "--prompts-per-step", str(args.prompts_per_step),
@@ -119,20 +121,24 @@ def main() -> None:
         r = results[kind]
         print(f"{kind}: {r['sec_per_step']:.2f} s/step on {r['device']}, peak GPU memory {r['peak_gpu_mb']:.0f} MB, "
               f"{r['generated_tokens']} tokens ({time.perf_counter() - started:.0f} s)", flush=True)
-    o, t = results["toolkit"], results["trl"]
+    t = results["trl"]
     s = SETTINGS
-    print(f"\nGRPO on {o['gpu']} (CUDA {o['torch_cuda']}), model {args.model}"
+    print(f"\nGRPO on {t['gpu']} (CUDA {t['torch_cuda']}), model {args.model}"
           f"{' with random weights (seed 0)' if args.random_init else ''}, {s['prompts_per_step']} prompts x "
           f"{s['num_generations']} completions per step, max {s['max_completion_length']} new tokens, bf16=True, "
           f"{args.steps} steps (first excluded from timing)")
-    print("| | ours | TRL | ratio (ours/TRL) |")
-    print("|---|---|---|---|")
-    print(f"| seconds per step | {o['sec_per_step']:.2f} | {t['sec_per_step']:.2f} | "
-          f"{o['sec_per_step'] / t['sec_per_step']:.2f} (speed-up {t['sec_per_step'] / o['sec_per_step']:.2f}x) |")
-    memory_ratio = f"{o['peak_gpu_mb'] / t['peak_gpu_mb']:.2f}" if t["peak_gpu_mb"] else "- (no GPU)"
-    print(f"| peak GPU memory MB | {o['peak_gpu_mb']:.0f} | {t['peak_gpu_mb']:.0f} | {memory_ratio} |")
-    print(f"| generated tokens (all {args.steps} steps) | {o['generated_tokens']} | {t['generated_tokens']} | "
-          f"{o['generated_tokens'] / max(t['generated_tokens'], 1):.2f} |")
+    for kind, label in (("toolkit", "ours (default: activation checkpointing off on a GPU)"),
+                        ("toolkit_ckpt", "ours with activation checkpointing (as TRL's default)")):
+        o = results[kind]
+        print(f"\n{label} against TRL (activation checkpointing on, its default)")
+        print("| | ours | TRL | ratio (ours/TRL) |")
+        print("|---|---|---|---|")
+        print(f"| seconds per step | {o['sec_per_step']:.2f} | {t['sec_per_step']:.2f} | "
+              f"{o['sec_per_step'] / t['sec_per_step']:.2f} (speed-up {t['sec_per_step'] / o['sec_per_step']:.2f}x) |")
+        memory_ratio = f"{o['peak_gpu_mb'] / t['peak_gpu_mb']:.2f}" if t["peak_gpu_mb"] else "- (no GPU)"
+        print(f"| peak GPU memory MB | {o['peak_gpu_mb']:.0f} | {t['peak_gpu_mb']:.0f} | {memory_ratio} |")
+        print(f"| generated tokens (all {args.steps} steps) | {o['generated_tokens']} | {t['generated_tokens']} | "
+              f"{o['generated_tokens'] / max(t['generated_tokens'], 1):.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": s, "steps": args.steps, "model": args.model, "random_init": args.random_init,
