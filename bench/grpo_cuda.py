@@ -76,7 +76,7 @@ def worker(kind: str, steps: int, path: str) -> dict:
 
         # toolkit: our default on a GPU (activation checkpointing off); toolkit_ckpt: on, as TRL's GRPOConfig has it
         config = GRPOConfig(**common, generation_backend_kwargs={"dtype": "bfloat16"},
-                            **({"activation_checkpointing": True} if kind == "toolkit_ckpt" else {}))
+                            **({"gradient_checkpointing": True} if kind == "toolkit_ckpt" else {}))
         trainer = GRPOTrainer(path, [length_reward], config, train_dataset=rows, callbacks=[timer])
     else:
         from datasets import Dataset
