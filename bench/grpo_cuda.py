@@ -5,8 +5,8 @@
     python bench/grpo_cuda.py --model DIR --random-init --steps 2 --prompts-per-step 1 --max-completion-length 4
                                                        # tries the script out on a CPU in about a minute
 
-Not part of bench/run_all.py: the project's own machines have no GPU. Not yet run on one: it was tried on a CPU
-only (the third command above), to check the script itself.
+Not part of bench/run_all.py: the project's own machines have no GPU. Run twice on a lent H200 (bench/results/gpu/,
+whose README names the code each run was at); tried on a CPU with the third command above.
 
 Both sides: bf16=True (TRL's default; ours autocasts the forward over float32 weights, and generates on its
 bfloat16 copy), the same prompts (generated arithmetic, conversational), num_generations 8, 8 prompts per step,
@@ -74,9 +74,10 @@ def worker(kind: str, steps: int, path: str) -> dict:
     if kind in ("toolkit", "toolkit_ckpt"):
         from toolkit import GRPOConfig, GRPOTrainer
 
-        # toolkit: our default on a GPU (activation checkpointing off); toolkit_ckpt: on, as TRL's GRPOConfig has it
+        # toolkit: activation checkpointing off (our GPU default at or under 4096 completion tokens a micro-batch);
+        # toolkit_ckpt: on, as TRL's GRPOConfig has it and as our default is above 4096 (8 x 8 x 128 = 8192 here)
         config = GRPOConfig(**common, generation_backend_kwargs={"dtype": "bfloat16"},
-                            **({"gradient_checkpointing": True} if kind == "toolkit_ckpt" else {}))
+                            gradient_checkpointing=kind == "toolkit_ckpt")
         trainer = GRPOTrainer(path, [length_reward], config, train_dataset=rows, callbacks=[timer])
     else:
         from datasets import Dataset
@@ -127,8 +128,9 @@ def main() -> None:
           f"{' with random weights (seed 0)' if args.random_init else ''}, {s['prompts_per_step']} prompts x "
           f"{s['num_generations']} completions per step, max {s['max_completion_length']} new tokens, bf16=True, "
           f"{args.steps} steps (first excluded from timing)")
-    for kind, label in (("toolkit", "ours (default: activation checkpointing off on a GPU)"),
-                        ("toolkit_ckpt", "ours with activation checkpointing (as TRL's default)")):
+    for kind, label in (("toolkit", "ours without activation checkpointing"),
+                        ("toolkit_ckpt", "ours with activation checkpointing (as TRL's default; ours above 4096 "
+                                         "completion tokens a micro-batch)")):
         o = results[kind]
         print(f"\n{label} against TRL (activation checkpointing on, its default)")
         print("| | ours | TRL | ratio (ours/TRL) |")

@@ -9,6 +9,8 @@ hangs or crashes is reported and the others still run. A check passes only on wh
 
 - numerics: `chunked_token_logps` on the GPU (bf16 hidden states, fp32 LM head) against the same on the CPU in
   fp32, values and gradients; `group_advantages` on GPU tensors equals the CPU result.
+- attention: `toolkit_varlen`'s padded path (what a GPU runs) against its per-segment loop on the GPU, for packed
+  examples and the shared-prompt layout, grouped-query heads, in float32 and bfloat16: outputs and gradients.
 - generation: our TransformersBackend's greedy tokens equal `model.generate`'s greedy tokens on the GPU (fp32).
 - sft, dpo, ppo, grpo, async_grpo, grpo_lora: a few optimizer steps with bf16=True; every logged loss finite,
   the trained weights on the GPU and changed, the models a trainer builds for itself (reference, critic) on the
@@ -33,7 +35,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CHECKS = ("numerics", "generation", "sft", "sft_resume", "dpo", "ppo", "grpo", "grpo_lora", "async_grpo")
+CHECKS = ("numerics", "attention", "generation", "sft", "sft_resume", "dpo", "ppo", "grpo", "grpo_lora", "async_grpo")
 
 
 def build_model_dir(model: str, random_init: bool, tiny: bool) -> str:
@@ -125,6 +127,38 @@ def check(name: str, path: str, device: str, out: str) -> dict:
         if not (lp_err < 0.1 and grad_err < 0.02 and adv_err < 1e-5):
             raise AssertionError(f"GPU numerics off: logp {lp_err}, head grad rel {grad_err}, advantages {adv_err}")
         return {"logp_max_abs_err_bf16_vs_fp32": lp_err, "head_grad_rel_err": grad_err, "advantage_max_err": adv_err}
+
+    if name == "attention":
+        from toolkit.core import attention
+
+        g = torch.Generator().manual_seed(0)
+        lengths = [1, 3, 40, 2, 90, 7, 7, 1, 300, 5, attention._ALONE_KEYS + 1]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        groups, pos = [], 6
+        for prompt, completions in ((9, (1, 30, 4, 200)), (3, (7, attention._ALONE_KEYS, 2))):
+            p0, pos = pos, pos + prompt
+            spans = [(pos + sum(completions[:i]), pos + sum(completions[:i + 1])) for i in range(len(completions))]
+            pos += sum(completions)
+            groups.append((p0, p0 + prompt, spans))
+        layouts = {"packed_examples": ({"cu_seq_lens_q": cu.to(device)}, int(cu[-1])),
+                   "shared_prompt": ({"toolkit_shared_prefix": groups, "toolkit_shared_context": (0, 6)}, pos)}
+        errors = {}
+        for layout, (kwargs, T) in layouts.items():
+            for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+                base = [torch.randn(1, h, T, 64, generator=g).to(device, dtype) for h in (8, 2, 2)]
+                weights = torch.randn(1, T, 8, 64, generator=g).to(device, dtype)
+                results = []
+                for padded in (False, True):
+                    attention._batched_segments = lambda t, padded=padded: padded
+                    q, k, v = (t.clone().requires_grad_(True) for t in base)
+                    out, _ = attention.varlen_sdpa(None, q, k, v, None, **kwargs)
+                    (out.float() * weights.float()).sum().backward()
+                    results.append([x.detach().float().cpu() for x in (out, q.grad, k.grad, v.grad)])
+                err = max(((a - b).abs().max() / (b.abs().max() + 1e-6)).item() for a, b in zip(*results))
+                if not (err < tol and all(torch.isfinite(x).all() for x in results[1])):
+                    raise AssertionError(f"{layout} {dtype}: padded path off the loop by {err} (relative)")
+                errors[f"{layout}_{str(dtype).split('.')[-1]}"] = err
+        return {"max_relative_err_padded_vs_loop": errors}
 
     if name == "generation":
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -464,10 +464,13 @@ def test_failed_resets_train_as_placeholders_and_async_evaluates_in_process(tmp_
     assert a._proc is None
 
 
-def test_cpu_checkpointing_default_counts_episode_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gpu", [False, True])
+def test_checkpointing_default_counts_episode_tokens(tmp_path, monkeypatch, gpu):
     # Single completions of 6 tokens keep a micro-batch far under the bound; episodes of up to 600 ids (tool output
-    # included) do not: 8 x 600 = 4800 > 4096. Named or given as a factory, the default follows the episodes.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # included) do not: 8 x 600 = 4800 > 4096. Named or given as a factory, the default follows the episodes, with
+    # or without a GPU (only the config and the trainer's constructor run here: nothing is placed on a device).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # transformers' own setup needs a real one
+    monkeypatch.setattr("toolkit.core.models._has_gpu", lambda: gpu)
     assert not config(tmp_path, max_episode_tokens=600).activation_checkpointing
     assert config(tmp_path, max_episode_tokens=600, environment="calculator").activation_checkpointing
     t = trainer(tmp_path, max_episode_tokens=600)

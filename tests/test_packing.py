@@ -17,6 +17,24 @@ def _case():
     return prompts, completions
 
 
+@pytest.fixture(params=["per_segment", "one_call"])
+def segment_path(request, monkeypatch):
+    """Both ways toolkit_varlen attends packed segments: one sdpa call each (the CPU's path) and a few padded calls
+    (every other device's path), forced here on the CPU so both are checked against separate rows."""
+    from toolkit.core import attention
+
+    monkeypatch.setattr(attention, "_batched_segments", lambda t: request.param == "one_call")
+    real = attention._attend_segments
+
+    def must_run(*args, **kwargs):  # a layout the padded path cannot take would fall back to the loop silently
+        out = real(*args, **kwargs)
+        assert out is not None, "the padded path fell back to the loop"
+        return out
+
+    monkeypatch.setattr(attention, "_attend_segments", must_run)
+    return request.param
+
+
 def _logps_and_grads(model, batch):
     model.zero_grad()
     lp = completion_logps(model, batch, temperature=0.8)
@@ -24,7 +42,7 @@ def _logps_and_grads(model, batch):
     return lp.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def test_shared_prompt_layout_equals_separate_sequences():
+def test_shared_prompt_layout_equals_separate_sequences(segment_path):
     prompts, completions = _case()
     model = tiny_model()
     padded = pack_completions(prompts, completions, pad_token_id=0, padding_free=False)
@@ -52,7 +70,7 @@ def _common_prefix_case():
     return head, prompts, completions
 
 
-def test_common_prefix_layout_equals_separate_sequences():
+def test_common_prefix_layout_equals_separate_sequences(segment_path):
     head, prompts, completions = _common_prefix_case()
     model = tiny_model()
     padded = pack_completions(prompts, completions, pad_token_id=0, padding_free=False)
@@ -105,7 +123,7 @@ def test_shared_layout_rejects_bad_groups():
         pack_shared_prompts(prompts, completions, [[0, 2], [1, 4]])
 
 
-def test_plain_sdpa_mixes_packed_examples_and_varlen_keeps_them_apart():
+def test_plain_sdpa_mixes_packed_examples_and_varlen_keeps_them_apart(segment_path):
     """Why toolkit_varlen exists (attention.py's docstring): position_ids alone do not separate packed rows."""
     import torch
 
@@ -123,6 +141,131 @@ def test_plain_sdpa_mixes_packed_examples_and_varlen_keeps_them_apart():
         apart = model(input_ids=packed, position_ids=pos, **varlen_kwargs(torch.tensor([0, 4, 7]))).logits[0, 4:]
     assert not torch.allclose(mixed, alone, atol=1e-4)
     torch.testing.assert_close(apart, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_off_the_cpu_every_segment_of_a_layer_is_one_sdpa_call(monkeypatch):
+    """The one-call path exists for GPUs, where a call per segment is launches and Python (bench/results/gpu):
+    a shared-prompt micro-batch makes one sdpa call per layer there, and the device decides which path runs."""
+    from toolkit.core import attention
+
+    assert attention._batched_segments(torch.empty(1, device="meta"))
+    assert not attention._batched_segments(torch.empty(1))
+    prompts, completions = _case()
+    batch = pack_shared_prompts(prompts, completions, group_by_prompt(prompts))
+    model = tiny_model()
+    use_varlen_attention(model)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for one_call in (False, True):
+        monkeypatch.setattr(attention, "_batched_segments", lambda t, one_call=one_call: one_call)
+        calls.clear()
+        with torch.no_grad():
+            completion_logps(model, batch)
+        assert len(calls) == (model.config.num_hidden_layers if one_call else
+                              model.config.num_hidden_layers * (2 + len(completions)))  # 2 prompts, 5 completions
+
+
+def test_segments_that_do_not_tile_the_row_fall_back_to_the_loop():
+    from toolkit.core.attention import _segment_plan
+
+    assert _segment_plan(((0, 3, ()), (4, 6, ())), 6, torch.device("cpu")) is None  # a gap at 3
+    assert _segment_plan(((0, 3, ()), (3, 6, ())), 7, torch.device("cpu")) is None  # the row is longer
+    specs = ((3, 5, ((0, 3),)), (0, 3, ()))
+    [(kind, q_idx, k_idx, mask, _)], out_idx = _segment_plan(specs, 5, torch.device("cpu"))
+    # shortest keys first: the 3-token segment, then the 2 queries that see it and themselves; keys padded to 16
+    assert kind == "padded" and q_idx.tolist() == [0, 1, 2, 3, 4, 4] and mask.shape == (2, 1, 3, 16)
+    assert k_idx.tolist() == [0, 1, 2] + [0] * 13 + [0, 1, 2, 3, 4] + [0] * 11 and out_idx.tolist() == [0, 1, 2, 3, 4]
+    assert mask[1, 0, :, :6].tolist() == [[True, True, True, True, False, False],
+                                          [True, True, True, True, True, False],
+                                          [True, False, False, False, False, False]]  # a padded row sees one key
+    assert not mask[..., 6:].any()
+    # two query heads per key head: the mask comes twice along the queries, one block per head
+    [(_, _, _, mask2, _)], _ = _segment_plan(specs, 5, torch.device("cpu"), 2)
+    assert mask2.shape == (2, 1, 6, 16) and torch.equal(mask2[:, :, :3], mask) and torch.equal(mask2[:, :, 3:], mask)
+
+
+def test_a_long_segment_goes_alone_and_does_not_pad_the_short_ones():
+    """Packed SFT rows of one long example and many short ones: the long one alone with no mask (the kernel that
+    needs none stays usable), the short ones in one padded call; every position lands in exactly one slot."""
+    from toolkit.core.attention import _ALONE_KEYS, _segment_plan
+
+    long = _ALONE_KEYS + 500
+    bounds = [(0, long)] + [(long + 20 * i, long + 20 * (i + 1)) for i in range(50)]
+    calls, out_idx = _segment_plan(tuple((a, b, ()) for a, b in bounds), long + 1000, torch.device("cpu"))
+    assert [c[0] for c in calls] == ["padded", "alone"] and calls[0][3].shape == (50, 1, 20, 32)
+    assert calls[1][1] == (0, long, ())
+    assert sorted(out_idx.tolist()) == list(range(long + 1000))  # a permutation: each slot once
+
+
+def _shared_layout_specs():
+    """A context, two groups of a prompt and completions of uneven length, one completion long enough to go
+    alone: varlen_sdpa's toolkit_shared_prefix / toolkit_shared_context arguments."""
+    from toolkit.core.attention import _ALONE_KEYS
+
+    groups, pos = [], 6  # context 0..6
+    for prompt, completions in ((9, (1, 30, 4, 200)), (3, (7, _ALONE_KEYS, 2))):
+        p0, pos = pos, pos + prompt
+        spans = []
+        for n in completions:
+            spans.append((pos, pos + n))
+            pos += n
+        groups.append((p0, p0 + prompt, spans))
+    return groups, (0, 6), pos
+
+
+@pytest.mark.parametrize("layout", ["packed_examples", "shared_prompt"])
+def test_the_padded_path_equals_the_loop_on_uneven_segments(monkeypatch, layout):
+    """Uneven segments (buckets, a bucket of one, a segment alone) through both paths, grouped-query heads (4 query
+    heads on 2 kv heads): the same values and gradients of query, key and value."""
+    from toolkit.core import attention
+
+    g = torch.Generator().manual_seed(3)
+    if layout == "packed_examples":
+        lengths = [1, 3, 40, 2, 90, 7, 7, 1, 300, 5, attention._ALONE_KEYS + 1]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        kwargs, T = {"cu_seq_lens_q": cu}, int(cu[-1])
+        specs = tuple((a, b, ()) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()))
+    else:
+        groups, context, T = _shared_layout_specs()
+        kwargs = {"toolkit_shared_prefix": groups, "toolkit_shared_context": context}
+        specs = attention._shared_prefix_specs(groups, context)
+    kinds = [c[0] for c in attention._segment_plan(specs, T, torch.device("cpu"))[0]]
+    assert kinds.count("alone") >= 1 and kinds.count("padded") >= 2, kinds
+    base = [torch.randn(1, h, T, 16, generator=g) for h in (4, 2, 2)]
+    weights = torch.randn(1, T, 4, 16, generator=g)
+    results = []
+    for one_call in (False, True):
+        monkeypatch.setattr(attention, "_batched_segments", lambda t, one_call=one_call: one_call)
+        q, k, v = (t.clone().requires_grad_(True) for t in base)
+        out, _ = attention.varlen_sdpa(None, q, k, v, None, scaling=0.3, **kwargs)
+        assert out.shape == (1, T, 4, 16)
+        (out * weights).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_padded_path_under_bf16_autocast_matches_the_loop(monkeypatch):
+    """bf16=True training runs the forward under autocast, where the rotary embedding hands float32 queries to
+    attention: the padded path's additive bias must be in the dtype autocast runs the kernel in."""
+    from toolkit.core import attention
+
+    prompts, completions = _case()
+    batch = pack_shared_prompts(prompts, completions, group_by_prompt(prompts))
+    model = tiny_model()
+    use_varlen_attention(model)
+    results = []
+    for padded in (False, True):
+        monkeypatch.setattr(attention, "_batched_segments", lambda t, padded=padded: padded)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp = completion_logps(model, batch)
+        lp.sum().backward()
+        results.append((lp.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()))
+    (lp_loop, g_loop), (lp_padded, g_padded) = results
+    torch.testing.assert_close(lp_padded, lp_loop, atol=5e-3, rtol=0)  # the loop attends small segments in fp32
+    assert ((g_padded - g_loop).norm() / g_loop.norm()).item() < 0.03
 
 
 @pytest.mark.parametrize("keep_for_backward", [False, True])

@@ -16,6 +16,12 @@ flash-attention derives boundaries from `position_ids` alone (a sequence starts 
 flash-attention gets one copy of the prompt per completion, positions restarting at 0, which is exactly
 the boundaries it derives (tests/test_attention_layouts.py checks this with transformers' own helper).
 
+On the CPU the segments run one sdpa call each (sized and typed for the CPU's kernels, below). On any other
+device that loop is a few kernel launches per segment per layer (a GRPO micro-batch of 8 prompts x 8 completions
+is 72 segments, 30 layers, forward and backward): there the segments are gathered into padded batches of similar
+length with a boolean mask and attended in a few sdpa calls per layer (`_batched_segments`, `_buckets`), the same
+numbers (tests run both paths on the CPU against separate sequences).
+
 It is registered with transformers' public `AttentionInterface` under the name `toolkit_varlen`
 (and the sdpa mask under the same name), so a padded batch through the same model still takes the
 ordinary sdpa path.
@@ -32,6 +38,8 @@ __all__ = [
     "varlen_kwargs",
     "varlen_sdpa",
 ]
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +151,169 @@ def _shared_prefix_attention(query, key, value, groups, dropout: float, scaling:
     return torch.cat(outs, dim=2)
 
 
+def _batched_segments(t: torch.Tensor) -> bool:
+    """Whether packed segments run as a few padded sdpa calls (off the CPU) or one call per segment (on it).
+
+    On a GPU the per-segment loop is kernel launches and Python for little arithmetic (72 segments a layer in the
+    GPU benchmark's micro-batch, each a few launches); that this is what made ours slow there is a hypothesis: in
+    the one GPU run (bench/results/gpu) the recomputed forward of activation checkpointing added 0.9 s a step, in
+    a pair of runs whose noise is as large. On the CPU the loop is the faster (bench/attention_paths.py): the
+    padded calls pay for every completion's copy of its prompt's keys, and for padding.
+    """
+    return t.device.type != "cpu"
+
+
+# A segment: (start, end, prefix) where the queries start..end attend to every key of the `prefix` ranges (each
+# (start, end)), then causally to their own keys.
+_Spec = tuple[int, int, tuple[tuple[int, int], ...]]
+
+
+# Segments are attended in buckets of similar length, one sdpa call each: a bucket's padded area (segments x
+# longest queries x longest keys) stays within _PAD_FACTOR times the area its segments really cover (+ _PAD_SLACK
+# positions, so tiny segments still share a call) and its mask, grouped-query heads folded in, within _MASK_ELEMENTS
+# (a GPU's memory-efficient kernel takes it as an additive bias of that many elements). Long segments (more than
+# _ALONE_KEYS keys) and buckets of one segment go alone, as the loop sends them: causal with no mask where nothing
+# comes before them, so the kernel that needs no mask (flash on a GPU) still takes a long packed SFT example, whose
+# mask would be L^2 per layer. A GRPO micro-batch of short prompts and completions is a few buckets.
+_PAD_FACTOR = 2
+_PAD_SLACK = 4096
+_MASK_ELEMENTS = 2**24
+_ALONE_KEYS = 1024
+
+
+def _buckets(own: list[int], n_keys: list[int], rep: int = 1) -> list[list[int]]:
+    """Segment indices grouped for padded calls, shortest keys first (see _PAD_FACTOR); `rep` query heads per key
+    head multiply a bucket's mask."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    area = longest_q = 0
+    for s in sorted(range(len(own)), key=lambda s: (n_keys[s], own[s])):
+        q, k = max(longest_q, own[s]), n_keys[s]  # sorted: this segment has the most keys so far
+        padded = (len(current) + 1) * q * k
+        if current and (padded > _PAD_FACTOR * (area + own[s] * k) + _PAD_SLACK or padded * rep > _MASK_ELEMENTS):
+            buckets.append(current)
+            current, area, q = [], 0, own[s]
+        current.append(s)
+        area += own[s] * k
+        longest_q = q
+    return buckets + [current]
+
+
+@functools.lru_cache(maxsize=4)  # one layout per micro-batch; every layer of its forward (and recompute) reuses it
+def _segment_plan(specs: tuple[_Spec, ...], total: int, device: torch.device, rep: int = 1):
+    """How to attend `specs` with `rep` query heads per key head: (calls, output index [total]) where each call is
+    ("padded", query index [S * Lq], key index [S * Lk], mask [S, 1, rep * Lq, Lk], {dtype: additive bias}) or
+    ("alone", spec), and the output index points into the calls' outputs laid end to end; None when the segments
+    do not tile 0..total (the loop path handles that). Built once per micro-batch layout (cached), outside
+    inference mode so a plan made in a no-grad pass serves a training one."""
+    specs = tuple(sp for sp in specs if sp[1] > sp[0])
+    spans = sorted((a, b) for a, b, _ in specs)
+    if not spans or spans[0][0] != 0 or spans[-1][1] != total or any(x[1] != y[0] for x, y in zip(spans, spans[1:])):
+        return None
+    with torch.inference_mode(False):
+        return _build_plan(specs, total, device, rep)
+
+
+def _build_plan(specs: tuple[_Spec, ...], total: int, device: torch.device, rep: int):
+    own = [b - a for a, b, _ in specs]
+    n_keys = [b - a + sum(pe - ps for ps, pe in prefix) for a, b, prefix in specs]
+    small = [s for s in range(len(specs)) if n_keys[s] <= _ALONE_KEYS]
+    buckets = [[small[i] for i in b] for b in _buckets([own[s] for s in small], [n_keys[s] for s in small], rep)] \
+        if small else []
+    groups = [b for b in buckets if len(b) > 1] + [[s] for b in buckets if len(b) == 1 for s in b] + [
+        [s] for s in range(len(specs)) if n_keys[s] > _ALONE_KEYS]
+    calls, out_idx, offset = [], torch.empty(total, dtype=torch.long), 0
+    for bucket in groups:
+        if len(bucket) == 1:
+            a, b, _ = specs[bucket[0]]
+            calls.append(("alone", specs[bucket[0]]))
+            out_idx[a:b] = torch.arange(offset, offset + b - a)
+            offset += b - a
+            continue
+        keys = [[i for ps, pe in specs[s][2] for i in range(ps, pe)] + list(range(*specs[s][:2])) for s in bucket]
+        # keys padded to a multiple of 16 (masked): the memory-efficient kernel would otherwise copy the bias to pad it
+        Lq, Lk = max(own[s] for s in bucket), -(-max(map(len, keys)) // 16) * 16
+        k_idx = torch.tensor([k + [0] * (Lk - len(k)) for k in keys], dtype=torch.long)
+        starts, n_own, n_pre = (torch.tensor(x, dtype=torch.long) for x in (
+            [specs[s][0] for s in bucket], [own[s] for s in bucket], [len(k) - own[s] for k, s in zip(keys, bucket)]))
+        i = torch.arange(Lq)
+        q_idx = starts[:, None] + torch.minimum(i[None, :], n_own[:, None] - 1)  # padded rows repeat the last query
+        i, j = i[None, :, None], torch.arange(Lk)[None, None, :]
+        pre, n = n_pre[:, None, None], n_own[:, None, None]
+        real = i < n
+        mask = real & ((j < pre) | ((j >= pre) & (j - pre <= i)))
+        # A padded query row sees one key: an all-masked row is NaN, and NaN times a zero gradient is still NaN.
+        mask |= ~real & (j == 0)
+        for r, s in enumerate(bucket):
+            a, b, _ = specs[s]
+            out_idx[a:b] = torch.arange(offset + r * Lq, offset + r * Lq + (b - a))
+        offset += len(bucket) * Lq
+        # the query rows of the `rep` heads that share a key head come as `rep` blocks of Lq (see _attend_segments)
+        mask = mask[:, None].repeat(1, 1, rep, 1)
+        calls.append(("padded", q_idx.reshape(-1).to(device), k_idx.reshape(-1).to(device), mask.to(device), {}))
+    return calls, out_idx.to(device)
+
+
+def _attend_alone(query, key, value, spec: _Spec, dropout: float, scaling: float | None, gqa: bool) -> torch.Tensor:
+    """One segment as the loop attends it: causal with no mask when nothing precedes it, else its prefix in full
+    and itself causally. [1, H, n, dv]."""
+    a, b, prefix = spec
+    if not prefix:
+        return F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                              dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+    k = torch.cat([key[:, :, ps:pe] for ps, pe in prefix] + [key[:, :, a:b]], dim=2)
+    v = torch.cat([value[:, :, ps:pe] for ps, pe in prefix] + [value[:, :, a:b]], dim=2)
+    n, n_prefix = b - a, k.shape[2] - (b - a)
+    mask = torch.ones(n, n_prefix + n, dtype=torch.bool, device=query.device)
+    mask[:, n_prefix:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+    return F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                          enable_gqa=gqa)
+
+
+def _attend_segments(query, key, value, specs: tuple[_Spec, ...], dropout: float, scaling: float | None):
+    """query [1, H, T, d], key/value [1, kvH, T, d] -> [1, H, T, dv], the segments in a few padded sdpa calls
+    (`_segment_plan`); None when the segments do not tile the row."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    rep = heads // kv_heads
+    plan = _segment_plan(specs, query.shape[2], query.device, rep)
+    if plan is None:
+        return None
+    calls, out_idx = plan
+    device_type = query.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
+    outs = []
+    for call in calls:
+        if call[0] == "alone":
+            outs.append(_attend_alone(query, key, value, call[1], dropout, scaling, heads != kv_heads)[0])
+            continue
+        _, q_idx, k_idx, mask, biases = call
+        S, Lq, Lk = mask.shape[0], mask.shape[2] // rep, mask.shape[3]
+        # Grouped-query attention without expanding keys and values: the `rep` query heads that share a kv head
+        # become `rep` blocks of queries against it (query head h uses kv head h // rep, as transformers' repeat_kv).
+        q = query[0].index_select(1, q_idx).view(kv_heads, rep, S, Lq, -1).permute(2, 0, 1, 3, 4)
+        q = q.reshape(S, kv_heads, rep * Lq, -1)
+        k = key[0].index_select(1, k_idx).view(kv_heads, S, Lk, -1).transpose(0, 1)
+        v = value[0].index_select(1, k_idx).view(kv_heads, S, Lk, -1).transpose(0, 1)
+        if dtype not in biases:  # one additive bias per micro-batch, shared by every layer (and their backward)
+            biases[dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=biases[dtype], dropout_p=dropout, scale=scaling)
+        out = out.view(S, kv_heads, rep, Lq, -1).permute(1, 2, 0, 3, 4)  # [kvH, rep, S, Lq, dv]
+        outs.append(out.reshape(heads, S * Lq, -1))
+    return torch.cat(outs, dim=1).index_select(1, out_idx).unsqueeze(0)
+
+
+def _shared_prefix_specs(groups, context: tuple[int, int] | None) -> tuple[_Spec, ...]:
+    """`_shared_prefix_attention`'s segments as specs: the context causal; a prompt after the context; a
+    completion after the context and its whole prompt."""
+    ctx = ((int(context[0]), int(context[1])),) if context is not None and context[1] > context[0] else ()
+    specs = [(ctx[0][0], ctx[0][1], ())] if ctx else []
+    for p_start, p_end, completions in groups:
+        prompt = ((int(p_start), int(p_end)),) if p_end > p_start else ()
+        specs += [(int(p_start), int(p_end), ctx)] if prompt else []
+        specs += [(int(c_start), int(c_end), ctx + prompt) for c_start, c_end in completions]
+    return tuple(specs)
+
+
 def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                 cu_seq_lens_q: torch.Tensor | None = None, toolkit_shared_prefix: list | None = None,
                 toolkit_shared_context: tuple[int, int] | None = None, **kwargs):
@@ -153,8 +324,13 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     `toolkit_shared_context` (start, end) is a prefix all groups' prompts share, laid out once before them.
     """
     if toolkit_shared_prefix is not None and query.shape[0] == 1:
-        out = _shared_prefix_attention(query, key, value, toolkit_shared_prefix, dropout, scaling,
-                                       query.shape[1] != key.shape[1], context=toolkit_shared_context)
+        out = None
+        if _batched_segments(query):
+            out = _attend_segments(query, key, value, _shared_prefix_specs(toolkit_shared_prefix,
+                                                                           toolkit_shared_context), dropout, scaling)
+        if out is None:
+            out = _shared_prefix_attention(query, key, value, toolkit_shared_prefix, dropout, scaling,
+                                           query.shape[1] != key.shape[1], context=toolkit_shared_context)
         return out.transpose(1, 2).contiguous(), None
     if cu_seq_lens_q is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -162,6 +338,10 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     gqa = query.shape[1] != key.shape[1]
     cu = cu_seq_lens_q.tolist()
     bounds = list(zip(cu[:-1], cu[1:]))
+    if _batched_segments(query):
+        out = _attend_segments(query, key, value, tuple((a, b, ()) for a, b in bounds), dropout, scaling)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     q, k, v = (_Segments(t, bounds) for t in (query, key, value))
     outs = []
     for start, end in bounds:

@@ -101,20 +101,21 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "Rollout"]
 
 logger = logging.getLogger(__name__)
 
-# On CPU, activation checkpointing is on by default only when a micro-batch may hold more completion tokens than
-# this (per_device_train_batch_size x max_completion_length, or x max_episode_tokens for multi-turn episodes,
-# whose tool output is context in the forward too); see GRPOConfig.__post_init__. Reasoned, not measured: the
-# main job's 128 x 24 = 3072 cost 1.4 GB more without checkpointing on the 135M model, and the cost grows with
-# the tokens and the model's width.
-_CPU_CHECKPOINTING_ABOVE_TOKENS = 4096
+# Activation checkpointing is on by default only when a micro-batch may hold more completion tokens than this
+# (per_device_train_batch_size x max_completion_length, or x max_episode_tokens for multi-turn episodes, whose tool
+# output is context in the forward too), on a CPU and on a GPU alike; see GRPOConfig.__post_init__. Reasoned from
+# memory, not tuned: on CPU the main job's 128 x 24 = 3072 cost 1.4 GB more without it on the 135M model; on an
+# H200 (bench/results/gpu) 64 x 128 = 8192 peaked at 10.3 GB without it and 2.9 GB with it (TRL's default, 3.0 GB)
+# on the same model, at 1.27x the step time with it. The cost grows with the tokens and the model's width.
+_CHECKPOINTING_ABOVE_TOKENS = 4096
 
 
-def _cpu_checkpointing_default(args: GRPOConfig, episodes: bool) -> bool:
-    """GRPO's default for activation checkpointing without a GPU (see GRPOConfig.__post_init__)."""
+def _checkpointing_default(args: GRPOConfig, episodes: bool) -> bool:
+    """GRPO's default for activation checkpointing, on any device (see GRPOConfig.__post_init__)."""
     per_row = args.max_episode_tokens if episodes else args.max_completion_length
     if not (isinstance(args.per_device_train_batch_size, int) and isinstance(per_row, int)):
         return True  # bad numbers fail in the checks that follow; until then keep the safe default
-    return args.per_device_train_batch_size * per_row > _CPU_CHECKPOINTING_ABOVE_TOKENS
+    return args.per_device_train_batch_size * per_row > _CHECKPOINTING_ABOVE_TOKENS
 
 
 @dataclass
@@ -253,13 +254,14 @@ class GRPOConfig(TrainingArguments):
         # worth. Measured on SmolLM2-135M, 2 CPU cores, 2 runs each (training time of steps 2-4, relative to the
         # same run's generation time since the machine's speed drifts): 32 completions x 16 tokens a micro-batch,
         # 16% faster without it at +0.1-0.2 GB peak RSS; 128 x 24 (the main job's GRPO stage), 8% faster at
-        # +1.4 GB (5.0 against 3.5 GB). Above _CPU_CHECKPOINTING_ABOVE_TOKENS a micro-batch the memory matters
-        # more, and the default stays on. An environment given to GRPOTrainer as a factory (not named here) is
+        # +1.4 GB (5.0 against 3.5 GB). Above _CHECKPOINTING_ABOVE_TOKENS a micro-batch the memory matters
+        # more, and the default stays on; on a GPU too, whose memory is the scarcer (the H200 run in
+        # bench/results/gpu: 3.5x TRL's peak without it, equal with it). An environment given to GRPOTrainer as a factory (not named here) is
         # known only there, which resolves the default again for episodes when the user set neither name.
         self._checkpointing_defaulted = (getattr(self, "activation_checkpointing", None) is None
                                          and getattr(self, "gradient_checkpointing", None) is None)
-        apply_cpu_training_defaults(
-            self, cpu_checkpointing=_cpu_checkpointing_default(self, episodes=self.environment is not None))
+        checkpointing = _checkpointing_default(self, episodes=self.environment is not None)
+        apply_cpu_training_defaults(self, cpu_checkpointing=checkpointing, gpu_checkpointing=checkpointing)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         super().__post_init__()
@@ -416,13 +418,13 @@ class GRPOTrainer(Trainer):
         if self.environment_factory is not None:
             args.check_episode_settings()
             if (environment is not None and getattr(args, "_checkpointing_defaulted", False)
-                    and not torch.cuda.is_available() and _cpu_checkpointing_default(args, episodes=True)):
+                    and _checkpointing_default(args, episodes=True)):
                 # The config resolved its default for single completions; these micro-batches hold episodes.
                 args.activation_checkpointing = args.gradient_checkpointing = True
                 logger.info("Activation checkpointing on: a micro-batch may hold %d x %d episode tokens (more than "
                             "%d); set activation_checkpointing=False to trade memory for speed.",
                             args.per_device_train_batch_size, args.max_episode_tokens,
-                            _CPU_CHECKPOINTING_ABOVE_TOKENS)
+                            _CHECKPOINTING_ABOVE_TOKENS)
         if self.environment_factory is not None and list(reward_funcs):
             raise ConfigError("reward_funcs: with an environment the episode's reward is the environment's (its "
                               "step() returns it); give no reward functions, or score the final answer inside the "

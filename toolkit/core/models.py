@@ -388,12 +388,18 @@ def _check_training_numbers(args: Any) -> None:
                               "you can write to.")
 
 
-def apply_cpu_training_defaults(args: Any, *, cpu_checkpointing: bool = True) -> None:
+def _has_gpu() -> bool:
+    """Whether the defaults below take their GPU values (one name, so a CPU test can ask for them)."""
+    return torch.cuda.is_available()
+
+
+def apply_cpu_training_defaults(args: Any, *, cpu_checkpointing: bool = True, gpu_checkpointing: bool = False) -> None:
     """Defaults every trainer config shares, resolved before TrainingArguments.__post_init__, and the checks of
     its numbers (`_check_training_numbers`), so a bad value fails before transformers or any model sees it.
 
     Activation checkpointing, when the user set neither `activation_checkpointing` nor its old name
-    `gradient_checkpointing`, is `cpu_checkpointing` without a GPU and off with one. On CPU it can save memory
+    `gradient_checkpointing`, is `cpu_checkpointing` without a GPU and `gpu_checkpointing` with one (off unless a
+    trainer says otherwise: GRPO's rule counts a micro-batch's tokens on either). On CPU it can save memory
     *and* time for long rows, because touching freshly allocated memory (page faults) costs more than
     recomputing a layer: measured on SmolLM2-135M, 4 rows of 100-500 tokens, 7.0 s/step and 2.7 GB peak with
     it, 7.8 s and 4.7 GB without. For short micro-batches the recomputed forward costs more than it saves,
@@ -406,7 +412,7 @@ def apply_cpu_training_defaults(args: Any, *, cpu_checkpointing: bool = True) ->
     # a value under either name is the user's, and the default must not overwrite it.
     name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
     if getattr(args, name) is None and getattr(args, "gradient_checkpointing", None) is None:
-        setattr(args, name, cpu_checkpointing and not torch.cuda.is_available())
+        setattr(args, name, gpu_checkpointing if _has_gpu() else cpu_checkpointing)
     if getattr(args, name + "_kwargs") is None and getattr(args, "gradient_checkpointing_kwargs", None) is None:
         setattr(args, name + "_kwargs", {"use_reentrant": False})
 
