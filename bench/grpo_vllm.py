@@ -12,8 +12,9 @@ holding adapters are uploaded); and TRL's
 GRPOTrainer with use_vllm=True, vllm_mode="colocate" (reported as failed if it does not run on
 this CPU). Each configuration runs in its own process; engine start-up is excluded (the first step
 is excluded from timing). Printed: steps per minute, generation seconds per step, weight-sync seconds (median
-and max of the syncs of steps 2..N: the first is a server's first upload, or with LoRA the full one), the last
-sync's size, and ratios to our transformers backend.
+and max of the syncs of steps 2..N: the first is the engine's first reload, or with LoRA the full upload; then
+every sync, with the server's own read / parse / load seconds), the last sync's size, and ratios to our
+transformers backend.
 """
 
 from __future__ import annotations
@@ -39,14 +40,16 @@ LORA = dict(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_
 def sync_recorder(trainer):
     """A TrainerCallback recording, at the end of every step that uploaded new weights (the backend's
     `weights_version` moved), the seconds of that upload (`last_sync_s`: the engine's load, or the HTTP upload
-    and the server's load; gathering or merging the weights is not in it). Our vLLM backends sync before each
-    step's generation (`sync_every` is 1 here, one round per step); a step with several syncs would record
-    its last. Empty for backends without one."""
+    and the server's load; gathering or merging the weights is not in it) and, for the server, its own split of
+    them (`last_sync_split`: read_s off the socket, parse_s, load_s in the engine). Our vLLM backends sync
+    before each step's generation (`sync_every` is 1 here, one round per step); a step with several syncs
+    would record its last. Empty for backends without one."""
     from transformers import TrainerCallback
 
     class SyncRecorder(TrainerCallback):
         def __init__(self):
             self.seconds: list[float] = []
+            self.splits: list[dict] = []
             self._version = None
 
         def on_step_end(self, args, state, control, **kw):
@@ -55,6 +58,8 @@ def sync_recorder(trainer):
             if version is not None and version != self._version and getattr(backend, "last_sync_s", 0):
                 self._version = version
                 self.seconds.append(backend.last_sync_s)
+                # one entry per sync (None where the backend has no split), so the two lists stay aligned
+                self.splits.append(dict(getattr(backend, "last_sync_split", None) or {}) or None)
 
     return SyncRecorder()
 
@@ -131,9 +136,10 @@ def worker(kind: str, steps: int) -> dict:
             "kind": kind, "steps_per_min": 60 / per_step, "sec_per_step": per_step,
             "generation_s_per_step": sum(gen) / len(gen) if gen else None,
             "last_weight_sync_s": getattr(backend, "last_sync_s", None),
-            # every step's sync; the summary leaves out the first (the first upload of a model: a server pages in
-            # its buffer, LoRA sends every weight), so it is the median of the steady-state syncs
+            # every step's sync; the summary leaves out the first (the engine's first reload: the colocated engine
+            # is not warmed up, LoRA sends every weight), so it is the median of the steady-state syncs
             "weight_syncs_s": syncs.seconds or None,
+            "weight_sync_splits": syncs.splits if any(syncs.splits) else None,  # the server's read/parse/load s
             "weight_sync_s": statistics.median(syncs.seconds[1:]) if len(syncs.seconds) > 1 else None,
             "weight_sync_max_s": max(syncs.seconds[1:]) if len(syncs.seconds) > 1 else None,
             "last_weight_sync_mb": getattr(backend, "last_sync_bytes", 0) / 1e6 or None,
@@ -141,8 +147,8 @@ def worker(kind: str, steps: int) -> dict:
 
 
 def main() -> None:
-    # 8 steps: the server's uploads take a few steps to settle (3.6, 1.3, 1.1, 0.66 s in one 4-step run), and the
-    # sync summary needs more than two or three samples after the first
+    # 8 steps: an engine's reloads took a few steps to settle before the server warmed up (3.6, 1.3, 1.1, 0.66 s
+    # in one 4-step run; the colocated engine still does), and the sync summary needs more than a few samples
     args = bench_args(__doc__, worker, default_steps=8)
     results = run_each(__file__, KINDS, args.steps,
                        lambda r: f"{r['steps_per_min']:.2f} steps/min ({r['sec_per_step']:.1f} s/step)",
@@ -168,6 +174,15 @@ def main() -> None:
         tokens = "-" if r.get("generated_tokens") is None else r["generated_tokens"]
         print(f"| {kind} | {r['steps_per_min']:.2f} | {r['sec_per_step']:.1f} | {gen} | {tokens} | {sync} | {mb} "
               f"| {ratio} |")
+    print("\nEvery step's weight sync, seconds (the server's read + parse + engine load in brackets):")
+    for kind in KINDS:
+        r = results[kind]
+        if r.get("weight_syncs_s"):
+            splits = r.get("weight_sync_splits") or []
+            cells = [f"{t:.2f}" + (f" ({sp.get('read_s', 0):.2f} + {sp.get('parse_s', 0):.2f} + "
+                                   f"{sp.get('load_s', 0):.2f})" if sp else "")
+                     for t, sp in zip(r["weight_syncs_s"], splits or [None] * len(r["weight_syncs_s"]))]
+            print(f"- {kind}: " + ", ".join(cells))
     for kind in KINDS:
         if "failed" in results[kind]:
             print(f"{kind}: {results[kind]['failed']}")

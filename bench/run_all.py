@@ -348,21 +348,19 @@ def table_rows() -> list[list[str]]:
         for kind in ("vllm", "vllm-server"):
             r = res.get(kind, {})
             if "steps_per_min" in r and base:
-                sync = _sync_s(r)
                 mb = f" ({r['last_weight_sync_mb']:.0f} MB)" if r.get("last_weight_sync_mb") else ""
                 rows.append(["grpo_vllm", f"GRPO steps/min, {kind} backend; weight sync s{_sync_kind(r)}",
                              f"{r['steps_per_min']:.2f}; {_sync_cell(r)}{mb}", f"{base:.2f} (our transformers backend)",
                              f"{r['steps_per_min'] / base:.2f}x{_tokens(r, res.get('transformers', {}))}",
-                             _sync_target(sync) if kind == "vllm-server" else "-",
+                             _sync_target(r) if kind == "vllm-server" else "-",
                              _when(d)])
         r = res.get("vllm-server-lora", {})
         if "steps_per_min" in r:
-            sync = _sync_s(r)
             rows.append(["grpo_vllm", "GRPO with LoRA (r=16, all linear), vllm-server backend: steps/min; weight sync s"
                          + _sync_kind(r),
                          f"{r['steps_per_min']:.2f}; {_sync_cell(r)} "
                          f"({r['last_weight_sync_mb']:.0f} MB: the blocks holding adapters)", "-", "-",
-                         _sync_target(sync), _when(d)])
+                         _sync_target(r), _when(d)])
     d = _load("experimental_vs_trl")
     if d:
         for name in ("reward", "simpo", "kto", "orpo"):
@@ -455,17 +453,31 @@ def _sync_s(r: dict):
 
 
 def _sync_cell(r: dict) -> str:
-    # the median decides the target; the max is shown beside it so that one slow sync is not hidden
+    # the median of steps 2..N with their max beside it, so that one slow sync is not hidden, and the first sync
+    # (left out of the median: a LoRA run's first sends every weight), which the target counts
     if r.get("weight_sync_max_s") is not None and r.get("weight_sync_s") is not None:
-        return f"{_f(r['weight_sync_s'], 2)} ({_f(r['weight_sync_max_s'], 2)})"
+        every = r.get("weight_syncs_s") or []
+        first = f", first {_f(every[0], 2)}" if every else ""
+        return f"{_f(r['weight_sync_s'], 2)} ({_f(r['weight_sync_max_s'], 2)}){first}"
     return _f(r.get("last_weight_sync_s"), 2)
 
 
-def _sync_target(seconds: float | None) -> str:
-    """Issue 20's target for a server weight sync of the 135M model on loopback, against the measured value."""
-    if seconds is None:
-        return "target sync < 1 s: not measured"
-    return f"target sync < 1 s: {'met' if seconds < 1 else 'not met'}"
+def _sync_target(r: dict) -> str:
+    """Issue 20's target for a server weight sync of the 135M model on loopback, against the measured syncs:
+    met where every sync of the run (the first included) is under 1 s; where only the median is, it says how
+    many were over."""
+    every = r.get("weight_syncs_s")
+    if not every:
+        seconds = _sync_s(r)
+        if seconds is None:
+            return "target sync < 1 s: not measured"
+        return f"target sync < 1 s: {'met' if seconds < 1 else 'not met'} (one sync recorded)"
+    over = [t for t in every if t >= 1]
+    if not over:
+        return f"target sync < 1 s: met by every sync ({len(every)}, the first included)"
+    median = _sync_s(r)
+    return (f"target sync < 1 s: {'met by the median, but' if median is not None and median < 1 else 'not met;'} "
+            f"{len(over)} of {len(every)} syncs over 1 s (the first included)")
 
 
 def write_table(run_info: dict | None) -> None:

@@ -15,7 +15,7 @@ from safetensors.torch import load, save
 
 from toolkit.core.vllm_backend import (VLLMServerBackend, changing_groups, engine_weights, parse_safetensors,
                                        safetensors_stream)
-from toolkit.core.vllm_server import serve_in_thread
+from toolkit.core.vllm_server import _checkpoint_weights, _warm_up, make_server, serve_in_thread
 
 
 class Recorder:
@@ -26,6 +26,9 @@ class Recorder:
         raise AssertionError("not used")
 
     def load_weights(self, weights, *, partial=False):
+        import threading
+
+        self.threads = [*getattr(self, "threads", []), threading.current_thread()]
         self.got = [(name, t.clone()) for name, t in weights]  # the views die with the request's buffer
         self.partial = partial
         self.history = [*getattr(self, "history", []), (len(self.got), partial)]
@@ -69,6 +72,72 @@ def test_an_upload_through_the_server_arrives_exactly_and_bumps_the_version():
     assert sorted(got) == sorted(n for n, _ in weights())
     for name, t in weights():
         assert torch.equal(got[name], t.contiguous()), name
+
+
+def test_every_load_runs_on_one_thread_and_the_reply_splits_the_time():
+    """ThreadingHTTPServer answers each upload on a new thread; the engine's loads must all run on one (the
+    thread the warm-up ran on), and the client learns where the seconds went."""
+    engine, _, _, client = _served()
+    client.load_weights(weights())
+    client.load_weights(weights())
+    first, second = engine.threads
+    assert first is second and first.name.startswith("toolkit-vllm-load")
+    split = client.last_sync_split
+    assert sorted(split) == ["load_s", "parse_s", "read_s"] and all(v >= 0 for v in split.values())
+    assert sum(split.values()) <= client.last_sync_s
+
+
+def test_an_engine_failure_is_a_500_and_a_malformed_body_a_400():
+    class Failing(Recorder):
+        def load_weights(self, weights, *, partial=False):
+            raise ValueError("the engine's own error")
+
+    url, _, token = serve_in_thread(Failing())
+    chunks, _ = safetensors_stream(weights())
+    code, reply = _post(url, token, b"".join(bytes(c) for c in chunks))
+    assert code == 500 and "the engine's own error" in reply["error"]
+    code, reply = _post(url, token, b"not a safetensors file")
+    assert code == 400 and reply["error"].startswith("/update_weights: ")
+
+
+def test_warm_up_sends_what_a_trainers_full_upload_sends_on_the_thread_later_uploads_use(tmp_path):
+    """The warm-up pushes the checkpoint's weights as a trainer's full sync names them (float32, the tied head
+    under its own name), so the buffer is already the size of a real upload; the engine ends at version 0."""
+    from toolkit.testing import tiny_model
+
+    model = tiny_model(seed=0)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.to(torch.bfloat16).save_pretrained(tmp_path)  # stored in bfloat16; a trainer sends float32
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")  # other files in the folder are not read
+    trainer_side = engine_weights(model.float())
+    ckpt = _checkpoint_weights(str(tmp_path))
+    assert sorted(n for n, _ in ckpt) == sorted(n for n, _ in trainer_side)
+    assert all(t.dtype == torch.float32 for _, t in ckpt)
+    engine = Recorder()
+    server = make_server(engine, "127.0.0.1", 0, str(tmp_path), token="t")
+    import threading
+
+    threading.Thread(target=server.serve_forever, daemon=True).start()  # serve() warms up before this
+    try:
+        assert _warm_up(server.uploads, ckpt, 0) == [] and not hasattr(engine, "history")
+        times = _warm_up(server.uploads, ckpt, 2)
+        assert len(times) == 2 and all(t > 0 for t in times)
+        assert engine.history == [(len(ckpt), False)] * 2 and engine.weights_version == 0
+        got = dict(engine.got)
+        for name, t in trainer_side:
+            assert torch.equal(got[name], t.to(torch.bfloat16).float()), name
+        assert len(server.uploads.buffer) >= safetensors_stream(trainer_side)[1]
+        buffer = server.uploads.buffer
+        client = VLLMServerBackend(f"http://127.0.0.1:{server.server_address[1]}", token="t")
+        client.load_weights(trainer_side)
+        assert server.uploads.buffer is buffer  # the first real upload allocated nothing
+        assert len(set(engine.threads)) == 1 and engine.weights_version == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(FileNotFoundError, match="no safetensors weights"):
+        _checkpoint_weights(str(tmp_path / "missing"))
 
 
 def _post(url, token, body):

@@ -434,6 +434,8 @@ class VLLMServerBackend(_SyncEvery):
         self.last_stats = GenerationStats()
         self.last_sync_s = 0.0
         self.last_sync_bytes = 0  # of the last upload: all weights, or with `partial` those training changes
+        # the server's share of the last upload's seconds: read_s (off the socket), parse_s, load_s (the engine)
+        self.last_sync_split: dict[str, float] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="toolkit-vllm-client")
         self._instance: str | None = None  # the server start the last upload went into
         self.info = self.wait_until_ready(startup_timeout)
@@ -540,6 +542,7 @@ class VLLMServerBackend(_SyncEvery):
         self.weights_version = out["weights_version"]
         self._instance = out.get("instance")  # the server start these weights went into
         self.last_sync_s = time.perf_counter() - started
+        self.last_sync_split = {k: out[k] for k in ("read_s", "parse_s", "load_s") if k in out}
         self.last_sync_bytes = length
 
 

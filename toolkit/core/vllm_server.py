@@ -11,11 +11,18 @@ Endpoints (JSON unless said otherwise):
                            -> {"weights_version": n, "seconds", "instance"}. `?partial=1`: only some of the model's
                           weights (the layers left out keep theirs; the client sends whole merged layers),
                           `&base=<instance>:<n>`: the server start and version it completes (409 otherwise).
+                          The reply also splits the server's time: `read_s` (the body off the socket), `parse_s`
+                          and `load_s` (the engine's reload, waiting for a generation in progress included).
 
 Token ids in, token ids and log-probs out: no text crosses the wire, so nothing is re-tokenized. The
 engine serves one request at a time (requests queue on a lock); the HTTP server is threaded, so a
 health check answers while a generation runs. Prints "TOKEN <token>" and "READY <url>" once the engine
-is up.
+is up and warmed: on a CPU build of vLLM the first reloads of the weights cost several times the later ones
+(measured 4.4, 1.3, 1.8 s before 0.6-0.7 s for the 135M model: the engine's reload allocates and repacks every
+layer, and the process's memory settles over the first rounds), so before it listens the server pushes the
+checkpoint's own weights through the upload path `--warm_up` times (default 2 on a CPU build, 0 on a GPU); a
+trainer's first syncs then cost what later ones do. A warm-up that cannot run (no safetensors file, an engine
+error) is skipped with a warning: it only reloads weights the engine already holds.
 
 Security: whoever can reach the port can replace the model's weights, so every endpoint requires
 `Authorization: Bearer <token>` (`--token`, else $TOOLKIT_VLLM_TOKEN, else a random one printed at start;
@@ -34,6 +41,7 @@ __all__ = [
     "warn_if_exposed",
 ]
 
+import concurrent.futures
 import hmac
 import ipaddress
 import json
@@ -42,6 +50,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -62,20 +71,133 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _Malformed(ValueError):
+    """An upload that is not a safetensors file of tensors (answered 400; an engine's failure is a 500)."""
+
+
+class _Uploads:
+    """Weight uploads: one at a time, read into one reused buffer, loaded on one long-lived thread.
+
+    A fresh 500 MB buffer per upload cost its page faults every step (up to a second for 135M fp32 parameters);
+    the engine copies the weights out before the buffer is reused. The loads run on one thread of their own
+    rather than on each request's thread (ThreadingHTTPServer starts one per request), so the warm-up's
+    reloads and every later one run where the engine's per-thread state (malloc arena, oneDNN and OpenMP
+    state) is the same."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.lock = threading.Lock()
+        self.buffer = bytearray()
+        self.loader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkit-vllm-load")
+
+    def view(self, length: int) -> memoryview:
+        """The first `length` bytes of the buffer (grown to fit, with 1 MiB to spare: the same weights in another
+        order have a header a few bytes longer or shorter; call under `lock`)."""
+        if len(self.buffer) < length:
+            self.buffer = bytearray(length + MIB)
+        return memoryview(self.buffer)[:length]
+
+    def load(self, body: memoryview, partial: bool) -> dict:
+        """Parse `body` (views, no copy) and load it into the engine on the loader thread; the seconds of each
+        (load_s includes waiting for a generation in progress: the engine does one thing at a time).
+        _Malformed for a body that is not a safetensors file (nothing loaded). Call under `lock`."""
+        from .vllm_backend import parse_safetensors
+
+        started = time.perf_counter()
+        try:
+            weights = parse_safetensors(body)
+        except ValueError as e:
+            raise _Malformed(str(e)) from e
+        parsed = time.perf_counter()
+        self.loader.submit(self.backend.load_weights, weights, partial=partial).result()
+        del weights  # views of the buffer: none outlives the upload
+        return {"parse_s": round(parsed - started, 4), "load_s": round(time.perf_counter() - parsed, 4)}
+
+
+def _warm_up(uploads: _Uploads, weights: list, rounds: int) -> list[float]:
+    """Before serving only: push `weights` (the checkpoint's own, `_checkpoint_weights`) through the upload path
+    (buffer, parse, load) `rounds` times; the seconds of each round. The engine ends holding the weights it
+    started with, so its weights_version is set back to 0. An engine error is raised: a reload that fails on
+    the engine's own weights would fail on a trainer's, and may have left the engine half-loaded."""
+    from .vllm_backend import safetensors_stream
+
+    if rounds <= 0:
+        return []
+    chunks, length = safetensors_stream(weights)
+    times = []
+    with uploads.lock:
+        for _ in range(rounds):
+            started = time.perf_counter()
+            view, at = uploads.view(length), 0
+            for chunk in chunks:  # what a client's upload writes into the buffer
+                view[at:at + len(chunk)] = chunk
+                at += len(chunk)
+            uploads.load(view, partial=False)
+            del view
+            times.append(time.perf_counter() - started)
+        uploads.backend.weights_version = 0
+    return times
+
+
+# names of an input embedding that a tied output head shares (Llama-style, GPT-2, BLOOM)
+_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+
+
+def _checkpoint_weights(model_path: str) -> list:
+    """(name, tensor) of the checkpoint's safetensors weights, as a trainer's full upload names them: the files
+    `model.safetensors.index.json` lists (else `model.safetensors`, else every *.safetensors), floating point as
+    float32 (what a trainer sends by default: the buffer is then the size of a full upload, and the engine casts
+    them as it did at start), and the tied output head under its own name (`lm_head.weight`) where the config
+    ties it. FileNotFoundError without safetensors weights."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    elif (folder / "model.safetensors").exists():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_path}")
+    weights = {}
+    for f in files:
+        weights.update({n: t.float() if t.is_floating_point() else t for n, t in load_file(str(f)).items()})
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    # transformers ties by default; a multimodal config may say it in its text part
+    tied = config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", True))
+    embedding = next((n for n in weights if n.endswith(_EMBEDDING_SUFFIXES)), None)
+    if tied and embedding and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights[embedding]
+    return list(weights.items())
+
+
+class _Server(ThreadingHTTPServer):
+    uploads: _Uploads
+
+    def server_close(self):
+        super().server_close()
+        self.uploads.loader.shutdown(wait=False)
+
+
 def make_server(backend, host: str, port: int, model_path: str, *, token: str, max_request_bytes: int = 16 * MIB,
-                max_upload_bytes: int = 64 * 1024 * MIB) -> ThreadingHTTPServer:
-    """The HTTP server around `backend`; every request must carry `Authorization: Bearer <token>`."""
-    from .vllm_backend import TOKEN_ENV, parse_safetensors
+                max_upload_bytes: int = 64 * 1024 * MIB, uploads: _Uploads | None = None) -> ThreadingHTTPServer:
+    """The HTTP server around `backend` (listening once this returns); every request must carry
+    `Authorization: Bearer <token>`. `uploads`: the upload path, if already made (serve() warms it up first)."""
+    from .vllm_backend import TOKEN_ENV
 
     if not token:
         raise ValueError("make_server: a token is required (every endpoint checks it).")
     expected = f"Bearer {token}".encode()
-    # One upload at a time into one reused buffer: a fresh 500 MB buffer per upload cost its page faults every
-    # step (up to a second for 135M fp32 parameters); the engine copies the weights out before it is reused.
-    upload_lock = threading.Lock()
+    uploads = uploads if uploads is not None else _Uploads(backend)
     # This server start: weights versions count from 0 again after a restart, so a partial upload names both
     instance = secrets.token_hex(8)
-    upload_buffer = [bytearray()]
 
     class Handler(BaseHTTPRequestHandler):
         # Seconds any one socket read or write may wait: a client that stalls mid-upload is dropped instead of
@@ -115,11 +237,9 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                 return None
             if self._route()[0] != "/update_weights":
                 return self.rfile.read(int(length))
-            # Weights (under upload_lock): read into the reused buffer that the tensors then view
+            # Weights (under uploads.lock): read into the reused buffer that the tensors then view
             # (parse_safetensors makes no copy).
-            if len(upload_buffer[0]) < int(length):
-                upload_buffer[0] = bytearray(int(length))
-            view, got = memoryview(upload_buffer[0])[:int(length)], 0
+            view, got = uploads.view(int(length)), 0
             while got < len(view):
                 n = self.rfile.readinto(view[got:])
                 if not n:
@@ -157,11 +277,13 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                                                        "finish_reason": c.finish_reason} for c in g] for g in groups]})
                 elif path == "/update_weights":
                     partial = query.get("partial") == ["1"]
-                    refused = None
-                    with upload_lock:
+                    refused, split = None, {}
+                    with uploads.lock:
+                        started = time.perf_counter()
                         body = self._body(max_upload_bytes)
                         if body is None:
                             return
+                        split["read_s"] = round(time.perf_counter() - started, 4)
                         # A partial upload completes the version its client last uploaded; on top of any other
                         # (this server restarted, another client uploaded) it would mix two models: refused, and
                         # the client sends all weights. Checked under the lock, where the version changes.
@@ -172,26 +294,25 @@ def make_server(backend, host: str, port: int, model_path: str, *, token: str, m
                                             f"server holds {held}; upload all weights.")
                         else:
                             try:
-                                weights = parse_safetensors(body)
-                            except ValueError as e:
+                                split.update(uploads.load(body, partial))
+                            except _Malformed as e:
                                 refused = (400, f"/update_weights: {e}")
-                            else:
-                                backend.load_weights(weights, partial=partial)
-                        del body  # views of the buffer: none outlives the upload
-                        weights = None
+                        del body  # a view of the buffer: none outlives the upload
                     # answered after the lock is released: a client slow to read its reply holds no one up
                     if refused is not None:
                         self._send(refused[0], {"error": refused[1], "weights_version": backend.weights_version})
                         return
                     self._send(200, {"weights_version": backend.weights_version, "seconds": backend.last_sync_s,
-                                     "instance": instance})
+                                     **split, "instance": instance})
                 else:
                     self._send(404, {"error": f"no such endpoint {self.path}; POST /generate or /update_weights"})
             except Exception as e:  # the client gets the reason, the server keeps serving
                 logger.exception("request %s failed", self.path)
                 self._send(500, {"error": f"{type(e).__name__}: {e}"})
 
-    return ThreadingHTTPServer((host, port), Handler)
+    server = _Server((host, port), Handler)
+    server.uploads = uploads
+    return server
 
 
 def serve(argv: list[str]) -> int:
@@ -216,7 +337,12 @@ def serve(argv: list[str]) -> int:
                                                    "else a random one, printed)")
     ap.add_argument("--max_request_mib", type=int, default=16, help="largest /generate body")
     ap.add_argument("--max_upload_gib", type=int, default=64, help="largest /update_weights body")
+    ap.add_argument("--warm_up", type=int, default=None,
+                    help="push the starting weights through the upload path this many times before READY "
+                         "(default: 2 on a CPU build of vLLM, whose first reloads are slow; 0 on a GPU)")
     args = ap.parse_args(argv)
+    if args.warm_up is not None and args.warm_up < 0:
+        ap.error(f"--warm_up: must be >= 0, got {args.warm_up}.")
     from .vllm_backend import TOKEN_ENV
 
     token = args.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
@@ -228,8 +354,22 @@ def serve(argv: list[str]) -> int:
     backend = VLLMBackend(path, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=args.kv_cache_gib,
                           dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                           enforce_eager=not args.no_enforce_eager)
+    # warmed before the port listens: a client's /health then finds nothing rather than a socket nobody answers
+    uploads = _Uploads(backend)
+    rounds = args.warm_up if args.warm_up is not None else (2 if _cpu_build() else 0)
+    weights = []
+    if rounds:
+        try:
+            weights = _checkpoint_weights(path)
+        except (OSError, ValueError, KeyError) as e:  # unreadable here: the engine holds its weights, serve unwarmed
+            logger.warning("warm-up skipped (%s: %s); the first weight uploads will be slower (--warm_up 0 to not "
+                           "try).", type(e).__name__, e)
+    times = _warm_up(uploads, weights, rounds) if weights else []
+    del weights
+    if times:
+        logger.info("warm-up: %d reloads of the starting weights, %s s.", len(times), ", ".join(f"{t:.2f}" for t in times))
     server = make_server(backend, args.host, args.port, path, token=token, max_request_bytes=args.max_request_mib * MIB,
-                         max_upload_bytes=args.max_upload_gib * 1024 * MIB)
+                         max_upload_bytes=args.max_upload_gib * 1024 * MIB, uploads=uploads)
     url = f"http://{args.host}:{server.server_address[1]}"
     print(f"TOKEN {token}", flush=True)
     print(f"READY {url}", flush=True)
@@ -240,6 +380,18 @@ def serve(argv: list[str]) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _cpu_build() -> bool:
+    """Whether vLLM runs on the CPU here (its own platform check; without it, no CUDA device)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001 - an older vLLM without the check
+        import torch
+
+        return not torch.cuda.is_available()
 
 
 def warn_if_exposed(host: str) -> None:
