@@ -476,7 +476,7 @@ def _sync_target(r: dict) -> str:
     if not over:
         return f"target sync < 1 s: met by every sync ({len(every)}, the first included)"
     median = _sync_s(r)
-    below = " (the median is under 1 s)" if median is not None and median < 1 else ""
+    below = "; the median is under 1 s" if median is not None and median < 1 else ""
     return f"target sync < 1 s: not met, {len(over)} of {len(every)} syncs over 1 s (the first included){below}"
 
 

@@ -106,7 +106,7 @@ def test_the_sync_cell_reads_old_and_new_grpo_vllm_results(run_all):
         "target sync < 1 s: met by every sync (3, the first included)")
     slow_first = {"weight_syncs_s": [4.4, 0.7, 0.6], "weight_sync_s": 0.65, "weight_sync_max_s": 0.7}
     assert run_all._sync_target(slow_first) == (
-        "target sync < 1 s: not met, 1 of 3 syncs over 1 s (the first included) (the median is under 1 s)")
+        "target sync < 1 s: not met, 1 of 3 syncs over 1 s (the first included); the median is under 1 s")
     assert run_all._sync_cell(slow_first) == "0.65 (0.70), first 4.40"  # the slow first is shown, not hidden
     assert run_all._sync_target({"weight_syncs_s": [1.4, 1.2, 1.3], "weight_sync_s": 1.25}) == (
         "target sync < 1 s: not met, 3 of 3 syncs over 1 s (the first included)")

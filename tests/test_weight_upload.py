@@ -136,8 +136,13 @@ def test_warm_up_sends_what_a_trainers_full_upload_sends_on_the_thread_later_upl
     finally:
         server.shutdown()
         server.server_close()
-    with pytest.raises(FileNotFoundError, match="no safetensors weights"):
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
         _checkpoint_weights(str(tmp_path / "missing"))
+    other = tmp_path / "only-an-adapter"
+    other.mkdir()
+    (other / "adapter_model.safetensors").write_bytes(save({"lora_A": torch.zeros(2, 2)}))
+    with pytest.raises(FileNotFoundError):  # an adapter beside no model is not the model's weights
+        _checkpoint_weights(str(other))
 
 
 def _post(url, token, body):
@@ -501,3 +506,12 @@ def test_several_ranks_agree_on_partial_syncs_share_a_refusal_and_fail_together(
     assert ranks[0]["version"] == ranks[1]["version"] == engine.weights_version
     assert ranks[0]["error"] and "another rank" not in ranks[0]["error"]  # its own reason (401, or the hang-up)
     assert "another rank's upload failed" in ranks[1]["error"]
+
+
+def test_a_negative_warm_up_is_refused_before_the_engine_starts(capsys):
+    from toolkit.core.vllm_server import serve
+
+    with pytest.raises(SystemExit) as e:  # a model path that does not exist: the check comes first
+        serve(["--model", "/nonexistent/checkpoint", "--warm_up", "-1"])
+    assert e.value.code == 2
+    assert "--warm_up: must be >= 0, got -1." in capsys.readouterr().err
