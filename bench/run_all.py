@@ -9,7 +9,8 @@
 Each benchmark runs as its own process with the interpreter it needs (.venv, or .venv-vllm for the
 vLLM one). Its stdout becomes bench/results/<name>.txt under a header naming the commit, date,
 machine and run time; its JSON gets `provenance` (commit, tree changed or not, date, cores, library
-versions) and `run_seconds`. Nothing in bench/results/ is written by hand. A benchmark whose inputs
+versions), `run_seconds` and `loaded_code` (the toolkit/ and plugins/ .py files its processes ran, traced
+by bench/_imports/sitecustomize.py). Nothing in bench/results/ is written by hand. A benchmark whose inputs
 are missing (a trained checkpoint, the vLLM environment) is skipped with the command that makes
 them, and its earlier result stays, with the commit it was measured at shown in the table. The
 table's ceiling column divides a row's tokens/s by bench/results/ceiling.json (bench/ceiling.py:
@@ -28,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,12 @@ class Bench:
     # what the row's numbers also depend on besides CODE_PATHS and its own script (a helper module it imports, the
     # configs it trains with, the setup of its interpreter): a change to one of these marks the row changed too
     inputs: tuple[str, ...] = ()
+
+    @property
+    def traced(self) -> bool:
+        """Whether the files its processes load are the library code its numbers depend on: not for a row that
+        starts from a checkpoint an earlier, untraced toolkit run made (its `needs` under outputs/)."""
+        return not any(path.startswith("outputs/") for path, _ in self.needs)
 
 
 BENCHES = [
@@ -117,6 +125,19 @@ def run_one(b: Bench) -> dict:
         cmd += ["--json", str(json_path)]
     print(f"== {b.name}: {' '.join(cmd[1:])} (about {b.minutes} min)", flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # which .py files its processes run (bench/_imports/sitecustomize.py appends to it)
+    trace = Path(tempfile.gettempdir()) / f"toolkit-bench-{b.name}-{os.getpid()}.trace"
+    trace.unlink(missing_ok=True)
+    if b.traced:
+        env["TOOLKIT_BENCH_TRACE"] = str(trace)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRACER), env.get("PYTHONPATH")) if p)
+    try:
+        return _run_traced(b, cmd, env, json_path, trace)
+    finally:
+        trace.unlink(missing_ok=True)
+
+
+def _run_traced(b: Bench, cmd: list[str], env: dict, json_path: Path, trace: Path) -> dict:
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -141,9 +162,32 @@ def run_one(b: Bench) -> dict:
         data = json.loads(json_path.read_text())
         data.setdefault("provenance", prov)
         data["run_seconds"] = round(seconds, 1)
+        loaded = _loaded_code(trace)
+        data.pop("loaded_code", None)  # an earlier run's record describes that run only
+        if loaded:
+            data["loaded_code"] = loaded
         json_path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"== {b.name}: done in {seconds / 60:.1f} min", flush=True)
     return {"seconds": round(seconds, 1)}
+
+
+TRACER = ROOT / "bench" / "_imports"
+
+
+def _loaded_code(trace: Path) -> list[str]:
+    """The repository's toolkit/ and plugins/ .py files named in a trace, relative to their checkout (a worktree,
+    or the checkout an editable plugin install points at), sorted; [] without a trace."""
+    if not trace.exists():
+        return []
+    found = set()
+    for line in trace.read_text().splitlines():
+        path = Path(line)
+        root = next((d for d in path.parents if (d / "toolkit").is_dir() and (d / "pyproject.toml").is_file()), None)
+        if root is not None:
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith(("toolkit/", "plugins/")):
+                found.add(rel)
+    return sorted(found)
 
 
 def _noise(line: str) -> bool:
@@ -181,23 +225,39 @@ _CHANGED: dict[tuple[str, str, tuple[str, ...]], list[str] | None] = {}
 def _changed_since(commit: str, script: str, inputs: tuple[str, ...] = ()) -> list[str] | None:
     """The files under CODE_PATHS (and the result's own script and other inputs) that differ between `commit` and
     the working tree (HEAD plus uncommitted changes: the code as it is when the table is written); None where git
-    cannot tell (no repository, a commit it does not hold)."""
+    cannot tell (no repository, a commit it does not hold). A renamed file counts under both names."""
     key = (commit, script, inputs)
     if key not in _CHANGED:
-        out = _git("diff", "--name-only", commit, "--", *CODE_PATHS, f"bench/{script}", *inputs)
+        out = _git("diff", "--name-only", "--no-renames", commit, "--", *CODE_PATHS, f"bench/{script}", *inputs)
         _CHANGED[key] = None if out is None else [line for line in out.splitlines() if line]
     return _CHANGED[key]
 
 
+def _not_loaded(path: str, loaded: frozenset[str]) -> bool:
+    """A library .py file the row's processes never ran: a change to it cannot have moved the row's numbers.
+    Everything else (data files under toolkit/, a plugin's pyproject.toml, the pins, the script) always counts."""
+    return path.startswith(("toolkit/", "plugins/")) and path.endswith(".py") and path not in loaded
+
+
 def _code_status(d: dict, commit: str) -> str:
-    """"; code unchanged since" or "; code changed since: <files>" against the commit the table is rendered at."""
+    """"; code unchanged since" or "; code changed since: <files>" against the commit the table is rendered at.
+    A row that recorded the library files its processes ran (`loaded_code`) is judged on those (and on every
+    file that is not a library .py file); the files left out are counted in the cell, so the judgement shows."""
     bench = next((b for b in BENCHES if b.name == d.get("_bench")), None)
     if bench is None:
         return ""
     changed = _changed_since(commit, bench.script, bench.inputs)
     if changed is None:
         return ""
+    unloaded = []
+    if d.get("loaded_code") and bench.traced:
+        loaded = frozenset(d["loaded_code"])
+        unloaded = [f for f in changed if _not_loaded(f, loaded)]
+        changed = [f for f in changed if not _not_loaded(f, loaded)]
     if not changed:
+        if unloaded:
+            return (f"; code it ran unchanged since ({len(unloaded)} library file{'s' * (len(unloaded) > 1)} it "
+                    f"never loaded changed: {', '.join(unloaded[:2])}{' and more' if len(unloaded) > 2 else ''})")
         return "; code unchanged since"
     shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
     return f"; **code changed since**: {shown}"
@@ -501,7 +561,11 @@ def write_table(run_info: dict | None) -> None:
              f"The last column also says whether the code a row measured has changed between its commit and the "
              f"tree this table was written from (at {(_git('rev-parse', 'HEAD') or 'unknown')[:10]}, uncommitted "
              f"changes included): `git diff` over {', '.join(CODE_PATHS)}, the row's own script and the other inputs "
-             f"it names in bench/run_all.py (a helper module, its configs, its interpreter's setup). A row marked "
+             f"it names in bench/run_all.py (a helper module, its configs, its interpreter's setup). For a row that "
+             f"recorded which library files its processes ran (run_all traces every Python process a row starts: "
+             f"bench/_imports/sitecustomize.py), a changed toolkit/ or plugins/ .py file it never loaded does not "
+             f"count, and the cell names it (\"code it ran unchanged since\"); rows that start from a checkpoint "
+             f"an earlier toolkit run made are judged on every file. A row marked "
              f"**code changed since** was measured before such a change, and its numbers may not hold for the code "
              f"as it is now. A row marked (tree changed) was measured with uncommitted changes, which its commit "
              f"does not hold; its code status compares the commit.",

@@ -1,8 +1,10 @@
 """bench/run_all.py's table says, for each row, whether the code it measured changed after its commit."""
 
 import importlib.util
+import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,64 @@ def test_the_sync_cell_reads_old_and_new_grpo_vllm_results(run_all):
     assert run_all._sync_cell(slow_first) == "0.65 (0.70), first 4.40"  # the slow first is shown, not hidden
     assert run_all._sync_target({"weight_syncs_s": [1.4, 1.2, 1.3], "weight_sync_s": 1.25}) == (
         "target sync < 1 s: not met, 3 of 3 syncs over 1 s (the first included)")
+
+
+def test_a_traced_row_is_judged_on_the_library_files_it_ran(tmp_path, run_all):
+    _git(tmp_path, "init", "-q")
+    measured = _commit(tmp_path, {"toolkit/core/grpo.py": "a = 1\n", "toolkit/core/vllm_server.py": "s = 1\n",
+                                  "toolkit/core/old_name.py": "o = 1\n", "toolkit/core/template.jinja": "t\n",
+                                  "plugins/p/pkg/loss.py": "l = 1\n", "bench/grpo_vs_trl.py": "x\n"}, "measured")
+    ran = ["toolkit/core/grpo.py", "toolkit/core/old_name.py", "toolkit/core/template.jinja"]
+    row = {"_bench": "grpo_vs_trl", "loaded_code": ran}
+    _commit(tmp_path, {"toolkit/core/vllm_server.py": "s = 2\n", "plugins/p/pkg/loss.py": "l = 2\n"},
+            "files the row never loaded")
+    assert run_all._code_status(row, measured) == (
+        "; code it ran unchanged since (2 library files it never loaded changed: plugins/p/pkg/loss.py, "
+        "toolkit/core/vllm_server.py)")
+    # without a record every file counts, as before
+    assert run_all._code_status({"_bench": "grpo_vs_trl"}, measured).startswith("; **code changed since**")
+
+    _commit(tmp_path, {"toolkit/core/template.jinja": "t2\n"}, "a data file: always counts")
+    run_all._CHANGED.clear()
+    assert run_all._code_status(row, measured) == "; **code changed since**: toolkit/core/template.jinja"
+
+    at = _git(tmp_path, "rev-parse", "HEAD")
+    _git(tmp_path, "mv", "toolkit/core/old_name.py", "toolkit/core/new_name.py")
+    _git(tmp_path, "commit", "-qm", "a rename: the file the row ran is gone, under either name it counts")
+    assert run_all._code_status(dict(row, loaded_code=ran), at) == (
+        "; **code changed since**: toolkit/core/old_name.py")
+
+    # a row that starts from a checkpoint an untraced toolkit run made is judged on every file
+    untraced = {"_bench": "learning_vs_trl", "loaded_code": ["toolkit/core/grpo.py"]}
+    assert not next(b for b in run_all.BENCHES if b.name == "learning_vs_trl").traced
+    assert run_all._code_status(untraced, measured).startswith("; **code changed since**: plugins/p/pkg/loss.py")
+
+
+def test_run_one_records_the_library_files_every_process_of_a_row_ran(tmp_path, run_all, monkeypatch):
+    # a real run: the script imports a module, starts a child that imports another and is killed with SIGKILL
+    # (no exit handlers run), and starts `python -I -S` on a third (which skips sitecustomize)
+    for name, text in {"pyproject.toml": "", "toolkit/__init__.py": "", "toolkit/a.py": "", "toolkit/unused.py": "",
+                       "toolkit/c.py": "", "toolkit/b.py": "print('b ran')\n"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "fake.py").write_text(
+        "import json, os, signal, subprocess, sys\n"
+        "sys.path.insert(0, os.getcwd())\n"
+        "import toolkit.a\n"
+        "kid = subprocess.run([sys.executable, '-c', 'import os, signal, toolkit.c; "
+        "os.kill(os.getpid(), signal.SIGKILL)'], env={**os.environ, 'PYTHONPATH': os.pathsep.join("
+        "[os.environ['PYTHONPATH'], os.getcwd()])})\n"
+        "assert kid.returncode == -signal.SIGKILL, kid.returncode\n"
+        "subprocess.run([sys.executable, '-I', '-S', 'toolkit/b.py'], check=True)\n"
+        "json.dump({'ok': True}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    results = tmp_path / "bench" / "results"
+    results.mkdir()
+    monkeypatch.setattr(run_all, "RESULTS", results)
+    outcome = run_all.run_one(run_all.Bench("fake", "fake.py", "core", 1))
+    assert "seconds" in outcome, outcome
+    data = json.loads((results / "fake.json").read_text())
+    assert data["loaded_code"] == ["toolkit/__init__.py", "toolkit/a.py", "toolkit/b.py", "toolkit/c.py"]
+    assert not list(Path(tempfile.gettempdir()).glob("toolkit-bench-fake-*.trace"))  # the trace is removed
