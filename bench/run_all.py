@@ -54,12 +54,9 @@ class Bench:
     # what the row's numbers also depend on besides CODE_PATHS and its own script (a helper module it imports, the
     # configs it trains with, the setup of its interpreter): a change to one of these marks the row changed too
     inputs: tuple[str, ...] = ()
-
-    @property
-    def traced(self) -> bool:
-        """Whether the files its processes load are the library code its numbers depend on: not for a row that
-        starts from a checkpoint an earlier, untraced toolkit run made (its `needs` under outputs/)."""
-        return not any(path.startswith("outputs/") for path, _ in self.needs)
+    # whether the library files its processes run are all the library code its numbers depend on: False for a
+    # row that starts from a checkpoint an earlier toolkit run made (that run was not traced)
+    traced: bool = True
 
 
 BENCHES = [
@@ -86,15 +83,15 @@ BENCHES = [
     # three more: the spread between seeds (sd 10-14 points) is larger than the criterion's 5 points
     Bench("async_staleness_seeds_4_6", "async_staleness.py", "long", 34, json_flag=False,
           args=["--seeds", "4,5,6", "--out", "async_staleness_seeds_4_6"]),
-    Bench("learning_vs_trl", "learning_vs_trl.py", "long", 25, json_flag=False,
+    Bench("learning_vs_trl", "learning_vs_trl.py", "long", 25, json_flag=False, traced=False,
           args=["--minutes", "6", "--eval-every", "1.5"],
           needs=[("outputs/arithmetic/0-sft/final", "toolkit pipeline --config examples/arithmetic_pipeline.toml")],
           inputs=("examples/arithmetic_pipeline.toml", "examples/arithmetic_warmup_sft.toml",
                   "examples/grpo_arithmetic.toml")),
-    Bench("agent_rollouts", "agent_rollouts.py", "long", 35, json_flag=False,
+    Bench("agent_rollouts", "agent_rollouts.py", "long", 35, json_flag=False, traced=False,
           needs=[("outputs/tools/0-sft/final", "toolkit pipeline --config examples/tools_pipeline.toml")],
           inputs=("examples/tools_pipeline.toml", "examples/tools_warmup_sft.toml", "examples/grpo_tools.toml")),
-    Bench("distillation", "distillation.py", "long", 1,
+    Bench("distillation", "distillation.py", "long", 1, traced=False,
           needs=[("outputs/grpo-arithmetic/report", "toolkit grpo --config examples/grpo_arithmetic.toml"),
                  ("outputs/gkd-arithmetic/report", "toolkit gkd --config examples/gkd_arithmetic.toml")],
           inputs=("examples/grpo_arithmetic.toml", "examples/gkd_arithmetic.toml")),
@@ -130,7 +127,8 @@ def run_one(b: Bench) -> dict:
     trace.unlink(missing_ok=True)
     if b.traced:
         env["TOOLKIT_BENCH_TRACE"] = str(trace)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRACER), env.get("PYTHONPATH")) if p)
+        # the checkout first: a worker imports this tree's toolkit, not the one an editable install points at
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRACER), str(ROOT), env.get("PYTHONPATH")) if p)
     try:
         return _run_traced(b, cmd, env, json_path, trace)
     finally:
@@ -162,9 +160,9 @@ def _run_traced(b: Bench, cmd: list[str], env: dict, json_path: Path, trace: Pat
         data = json.loads(json_path.read_text())
         data.setdefault("provenance", prov)
         data["run_seconds"] = round(seconds, 1)
-        loaded = _loaded_code(trace)
+        loaded = _loaded_code(trace) if b.traced else None
         data.pop("loaded_code", None)  # an earlier run's record describes that run only
-        if loaded:
+        if loaded is not None:
             data["loaded_code"] = loaded
         json_path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"== {b.name}: done in {seconds / 60:.1f} min", flush=True)
@@ -174,19 +172,37 @@ def _run_traced(b: Bench, cmd: list[str], env: dict, json_path: Path, trace: Pat
 TRACER = ROOT / "bench" / "_imports"
 
 
-def _loaded_code(trace: Path) -> list[str]:
-    """The repository's toolkit/ and plugins/ .py files named in a trace, relative to their checkout (a worktree,
-    or the checkout an editable plugin install points at), sorted; [] without a trace."""
+def _loaded_code(trace: Path) -> list[str] | None:
+    """The repository's toolkit/ and plugins/ .py files named in a trace, sorted (relative to the checkout); None
+    where the trace cannot be trusted, so the row is judged on every file: no trace, no traced process, a Python
+    child that skipped the tracer (UNTRACED), or a library file run from another checkout (an editable plugin
+    install pointing elsewhere) whose content differs from this checkout's."""
     if not trace.exists():
-        return []
+        return None
+    lines = trace.read_text().splitlines()
+    untraced = [line for line in lines if line.startswith("UNTRACED ")]
+    if untraced or not any(line.startswith("PROCESS ") for line in lines):
+        print(f"   (not traced: {untraced[0] if untraced else 'no process loaded the tracer'}; "
+              f"the row is judged on every file)", flush=True)
+        return None
     found = set()
-    for line in trace.read_text().splitlines():
+    for line in lines:
+        if line.startswith("PROCESS "):
+            continue
         path = Path(line)
         root = next((d for d in path.parents if (d / "toolkit").is_dir() and (d / "pyproject.toml").is_file()), None)
-        if root is not None:
-            rel = path.relative_to(root).as_posix()
-            if rel.startswith(("toolkit/", "plugins/")):
-                found.add(rel)
+        if root is None:
+            continue
+        rel = path.relative_to(root).as_posix()
+        if not rel.startswith(("toolkit/", "plugins/")):
+            continue
+        if root.resolve() != ROOT.resolve():
+            here = ROOT / rel
+            if not here.is_file() or here.read_bytes() != path.read_bytes():
+                print(f"   (not traced: ran {path}, which differs from this checkout's {rel}; the row is judged on "
+                      f"every file)", flush=True)
+                return None
+        found.add(rel)
     return sorted(found)
 
 
@@ -225,11 +241,15 @@ _CHANGED: dict[tuple[str, str, tuple[str, ...]], list[str] | None] = {}
 def _changed_since(commit: str, script: str, inputs: tuple[str, ...] = ()) -> list[str] | None:
     """The files under CODE_PATHS (and the result's own script and other inputs) that differ between `commit` and
     the working tree (HEAD plus uncommitted changes: the code as it is when the table is written); None where git
-    cannot tell (no repository, a commit it does not hold). A renamed file counts under both names."""
+    cannot tell (no repository, a commit it does not hold). A renamed file counts under both names; an untracked
+    file (not ignored) counts as changed."""
     key = (commit, script, inputs)
     if key not in _CHANGED:
-        out = _git("diff", "--name-only", "--no-renames", commit, "--", *CODE_PATHS, f"bench/{script}", *inputs)
-        _CHANGED[key] = None if out is None else [line for line in out.splitlines() if line]
+        paths = (*CODE_PATHS, f"bench/{script}", *inputs)
+        out = _git("diff", "--name-only", "--no-renames", commit, "--", *paths)
+        new = _git("ls-files", "--others", "--exclude-standard", "--", *paths)
+        _CHANGED[key] = None if out is None or new is None else sorted(
+            {line for line in (out + "\n" + new).splitlines() if line})
     return _CHANGED[key]
 
 
@@ -250,7 +270,7 @@ def _code_status(d: dict, commit: str) -> str:
     if changed is None:
         return ""
     unloaded = []
-    if d.get("loaded_code") and bench.traced:
+    if "loaded_code" in d and bench.traced:
         loaded = frozenset(d["loaded_code"])
         unloaded = [f for f in changed if _not_loaded(f, loaded)]
         changed = [f for f in changed if not _not_loaded(f, loaded)]
@@ -560,12 +580,13 @@ def write_table(run_info: dict | None) -> None:
              "",
              f"The last column also says whether the code a row measured has changed between its commit and the "
              f"tree this table was written from (at {(_git('rev-parse', 'HEAD') or 'unknown')[:10]}, uncommitted "
-             f"changes included): `git diff` over {', '.join(CODE_PATHS)}, the row's own script and the other inputs "
+             f"changes and untracked files included): `git diff` over {', '.join(CODE_PATHS)}, the row's own script and the other inputs "
              f"it names in bench/run_all.py (a helper module, its configs, its interpreter's setup). For a row that "
-             f"recorded which library files its processes ran (run_all traces every Python process a row starts: "
-             f"bench/_imports/sitecustomize.py), a changed toolkit/ or plugins/ .py file it never loaded does not "
-             f"count, and the cell names it (\"code it ran unchanged since\"); rows that start from a checkpoint "
-             f"an earlier toolkit run made are judged on every file. A row marked "
+             f"recorded which library files its processes ran (bench/_imports/sitecustomize.py traces every Python "
+             f"process of the row that inherits its environment; a row with a process that skipped the tracer, "
+             f"or that starts from a checkpoint an earlier toolkit run made, has no record), a changed toolkit/ "
+             f"or plugins/ .py file it never loaded does not count, and the cell names it (\"code it ran "
+             f"unchanged since\"); rows without a record are judged on every file. A row marked "
              f"**code changed since** was measured before such a change, and its numbers may not hold for the code "
              f"as it is now. A row marked (tree changed) was measured with uncommitted changes, which its commit "
              f"does not hold; its code status compares the commit.",

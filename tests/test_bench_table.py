@@ -173,3 +173,34 @@ def test_run_one_records_the_library_files_every_process_of_a_row_ran(tmp_path, 
     data = json.loads((results / "fake.json").read_text())
     assert data["loaded_code"] == ["toolkit/__init__.py", "toolkit/a.py", "toolkit/b.py", "toolkit/c.py"]
     assert not list(Path(tempfile.gettempdir()).glob("toolkit-bench-fake-*.trace"))  # the trace is removed
+
+    # a Python child that skips the tracer (-E ignores PYTHONPATH; a fresh env has no trace file) could run any
+    # library file unseen: the row gets no record, and the one an earlier run left is dropped
+    for launch in ("[sys.executable, '-E', '-c', 'pass']", "[sys.executable, '-c', 'pass'], env={'PATH': '/bin'}"):
+        (tmp_path / "bench" / "fake.py").write_text(
+            "import json, subprocess, sys\n"
+            f"subprocess.run({launch}, check=True)\n"
+            "json.dump({'ok': True}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
+        (results / "fake.json").write_text(json.dumps({"loaded_code": ["toolkit/a.py"]}))
+        assert "seconds" in run_all.run_one(run_all.Bench("fake", "fake.py", "core", 1))
+        assert "loaded_code" not in json.loads((results / "fake.json").read_text()), launch
+
+    # a row that loads no library file at all says so (an empty record), unlike a row that was not traced
+    (tmp_path / "bench" / "fake.py").write_text(
+        "import json, sys\njson.dump({'ok': True}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
+    run_all.run_one(run_all.Bench("fake", "fake.py", "core", 1))
+    assert json.loads((results / "fake.json").read_text())["loaded_code"] == []
+
+
+def test_the_tracer_reads_python_flags_and_rows_from_checkpoints_are_not_traced(run_all):
+    spec = importlib.util.spec_from_file_location("tracer_under_test", RUN_ALL.parent / "_imports" / "sitecustomize.py")
+    tracer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tracer)  # TOOLKIT_BENCH_TRACE unset: installs nothing
+    assert tracer._python_flags(["python", "-I", "-S", "x.py"]) == {"I", "S"}
+    assert tracer._python_flags(["python", "-IS", "x.py", "-E"]) == {"I", "S"}  # after the script: its own args
+    assert tracer._python_flags(["python", "-W", "ignore", "-E", "-c", "pass"]) == {"E"}  # -W takes a value
+    assert tracer._python_flags(["python", "-m", "toolkit", "-I"]) == set()
+    # a row whose `needs` is a checkpoint a toolkit run made must not be judged on what its own processes ran
+    for b in run_all.BENCHES:
+        made_by_toolkit = any(not path.startswith(".venv") for path, _ in b.needs)
+        assert b.traced is not made_by_toolkit, b.name
