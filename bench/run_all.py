@@ -571,7 +571,7 @@ def write_table(run_info: dict | None) -> None:
              "the benchmarks set bf16=False so that both sides train in float32, the same work (ours defaults to",
              "float32). The grpo_vs_trl row marked bfloat16 mixed precision runs both sides with bf16=True.",
              "The machines differ: an Intel Xeon with AVX-512 (fp32 matmul about 400 GFLOP/s on 2 threads at its best),",
-             "an AMD EPYC with AVX-512 (about 140), an AVX2-only kind (about 100); TRL's step and ours do not scale",
+             "an AMD EPYC with AVX-512 (about 140-200), an AVX2-only kind (about 100); TRL's step and ours do not scale",
              "alike between them, so a ratio moves with the machine. Where a result recorded its CPU, the last column",
              "says which. A machine's speed also varies over a day (the Intel Xeon has measured half its usual",
              "matmul peak for hours at a time), and a ratio moves with it. Compare ratios within a row, and absolute",
