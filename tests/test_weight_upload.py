@@ -515,3 +515,94 @@ def test_a_negative_warm_up_is_refused_before_the_engine_starts(capsys):
         serve(["--model", "/nonexistent/checkpoint", "--warm_up", "-1"])
     assert e.value.code == 2
     assert "--warm_up: must be >= 0, got -1." in capsys.readouterr().err
+
+
+def test_checkpoint_weights_read_every_shard_an_index_lists_and_nothing_beside_it(tmp_path):
+    from toolkit.testing import tiny_model
+
+    model = tiny_model(seed=1)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(shards) > 1  # really sharded
+    (tmp_path / "critic.safetensors").write_bytes(save({"v_head.weight": torch.zeros(1, 64)}))  # not listed
+    ckpt = dict(_checkpoint_weights(str(tmp_path)))
+    trainer_side = dict(engine_weights(model))
+    assert sorted(ckpt) == sorted(trainer_side)  # the tied head added under its own name, the critic left out
+    for name, t in trainer_side.items():
+        assert torch.equal(ckpt[name], t), name
+
+
+def test_checkpoint_weights_add_a_head_only_where_the_config_ties_it(tmp_path):
+    from toolkit.testing import tiny_model
+
+    untied = tiny_model(seed=2, tie_word_embeddings=False)
+    untied.save_pretrained(tmp_path / "untied")
+    ckpt = dict(_checkpoint_weights(str(tmp_path / "untied")))
+    assert sorted(ckpt) == sorted(dict(engine_weights(untied)))
+    assert not torch.equal(ckpt["lm_head.weight"], ckpt["model.embed_tokens.weight"])  # its own head, as saved
+    folder = tmp_path / "embedding-only"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(save({"model.embed_tokens.weight": torch.randn(10, 4)}))
+    for config, head in (({}, True),  # transformers ties by default
+                         ({"tie_word_embeddings": False}, False),
+                         ({"text_config": {"tie_word_embeddings": False}}, False),  # a multimodal config's text part
+                         ({"text_config": {"tie_word_embeddings": True}}, True),
+                         ({"tie_word_embeddings": False, "text_config": {"tie_word_embeddings": True}}, False)):
+        (folder / "config.json").write_text(json.dumps(config))
+        assert ("lm_head.weight" in dict(_checkpoint_weights(str(folder)))) is head, config
+
+
+def test_an_engine_error_during_the_warm_up_is_raised_not_swallowed():
+    from toolkit.core.vllm_server import _Uploads
+
+    class Failing(Recorder):
+        def load_weights(self, weights, *, partial=False):
+            raise ValueError("the engine's own error")
+
+    uploads = _Uploads(Failing())
+    try:
+        with pytest.raises(ValueError, match="the engine's own error"):  # serve() lets it stop the server
+            _warm_up(uploads, weights(), 2)
+    finally:
+        uploads.loader.shutdown()
+
+
+def test_serve_warms_up_by_default_only_on_a_cpu_build_and_skips_an_unreadable_checkpoint(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """serve() with a recording engine in place of vLLM (tests/test_vllm.py starts the real server, warm-up
+    included): how many warm-up rounds reach the engine, and the warning when the weights cannot be read."""
+    import logging
+
+    import toolkit.core.vllm_backend as vllm_backend
+    import toolkit.core.vllm_server as vllm_server
+    from toolkit.testing import tiny_model
+
+    engines, made = [], []
+
+    class Engine(Recorder):
+        def __init__(self, path, **kwargs):
+            super().__init__()
+            engines.append(self)
+
+    class Stopped:  # the server serve() would run: it stops at once, as on Ctrl-C
+        server_address = ("127.0.0.1", 0)
+
+        def serve_forever(self):
+            raise KeyboardInterrupt
+
+        def server_close(self):
+            made[-1].loader.shutdown()
+
+    monkeypatch.setattr(vllm_backend, "VLLMBackend", Engine)
+    monkeypatch.setattr(vllm_server, "make_server", lambda backend, *a, **k: made.append(k["uploads"]) or Stopped())
+    tiny_model(seed=0).save_pretrained(tmp_path / "model")
+    for cpu, flags, rounds in ((True, [], 2), (False, [], 0), (False, ["--warm_up", "1"], 1), (True, ["--warm_up", "0"], 0)):
+        monkeypatch.setattr(vllm_server, "_cpu_build", lambda cpu=cpu: cpu)
+        assert vllm_server.serve(["--model", str(tmp_path / "model"), "--token", "t", *flags]) == 0
+        assert len(getattr(engines[-1], "history", [])) == rounds, (cpu, flags)
+        assert engines[-1].weights_version == 0 and made[-1].backend is engines[-1]
+    (tmp_path / "no-weights").mkdir()
+    with caplog.at_level(logging.WARNING, logger=vllm_server.logger.name):
+        assert vllm_server.serve(["--model", str(tmp_path / "no-weights"), "--token", "t", "--warm_up", "2"]) == 0
+    assert "warm-up skipped (FileNotFoundError: no model.safetensors" in caplog.text
+    assert not hasattr(engines[-1], "history")  # served unwarmed
