@@ -162,14 +162,18 @@ def _run_traced(b: Bench, cmd: list[str], env: dict, json_path: Path, trace: Pat
         data["run_seconds"] = round(seconds, 1)
         loaded = _loaded_code(trace) if b.traced else None
         data.pop("loaded_code", None)  # an earlier run's record describes that run only
+        data.pop("loaded_code_rules", None)
         if loaded is not None:
-            data["loaded_code"] = loaded
+            data["loaded_code"], data["loaded_code_rules"] = loaded, TRACE_RULES
         json_path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"== {b.name}: done in {seconds / 60:.1f} min", flush=True)
     return {"seconds": round(seconds, 1)}
 
 
 TRACER = ROOT / "bench" / "_imports"
+# the rules a `loaded_code` record was taken under: a record from older rules (which missed cases the tracer now
+# marks UNTRACED) is not trusted, and its row is judged on every file
+TRACE_RULES = 2
 
 
 def _loaded_code(trace: Path) -> list[str] | None:
@@ -192,6 +196,10 @@ def _loaded_code(trace: Path) -> list[str] | None:
         path = Path(line)
         root = next((d for d in path.parents if (d / "toolkit").is_dir() and (d / "pyproject.toml").is_file()), None)
         if root is None:
+            if any(part == "toolkit" or part.startswith("toolkit_") for part in path.parts[:-1]):
+                print(f"   (not traced: ran {path}, an installed copy outside any checkout; the row is judged on "
+                      f"every file)", flush=True)
+                return None
             continue
         rel = path.relative_to(root).as_posix()
         if not rel.startswith(("toolkit/", "plugins/")):
@@ -270,7 +278,7 @@ def _code_status(d: dict, commit: str) -> str:
     if changed is None:
         return ""
     unloaded = []
-    if "loaded_code" in d and bench.traced:
+    if "loaded_code" in d and d.get("loaded_code_rules") == TRACE_RULES and bench.traced:
         loaded = frozenset(d["loaded_code"])
         unloaded = [f for f in changed if _not_loaded(f, loaded)]
         changed = [f for f in changed if not _not_loaded(f, loaded)]
@@ -303,7 +311,7 @@ def _cpu_kind(prov: dict | None) -> str | None:
 
 def _cpu(prov: dict) -> str:
     """Which kind of CPU a result was measured on, where recorded: the machines here differ up to 4x in matmul.
-    Its model name too: an Intel Xeon and an AMD EPYC, both with AVX-512, have measured 400 and 140 GFLOP/s."""
+    Its model name too: an Intel Xeon and an AMD EPYC, both with AVX-512, have measured up to 400 and 140-200 GFLOP/s."""
     kind = _cpu_kind(prov)
     name = prov.get("cpu") or ""
     name = "Intel Xeon " if "Xeon" in name else "AMD EPYC " if "EPYC" in name else ""
@@ -583,12 +591,14 @@ def write_table(run_info: dict | None) -> None:
              f"changes and untracked files included): `git diff` over {', '.join(CODE_PATHS)}, the row's own script and the other inputs "
              f"it names in bench/run_all.py (a helper module, its configs, its interpreter's setup). For a row that "
              f"recorded which library files its processes ran (bench/_imports/sitecustomize.py traces every Python "
-             f"process of the row that inherits its environment; no record is kept for a row with a child seen "
-             f"to skip the tracer, a trace with no traced process, a library file run from another checkout "
-             f"whose content differs, or a row that starts from a checkpoint an earlier toolkit run made), a "
-             f"changed toolkit/ or plugins/ .py file it never loaded does not count, and the cell names it "
-             f"(\"code it ran unchanged since\"); rows without a record are judged on every file. run_all.py "
-             f"and the tracer count toward no row: they measure, they are not the library. A row marked "
+             f"process of the row that keeps the trace file and the tracer on PYTHONPATH; no record is kept for a "
+             f"row with a child that did not, or that was started through a shell, with a trace with no traced "
+             f"process, with a library file run from another checkout whose content differs or from an installed "
+             f"copy, or that starts from a checkpoint an earlier toolkit run made; a record taken under older "
+             f"tracing rules is not used), a changed toolkit/ or plugins/ .py file it never loaded does not count, "
+             f"and the cell says how many there were and names up to two (\"code it ran unchanged since\"); "
+             f"rows without a record are judged on every file. run_all.py and the tracer count toward no row: "
+             f"they measure, they are not the library. A row marked "
              f"**code changed since** was measured before such a change, and its numbers may not hold for the code "
              f"as it is now. A row marked (tree changed) was measured with uncommitted changes, which its commit "
              f"does not hold; its code status compares the commit.",

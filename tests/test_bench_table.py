@@ -120,14 +120,25 @@ def test_a_traced_row_is_judged_on_the_library_files_it_ran(tmp_path, run_all):
                                   "toolkit/core/old_name.py": "o = 1\n", "toolkit/core/template.jinja": "t\n",
                                   "plugins/p/pkg/loss.py": "l = 1\n", "bench/grpo_vs_trl.py": "x\n"}, "measured")
     ran = ["toolkit/core/grpo.py", "toolkit/core/old_name.py", "toolkit/core/template.jinja"]
-    row = {"_bench": "grpo_vs_trl", "loaded_code": ran}
+    row = {"_bench": "grpo_vs_trl", "loaded_code": ran, "loaded_code_rules": run_all.TRACE_RULES}
     _commit(tmp_path, {"toolkit/core/vllm_server.py": "s = 2\n", "plugins/p/pkg/loss.py": "l = 2\n"},
             "files the row never loaded")
     assert run_all._code_status(row, measured) == (
         "; code it ran unchanged since (2 library files it never loaded changed: plugins/p/pkg/loss.py, "
         "toolkit/core/vllm_server.py)")
-    # without a record every file counts, as before
+    # without a record, or with one taken under older tracing rules, every file counts
     assert run_all._code_status({"_bench": "grpo_vs_trl"}, measured).startswith("; **code changed since**")
+    old = {"_bench": "grpo_vs_trl", "loaded_code": ran, "loaded_code_rules": run_all.TRACE_RULES - 1}
+    assert run_all._code_status(old, measured).startswith("; **code changed since**")
+    assert run_all._code_status({"_bench": "grpo_vs_trl", "loaded_code": ran}, measured).startswith(
+        "; **code changed since**")
+
+    (tmp_path / "toolkit/core/brand_new.py").write_text("n = 1\n")  # untracked: counts as changed
+    run_all._CHANGED.clear()
+    assert run_all._code_status(row, measured).startswith(  # the row never ran it: named, not counted
+        "; code it ran unchanged since (3 library files it never loaded changed: ")
+    assert "toolkit/core/brand_new.py" in run_all._changed_since(measured, "grpo_vs_trl.py")
+    (tmp_path / "toolkit/core/brand_new.py").unlink()
 
     _commit(tmp_path, {"toolkit/core/template.jinja": "t2\n"}, "a data file: always counts")
     run_all._CHANGED.clear()
@@ -140,28 +151,56 @@ def test_a_traced_row_is_judged_on_the_library_files_it_ran(tmp_path, run_all):
         "; **code changed since**: toolkit/core/old_name.py")
 
     # a row that starts from a checkpoint an untraced toolkit run made is judged on every file
-    untraced = {"_bench": "learning_vs_trl", "loaded_code": ["toolkit/core/grpo.py"]}
+    untraced = {"_bench": "learning_vs_trl", "loaded_code": ["toolkit/core/grpo.py"],
+                "loaded_code_rules": run_all.TRACE_RULES}
     assert not next(b for b in run_all.BENCHES if b.name == "learning_vs_trl").traced
     assert run_all._code_status(untraced, measured).startswith("; **code changed since**: plugins/p/pkg/loss.py")
 
 
+def _checkout(root: Path, files: dict[str, str]) -> Path:
+    for name, text in {"pyproject.toml": "", **files}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_trace_counts_only_when_it_can_be_trusted(tmp_path, run_all):
+    here = _checkout(tmp_path / "here", {"toolkit/__init__.py": "", "plugins/p/pkg/loss.py": "l = 1\n"})
+    there = _checkout(tmp_path / "there", {"toolkit/__init__.py": "", "plugins/p/pkg/loss.py": "l = 1\n"})
+    run_all.ROOT = here
+    trace = tmp_path / "trace"
+
+    def loaded(*lines):
+        trace.write_text("".join(line + "\n" for line in lines))
+        return run_all._loaded_code(trace)
+
+    ok = "PROCESS 1"
+    assert loaded(ok, str(here / "toolkit/__init__.py"), "/usr/lib/python3.11/json/__init__.py") == [
+        "toolkit/__init__.py"]
+    assert loaded(ok) == []  # a row that ran no library file says so
+    assert loaded(str(here / "toolkit/__init__.py")) is None  # no traced process: the hook never ran
+    assert loaded(ok, "UNTRACED python -E -c pass") is None
+    assert run_all._loaded_code(tmp_path / "missing") is None
+    # a plugin run from another checkout (an editable install pointing there) counts only as the same content
+    assert loaded(ok, str(there / "plugins/p/pkg/loss.py")) == ["plugins/p/pkg/loss.py"]
+    (there / "plugins/p/pkg/loss.py").write_text("l = 2\n")
+    assert loaded(ok, str(there / "plugins/p/pkg/loss.py")) is None
+    # the library run from an installed copy, outside any checkout
+    assert loaded(ok, "/opt/venv/lib/python3.11/site-packages/toolkit/core/grpo.py") is None
+    assert loaded(ok, "/opt/venv/lib/python3.11/site-packages/toolkit_cispo/__init__.py") is None
+
+
 def test_run_one_records_the_library_files_every_process_of_a_row_ran(tmp_path, run_all, monkeypatch):
-    # a real run: the script imports a module, starts a child that imports another and is killed with SIGKILL
-    # (no exit handlers run), and starts `python -I -S` on a third (which skips sitecustomize)
-    for name, text in {"pyproject.toml": "", "toolkit/__init__.py": "", "toolkit/a.py": "", "toolkit/unused.py": "",
-                       "toolkit/c.py": "", "toolkit/b.py": "print('b ran')\n"}.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    # a real run: the script imports a module and starts a child that imports another and is killed with
+    # SIGKILL (no exit handlers run)
+    _checkout(tmp_path, {"toolkit/__init__.py": "", "toolkit/a.py": "", "toolkit/unused.py": "", "toolkit/c.py": ""})
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "fake.py").write_text(
         "import json, os, signal, subprocess, sys\n"
-        "sys.path.insert(0, os.getcwd())\n"
         "import toolkit.a\n"
         "kid = subprocess.run([sys.executable, '-c', 'import os, signal, toolkit.c; "
-        "os.kill(os.getpid(), signal.SIGKILL)'], env={**os.environ, 'PYTHONPATH': os.pathsep.join("
-        "[os.environ['PYTHONPATH'], os.getcwd()])})\n"
+        "os.kill(os.getpid(), signal.SIGKILL)'])\n"
         "assert kid.returncode == -signal.SIGKILL, kid.returncode\n"
-        "subprocess.run([sys.executable, '-I', '-S', 'toolkit/b.py'], check=True)\n"
         "json.dump({'ok': True}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
@@ -171,28 +210,36 @@ def test_run_one_records_the_library_files_every_process_of_a_row_ran(tmp_path, 
     outcome = run_all.run_one(run_all.Bench("fake", "fake.py", "core", 1))
     assert "seconds" in outcome, outcome
     data = json.loads((results / "fake.json").read_text())
-    assert data["loaded_code"] == ["toolkit/__init__.py", "toolkit/a.py", "toolkit/b.py", "toolkit/c.py"]
+    assert data["loaded_code"] == ["toolkit/__init__.py", "toolkit/a.py", "toolkit/c.py"]
+    assert data["loaded_code_rules"] == run_all.TRACE_RULES
     assert not list(Path(tempfile.gettempdir()).glob("toolkit-bench-fake-*.trace"))  # the trace is removed
 
-    # a Python child that skips the tracer (-E ignores PYTHONPATH; a fresh env has no trace file) could run any
-    # library file unseen: the row gets no record, and the one an earlier run left is dropped
-    for launch in ("[sys.executable, '-E', '-c', 'pass']", "[sys.executable, '-c', 'pass'], env={'PATH': '/bin'}"):
+    # a child that skips the tracer could run any library file unseen: the row gets no record, and the one an
+    # earlier run left is dropped. -E ignores PYTHONPATH; -I -S runs no site; a fresh environment has no trace
+    # file; a PYTHONPATH replaced drops the tracer (bench/ppo_vs_trl.py's TRL worker); a shell hides its command
+    for launch in ("[sys.executable, '-E', '-c', 'pass']", "[sys.executable, '-I', '-S', '-c', 'pass']",
+                   "[sys.executable, '-c', 'pass'], env={'PATH': '/bin'}",
+                   "[sys.executable, '-c', 'pass'], env={**os.environ, 'PYTHONPATH': '/tmp'}",
+                   "'true', shell=True"):
         (tmp_path / "bench" / "fake.py").write_text(
-            "import json, subprocess, sys\n"
+            "import json, os, subprocess, sys\n"
             f"subprocess.run({launch}, check=True)\n"
             "json.dump({'ok': True}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
-        (results / "fake.json").write_text(json.dumps({"loaded_code": ["toolkit/a.py"]}))
+        (results / "fake.json").write_text(json.dumps({"loaded_code": ["toolkit/a.py"], "loaded_code_rules": 2}))
         assert "seconds" in run_all.run_one(run_all.Bench("fake", "fake.py", "core", 1))
-        assert "loaded_code" not in json.loads((results / "fake.json").read_text()), launch
+        data = json.loads((results / "fake.json").read_text())
+        assert "loaded_code" not in data and "loaded_code_rules" not in data, launch
 
-    # a row that loads no library file at all says so (an empty record), unlike a row that was not traced
+    # a child that keeps the environment (git here is not Python) leaves the record intact
     (tmp_path / "bench" / "fake.py").write_text(
-        "import json, sys\njson.dump({'ok': True}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
+        "import json, subprocess, sys\nsubprocess.run(['git', '--version'], capture_output=True)\n"
+        "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+        "json.dump({'ok': True}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
     run_all.run_one(run_all.Bench("fake", "fake.py", "core", 1))
     assert json.loads((results / "fake.json").read_text())["loaded_code"] == []
 
 
-def test_the_tracer_reads_python_flags_and_rows_from_checkpoints_are_not_traced(run_all):
+def test_the_tracer_reads_python_flags_and_runs_the_sitecustomize_it_shadows(tmp_path, run_all):
     spec = importlib.util.spec_from_file_location("tracer_under_test", RUN_ALL.parent / "_imports" / "sitecustomize.py")
     tracer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tracer)  # TOOLKIT_BENCH_TRACE unset: installs nothing
@@ -200,6 +247,17 @@ def test_the_tracer_reads_python_flags_and_rows_from_checkpoints_are_not_traced(
     assert tracer._python_flags(["python", "-IS", "x.py", "-E"]) == {"I", "S"}  # after the script: its own args
     assert tracer._python_flags(["python", "-W", "ignore", "-E", "-c", "pass"]) == {"E"}  # -W takes a value
     assert tracer._python_flags(["python", "-m", "toolkit", "-I"]) == set()
+    # an interpreter's own sitecustomize still runs behind the tracer
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("print('the shadowed sitecustomize ran')\n")
+    import os
+
+    out = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(run_all.TRACER), str(other)]),
+                              "TOOLKIT_BENCH_TRACE": str(tmp_path / "trace")})
+    assert "the shadowed sitecustomize ran" in out.stdout
+    assert (tmp_path / "trace").read_text().startswith("PROCESS ")
     # a row whose `needs` is a checkpoint a toolkit run made must not be judged on what its own processes ran
     for b in run_all.BENCHES:
         made_by_toolkit = any(not path.startswith(".venv") for path, _ in b.needs)

@@ -561,7 +561,7 @@ def test_an_engine_error_during_the_warm_up_is_raised_not_swallowed():
 
     uploads = _Uploads(Failing())
     try:
-        with pytest.raises(ValueError, match="the engine's own error"):  # serve() lets it stop the server
+        with pytest.raises(ValueError, match="the engine's own error"):  # serve() lets it stop the server (below)
             _warm_up(uploads, weights(), 2)
     finally:
         uploads.loader.shutdown()
@@ -593,14 +593,32 @@ def test_serve_warms_up_by_default_only_on_a_cpu_build_and_skips_an_unreadable_c
         def server_close(self):
             made[-1].loader.shutdown()
 
+    def make_server(backend, *args, **kwargs):  # what the engine had loaded when the port would open
+        made.append(kwargs["uploads"])
+        made[-1].history_at_listen = list(getattr(backend, "history", []))
+        return Stopped()
+
     monkeypatch.setattr(vllm_backend, "VLLMBackend", Engine)
-    monkeypatch.setattr(vllm_server, "make_server", lambda backend, *a, **k: made.append(k["uploads"]) or Stopped())
+    monkeypatch.setattr(vllm_server, "make_server", make_server)
     tiny_model(seed=0).save_pretrained(tmp_path / "model")
+    full = (len(_checkpoint_weights(str(tmp_path / "model"))), False)  # every weight, not partial
     for cpu, flags, rounds in ((True, [], 2), (False, [], 0), (False, ["--warm_up", "1"], 1), (True, ["--warm_up", "0"], 0)):
         monkeypatch.setattr(vllm_server, "_cpu_build", lambda cpu=cpu: cpu)
         assert vllm_server.serve(["--model", str(tmp_path / "model"), "--token", "t", *flags]) == 0
-        assert len(getattr(engines[-1], "history", [])) == rounds, (cpu, flags)
+        assert getattr(engines[-1], "history", []) == [full] * rounds, (cpu, flags)
+        assert made[-1].history_at_listen == [full] * rounds  # warmed before it listens
         assert engines[-1].weights_version == 0 and made[-1].backend is engines[-1]
+
+    class Failing(Engine):
+        def load_weights(self, weights, *, partial=False):
+            raise ValueError("the engine's own error")
+
+    monkeypatch.setattr(vllm_backend, "VLLMBackend", Failing)
+    servers = len(made)
+    with pytest.raises(ValueError, match="the engine's own error"):  # the server stops: it never listens
+        vllm_server.serve(["--model", str(tmp_path / "model"), "--token", "t", "--warm_up", "1"])
+    assert len(made) == servers
+    monkeypatch.setattr(vllm_backend, "VLLMBackend", Engine)
     (tmp_path / "no-weights").mkdir()
     with caplog.at_level(logging.WARNING, logger=vllm_server.logger.name):
         assert vllm_server.serve(["--model", str(tmp_path / "no-weights"), "--token", "t", "--warm_up", "2"]) == 0

@@ -7,11 +7,14 @@ a change to a file the benchmark never ran from a change to one it did (bench/ru
 
 Why an audit hook: the "exec" event fires when a module's body (or a script run as __main__) executes, with
 the code's file name, so each file is recorded as it loads, and a process killed later keeps its record.
-The "subprocess.Popen" event sees every child a traced process starts. A Python child that will not load
-this file (started with -I, -E or -S, or given an environment without TOOLKIT_BENCH_TRACE) is written to the
-trace as UNTRACED, and run_all then judges the row on every file (it fails closed); the one exception is
-`python -I -S script.py`, which can run only its script and the standard library, so the script is recorded.
-Files of the interpreter and its site-packages are not recorded (they are not the repository's code).
+The "subprocess.Popen", "os.exec", "os.posix_spawn" and "os.spawn" events see the children a traced process
+starts. A child that will not load this file, or may not, is written to the trace as UNTRACED, and run_all
+then judges the row on every file (it fails closed): a Python child started with -I, -E or -S; one whose
+environment (given, or inherited) lacks TOOLKIT_BENCH_TRACE or does not put this folder on PYTHONPATH; and
+any child started through a shell or `env`, whose command line cannot be read. multiprocessing's spawn
+children inherit the environment and load this file themselves. Files of the interpreter and its
+site-packages are not recorded, except files of a `toolkit` or `toolkit_*` package installed there: run_all
+refuses a trace holding one (the library would have run from a copy outside any checkout).
 The cost: one Python call per audit event, about 14 000 events a second in a GRPO test run.
 """
 
@@ -20,6 +23,8 @@ import sys
 
 _TRACE = os.environ.get("TOOLKIT_BENCH_TRACE")
 _PYTHONS = ("python", "torchrun", "accelerate", "toolkit", "vllm", "pytest")
+_SHELLS = ("sh", "bash", "dash", "zsh", "env")
+_HERE = os.path.dirname(os.path.realpath(__file__))
 
 
 def _python_flags(argv: list[str]) -> set[str]:
@@ -34,6 +39,17 @@ def _python_flags(argv: list[str]) -> set[str]:
         elif arg[1] not in "WX":
             flags.update(arg[1:])
     return flags
+
+
+def _ours(path: str) -> bool:
+    """A file of a toolkit or toolkit_* package, wherever it is installed."""
+    return any(part == "toolkit" or part.startswith("toolkit_") for part in path.split(os.sep)[:-1])
+
+
+def _keeps_tracer(env) -> bool:
+    """Whether a child with this environment loads this file into the same trace."""
+    entries = [os.path.realpath(p or os.curdir) for p in (env.get("PYTHONPATH") or "").split(os.pathsep)]
+    return env.get("TOOLKIT_BENCH_TRACE") == _TRACE and _HERE in entries
 
 
 def _install(trace: str) -> None:
@@ -53,30 +69,32 @@ def _install(trace: str) -> None:
         if not path.endswith(".py"):
             return
         path = os.path.abspath(os.path.join(cwd, path) if cwd else path)
-        if path in seen or "site-packages" in path or path.startswith(skip):
+        if path in seen or (("site-packages" in path or path.startswith(skip)) and not _ours(path)):
             return
         if write(path):
             seen.add(path)
 
-    def child(args: tuple) -> None:
-        _, argv, cwd, env = args
-        argv = [os.fspath(a) for a in (argv if isinstance(argv, (list, tuple)) else [argv])
-                if isinstance(a, (str, os.PathLike))]
-        if not argv or not any(n in os.path.basename(argv[0]) for n in _PYTHONS):
-            return  # git, a shell tool: not Python
-        flags = _python_flags(argv)
-        scripts = [a for a in argv[1:] if a.endswith(".py")]
-        if {"I", "S"} <= flags:  # isolated and no site: only the script and the standard library can run
-            for script in scripts:
-                record(script, os.fspath(cwd) if cwd else None)
-        elif flags & {"I", "E", "S"} or (env is not None and "TOOLKIT_BENCH_TRACE" not in env):
+    def child(argv, env) -> None:
+        argv = [os.fsdecode(a) for a in (argv if isinstance(argv, (list, tuple)) else [argv])
+                if isinstance(a, (str, bytes, os.PathLike))]
+        name = os.path.basename(argv[0]) if argv else ""
+        if name in _SHELLS:
+            write("UNTRACED (through a shell or env) " + " ".join(argv)[:500])
+            return
+        if not any(n in name for n in _PYTHONS):
+            return  # git, a compiler, a tool: not Python
+        if _python_flags(argv) & {"I", "E", "S"} or not _keeps_tracer(os.environ if env is None else env):
             write("UNTRACED " + " ".join(argv)[:500])
 
     def hook(event: str, args: tuple) -> None:
         if event == "exec":
             record(getattr(args[0], "co_filename", "") or "")
-        elif event == "subprocess.Popen":
-            child(args)
+        elif event == "subprocess.Popen":  # (executable, args, cwd, env)
+            child(args[1], args[3])
+        elif event in ("os.exec", "os.posix_spawn"):  # (path, args, env)
+            child(args[1], args[2])
+        elif event == "os.spawn":  # (mode, path, args, env)
+            child(args[2], args[3])
 
     sys.addaudithook(hook)
     write(f"PROCESS {os.getpid()}")  # the hook runs here: a trace without any such line was not taken
@@ -87,8 +105,7 @@ def _chain() -> None:
     import importlib.machinery
     import importlib.util
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    path = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is not None and spec.loader is not None:
         module = importlib.util.module_from_spec(spec)
