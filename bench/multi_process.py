@@ -117,7 +117,9 @@ def main() -> None:
         result = worker(args.worker, args.steps)
         if result is not None:
             print("RESULT " + json.dumps(result), flush=True)
-        return
+        from toolkit.core.distributed import exit_process
+
+        exit_process(0)  # a rank can abort in interpreter teardown after finishing (see exit_process)
     results = []
     for kind in ("sft", "grpo"):
         for world in (1, 2):

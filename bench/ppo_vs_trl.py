@@ -112,7 +112,9 @@ def main() -> None:
     results = run_each(__file__, ("toolkit", "toolkit-separate", "trl"), args.steps,
                        lambda r: f"{r['sec_per_update']:.1f} s/update, peak RSS {r['peak_rss_mb']:.0f} MB, "
                                  f"{r['generated_tokens']} generated tokens",
-                       env_for={"trl": {"PYTHONPATH": str(trl18), "TRL_EXPERIMENTAL_SILENCE": "1"}})
+                       # prepended, not replacing: run_all's tracer and the checkout stay on the path
+                       env_for={"trl": {"PYTHONPATH": os.pathsep.join(p for p in (str(trl18), os.environ.get(
+                           "PYTHONPATH")) if p), "TRL_EXPERIMENTAL_SILENCE": "1"}})
     t = results["trl"]
     s = SETTINGS
     print(f"\nPPO, SmolLM2-135M-Instruct policy and reward model; {s['rollout']} completions per update, "

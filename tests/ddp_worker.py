@@ -15,6 +15,7 @@ import torch
 
 from toolkit import (AsyncGRPOConfig, AsyncGRPOTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig,
                      PPOTrainer, SFTConfig, SFTTrainer)
+from toolkit.core.distributed import exit_process
 from toolkit.core.generation import TransformersBackend
 from toolkit.core.hookspecs import hookimpl
 from toolkit.core.plugins import registry
@@ -271,18 +272,6 @@ def main(out_dir: str, world: int, cases: list[str]) -> None:
     (Path(out_dir) / "result.json").write_text(json.dumps(results))
 
 
-def leave_process_group() -> None:
-    """Destroy the process group before the interpreter exits (as toolkit's CLI does): left to teardown, a rank's
-    gloo threads can be destroyed while joinable and the rank aborts ("terminate called without an active
-    exception", SIGABRT) after it finished, which torchrun reports as a failure. Seen in CI in fsdp_head_worker.
-    That was not always enough there (on a 2-core AMD EPYC it still aborted 1 run in 3), so fsdp_head_worker
-    also leaves with os._exit(0); this worker has not been seen to abort."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))
-    finally:
-        leave_process_group()
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))
+    exit_process(0)  # not the interpreter's teardown, where a rank can abort after finishing (see exit_process)

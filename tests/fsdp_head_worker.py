@@ -9,6 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from toolkit.core.distributed import exit_process
 from toolkit.core.models import output_head
 from toolkit.core.numerics import chunked_token_logps
 from toolkit.testing import tiny_model
@@ -56,17 +57,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1])
-    finally:
-        if dist.is_initialized():
-            dist.barrier()  # rank 0 may still be saving
-            # before interpreter teardown, which can destroy gloo's threads while joinable: SIGABRT after a run
-            # that finished ("terminate called without an active exception"), seen once in CI
-            dist.destroy_process_group()
-    # Finished (an exception above propagates and never gets here): leave without the interpreter's teardown.
-    # destroy_process_group was not enough: on a 2-core AMD EPYC a rank still aborted after a run that finished
-    # (SIGABRT, "terminate called without an active exception"): in CI, and in 1 of 3 runs of the test alone.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    main(sys.argv[1])
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 may still be saving
+    exit_process(0)  # not the interpreter's teardown, where a rank can abort after finishing (see exit_process)

@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from toolkit.core.distributed import exit_process
 from toolkit.core.generation import SamplingParams, TransformersBackend
 from toolkit.testing import tiny_model, tiny_tokenizer
 
@@ -62,9 +63,7 @@ def main(out_file: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1])
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()  # before interpreter teardown (see ddp_worker.leave_process_group)
+    main(sys.argv[1])
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 may still be writing
+    exit_process(0)  # not the interpreter's teardown, where a rank can abort after finishing (see exit_process)

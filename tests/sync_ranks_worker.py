@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 
+from toolkit.core.distributed import exit_process
 from toolkit.core.errors import ToolkitError
 from toolkit.core.vllm_backend import VLLMServerBackend, changing_groups, engine_weights
 from toolkit.testing import tiny_model
@@ -39,9 +40,7 @@ def main(url: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], sys.argv[2])
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+    main(sys.argv[1], sys.argv[2])
+    if dist.is_initialized():
+        dist.barrier()
+    exit_process(0)  # not the interpreter's teardown, where a rank can abort after finishing (see exit_process)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from toolkit import GRPOConfig, GRPOTrainer, embedded_model_path
+from toolkit.core.distributed import exit_process
 from toolkit.core.tasks import arithmetic
 
 
@@ -36,3 +37,4 @@ def main(out_dir: str, url: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_process(0)  # not the interpreter's teardown, where a rank can abort after finishing (see exit_process)

@@ -8,11 +8,12 @@ commands only.
 
 from __future__ import annotations
 
-__all__ = ["EXPERIMENTAL_COMMANDS", "main"]
+__all__ = ["EXPERIMENTAL_COMMANDS", "main", "script"]
 
 from typing import Any
 
 from toolkit.core.cli import main as core_main
+from toolkit.core.distributed import exit_process
 
 
 def _reward(argv: list[str]) -> int:
@@ -60,5 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     return core_main(argv, extra_commands=EXPERIMENTAL_COMMANDS)
 
 
+def script() -> None:
+    """The `toolkit` console script: main(), then exit_process (under torchrun a rank that ran to the end must
+    not abort in interpreter teardown and fail the job; toolkit.core.distributed.exit_process says why)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    script()

@@ -38,7 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunArgs, build_configs, describe_fields, load_run_file, parse_overrides
-from .distributed import is_main_process, quiet_other_ranks, warn_if_fewer_processes_than_asked
+from .distributed import (
+    exit_process,
+    is_main_process,
+    leave_process_group,
+    quiet_other_ranks,
+    warn_if_fewer_processes_than_asked,
+)
 from .errors import ConfigError, ToolkitError
 from .model_card import write_model_card
 
@@ -374,20 +380,7 @@ def main(argv: list[str] | None = None, extra_commands: dict[str, Any] | None = 
         print(f"error: {type(e).__name__}: {e}\n(run again with --debug for the traceback)", file=sys.stderr)
         return 1
     finally:
-        _leave_process_group()
-
-
-def _leave_process_group() -> None:
-    """Under torchrun: destroy the process group before the interpreter exits. Left to interpreter teardown, a
-    rank's communication threads can be destroyed while joinable, and that rank aborts ("terminate called
-    without an active exception", SIGABRT) after a run that finished; the launcher then reports a failure."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # noqa: BLE001 (leaving is best effort; the run's result is already decided)
-            logging.getLogger(__name__).debug("destroy_process_group: %s", e)
+        leave_process_group()
 
 
 def _pipeline(argv: list[str]) -> int:
@@ -453,4 +446,4 @@ def _model_path(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: see exit_process (a rank can abort in interpreter teardown)

@@ -12,22 +12,30 @@ from __future__ import annotations
 __all__ = [
     "env_rank",
     "env_world_size",
+    "exit_process",
     "is_main_process",
+    "leave_process_group",
     "quiet_other_ranks",
     "refuse_multiprocess",
     "refuse_sharding",
-    "warn_if_sharding_ignored",
     "requested_processes",
     "warn_if_fewer_processes_than_asked",
+    "warn_if_sharding_ignored",
 ]
 
+import atexit
 import logging
 import os
+import sys
+import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+_left_a_group = False  # set by leave_process_group: exit_process must know even after the group is gone
 
 
 def env_world_size() -> int:
@@ -55,6 +63,50 @@ def quiet_other_ranks() -> None:
     logging.getLogger().setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         handler.setFormatter(logging.Formatter(f"[rank {env_rank()}] %(levelname)s %(name)s: %(message)s"))
+
+
+def leave_process_group() -> bool:
+    """Destroy this process's default process group if it has one (best effort: the run's result is already
+    decided when this is called). Returns whether there was one to leave."""
+    global _left_a_group
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    _left_a_group = True
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001
+        logger.debug("destroy_process_group: %s", e)
+    return True
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End this process with exit status `code`; for the last line of a script run under torchrun.
+
+    A process that was one of several (a process group, or WORLD_SIZE > 1) leaves its group, then does what the
+    interpreter's exit would do that matters to a run (threading's exit hooks and non-daemon threads, atexit
+    handlers, logging and stdout/stderr flushed) and ends with os._exit, skipping interpreter finalization.
+    Why: a communication thread can still be releasing a finished collective (a gloo AsyncBarrierWork holding the
+    AsyncAllgatherWork before it, with tensors Python owns) when the main thread starts finalizing; it then takes
+    the GIL, CPython ends the thread with pthread_exit, the unwind crosses a C++ noexcept frame and the rank aborts
+    (SIGABRT, "terminate called without an active exception") after a run that finished, and torchrun reports
+    the job failed. destroy_process_group does not prevent it when something still holds the group (FSDP2's
+    DeviceMesh, kept by DTensor's caches, does): the group's threads are not joined. Core dump from a CI run of
+    tests/lockstep_worker.py; about 1 run in 25 on a 2-core machine. Any other process exits with sys.exit."""
+    if not (leave_process_group() or _left_a_group or env_world_size() > 1):
+        sys.exit(code)
+    shutdown = getattr(threading, "_shutdown", None)  # runs threading's exit hooks (thread pools), then joins
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced by something without flush
+            pass
+    os._exit(code)
 
 
 def refuse_multiprocess(trainer: str, reason: str) -> None:
