@@ -15,7 +15,7 @@ import torch
 
 from toolkit import (AsyncGRPOConfig, AsyncGRPOTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig,
                      PPOTrainer, SFTConfig, SFTTrainer)
-from toolkit.core.distributed import exit_process
+from toolkit.core.distributed import exit_process, leave_process_group
 from toolkit.core.generation import TransformersBackend
 from toolkit.core.hookspecs import hookimpl
 from toolkit.core.plugins import registry
@@ -273,5 +273,9 @@ def main(out_dir: str, world: int, cases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))
+    try:
+        main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))
+    except BaseException:
+        leave_process_group()  # a failing rank still leaves before teardown; its traceback is what matters
+        raise
     exit_process(0)  # not the interpreter's teardown, where a rank can abort after finishing (see exit_process)

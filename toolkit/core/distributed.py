@@ -81,31 +81,52 @@ def leave_process_group() -> bool:
     return True
 
 
-def exit_process(code: int = 0) -> NoReturn:
-    """End this process with exit status `code`; for the last line of a script run under torchrun.
+def exit_process(code: int | None = 0) -> NoReturn:
+    """End this process with exit status `code` (None is 0); the last statement of a script run under torchrun,
+    outside any `with` or `try` (os._exit runs no `finally`). Call it from the main thread.
 
-    A process that was one of several (a process group, or WORLD_SIZE > 1) leaves its group, then does what the
-    interpreter's exit would do that matters to a run (threading's exit hooks and non-daemon threads, atexit
-    handlers, logging and stdout/stderr flushed) and ends with os._exit, skipping interpreter finalization.
-    Why: a communication thread can still be releasing a finished collective (a gloo AsyncBarrierWork holding the
-    AsyncAllgatherWork before it, with tensors Python owns) when the main thread starts finalizing; it then takes
-    the GIL, CPython ends the thread with pthread_exit, the unwind crosses a C++ noexcept frame and the rank aborts
-    (SIGABRT, "terminate called without an active exception") after a run that finished, and torchrun reports
-    the job failed. destroy_process_group does not prevent it when something still holds the group (FSDP2's
-    DeviceMesh, kept by DTensor's caches, does): the group's threads are not joined. Core dump from a CI run of
-    tests/lockstep_worker.py; about 1 run in 25 on a 2-core machine. Any other process exits with sys.exit."""
-    if not (leave_process_group() or _left_a_group or env_world_size() > 1):
+    A process that joined a process group (or that torchrun started as one of several, with torch.distributed
+    imported) ends without interpreter finalization: it runs what CPython's exit runs first, in the same order
+    (threading's exit hooks, such as thread pools', and the join of non-daemon threads; then atexit handlers,
+    logging's among them), leaves the process group, flushes Python's standard streams and C stdio, and calls
+    os._exit. Files a script left open and unflushed are not flushed: close them (a `with` block) before this.
+    Why: a communication thread can still be releasing a finished collective (a gloo AsyncBarrierWork holding
+    the AsyncAllgatherWork before it, with tensors Python owns) when the main thread starts finalizing; it then
+    takes the GIL, CPython ends the thread with pthread_exit, the unwind crosses a C++ noexcept frame and the
+    rank aborts (SIGABRT, "terminate called without an active exception") after a run that finished, and
+    torchrun reports the job failed. destroy_process_group does not prevent it while something still holds the
+    group (FSDP2's DeviceMesh, kept by DTensor's caches, does): the group's threads are not joined. Seen in CI
+    (core dump of tests/lockstep_worker.py). Any other process, and an interactive one, exits with sys.exit."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("exit_process: call it from the main thread (from another thread it cannot end the "
+                           "process the way the interpreter's exit does).")
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # what sys.exit does with a message: print it, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    dist = sys.modules.get("torch.distributed")
+    joined = _left_a_group or (dist is not None and dist.is_available() and dist.is_initialized())
+    launched = dist is not None and env_world_size() > 1
+    if not (joined or launched) or sys.flags.interactive or hasattr(sys, "ps1"):
         sys.exit(code)
-    shutdown = getattr(threading, "_shutdown", None)  # runs threading's exit hooks (thread pools), then joins
+    shutdown = getattr(threading, "_shutdown", None)  # threading's exit hooks (thread pools), then the joins
     if shutdown is not None:
         shutdown()
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
+    atexit._run_exitfuncs()  # logging.shutdown is one of them
+    leave_process_group()  # after: an exit hook or thread may still need the group, as at a normal exit
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):  # closed or replaced by something without flush
+            if stream is not None:
+                stream.flush()
+        except Exception:  # noqa: BLE001 (closed, or replaced by something that cannot flush: nothing to save)
             pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # C and C++ libraries' buffered stdout
+    except Exception:  # noqa: BLE001
+        pass
     os._exit(code)
 
 
