@@ -6,6 +6,9 @@ uploads to the real vLLM engine (CI stage 4).
 
 import json
 import struct
+import subprocess
+import sys
+import threading
 import urllib.error
 import urllib.request
 
@@ -590,6 +593,9 @@ def test_serve_warms_up_by_default_only_on_a_cpu_build_and_skips_an_unreadable_c
         def serve_forever(self):
             raise KeyboardInterrupt
 
+        def shutdown(self):
+            raise AssertionError("serve_forever has stopped: nothing to shut down")
+
         def server_close(self):
             made[-1].loader.shutdown()
 
@@ -598,16 +604,25 @@ def test_serve_warms_up_by_default_only_on_a_cpu_build_and_skips_an_unreadable_c
         made[-1].history_at_listen = list(getattr(backend, "history", []))
         return Stopped()
 
+    kept = []  # serve() would set this process's malloc options: recorded instead (the test below sets them)
+    monkeypatch.setattr(vllm_server, "_keep_freed_memory", lambda: kept.append(1) or True)
     monkeypatch.setattr(vllm_backend, "VLLMBackend", Engine)
     monkeypatch.setattr(vllm_server, "make_server", make_server)
     tiny_model(seed=0).save_pretrained(tmp_path / "model")
     full = (len(_checkpoint_weights(str(tmp_path / "model"))), False)  # every weight, not partial
-    for cpu, flags, rounds in ((True, [], 2), (False, [], 0), (False, ["--warm_up", "1"], 1), (True, ["--warm_up", "0"], 0)):
+    for cpu, flags, rounds, keeps in ((True, [], 2, True), (False, [], 0, False), (False, ["--warm_up", "1"], 1, False),
+                                      (True, ["--warm_up", "0"], 0, True),
+                                      (True, ["--release_freed_memory"], 2, False)):
         monkeypatch.setattr(vllm_server, "_cpu_build", lambda cpu=cpu: cpu)
+        calls = len(kept)
         assert vllm_server.serve(["--model", str(tmp_path / "model"), "--token", "t", *flags]) == 0
         assert getattr(engines[-1], "history", []) == [full] * rounds, (cpu, flags)
         assert made[-1].history_at_listen == [full] * rounds  # warmed before it listens
         assert engines[-1].weights_version == 0 and made[-1].backend is engines[-1]
+        # a CPU build keeps freed memory and reloads on the main thread (the warm-up's included), unless told not to
+        assert (len(kept) > calls) is keeps, (cpu, flags)
+        assert isinstance(made[-1].loader, vllm_server._MainThreadLoader) is keeps
+        assert all(t is threading.main_thread() for t in getattr(engines[-1], "threads", [])) or not keeps
 
     class Failing(Engine):
         def load_weights(self, weights, *, partial=False):
@@ -624,3 +639,66 @@ def test_serve_warms_up_by_default_only_on_a_cpu_build_and_skips_an_unreadable_c
         assert vllm_server.serve(["--model", str(tmp_path / "no-weights"), "--token", "t", "--warm_up", "2"]) == 0
     assert "warm-up skipped (FileNotFoundError: no model.safetensors" in caplog.text
     assert not hasattr(engines[-1], "history")  # served unwarmed
+
+
+def test_the_main_thread_loader_runs_other_threads_loads_on_the_main_thread_and_refuses_leftovers():
+    """`toolkit vllm-serve` on a CPU build: request threads queue their loads, the main thread runs them (glibc's
+    main arena is the one whose freed memory is kept), an error reaches the request that asked, and loads still
+    queued when the server closes are refused rather than left waiting."""
+    from toolkit.core.vllm_server import _MainThreadLoader
+
+    loader = _MainThreadLoader()
+    assert loader.submit(threading.current_thread).result(timeout=1) is threading.main_thread()  # the warm-up: at once
+    seen = {}
+
+    def request_threads():  # what the HTTP server's threads do (serve(): loader.run while it serves)
+        seen["ran_on"] = loader.submit(threading.current_thread).result(timeout=30)
+        failing = loader.submit(int, "not a number")
+        seen["error"] = failing.exception(timeout=30)
+
+    serving = threading.Thread(target=request_threads)
+    serving.start()
+    loader.run(serving)  # returns once the serving thread has ended
+    assert seen["ran_on"] is threading.main_thread()
+    assert isinstance(seen["error"], ValueError)
+    left = []
+    late = threading.Thread(target=lambda: left.append(loader.submit(threading.current_thread)))
+    late.start()
+    late.join()
+    loader.shutdown()
+    with pytest.raises(RuntimeError, match="shutting down"):
+        left[0].result(timeout=1)
+
+
+_CYCLES = """
+import resource, sys, torch
+if sys.argv[1] == "keep":
+    from toolkit.core.vllm_server import _keep_freed_memory
+    assert _keep_freed_memory()
+faults = []
+for _ in range(5):  # a reload's allocations on the main thread: many layer-sized blocks and one embedding-sized
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [torch.ones(576, 1536) for _ in range(40)] + [torch.ones(49152, 576)]
+    del blocks
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or __import__("platform").libc_ver()[0] != "glibc",
+                    reason="glibc's allocator options")
+def test_kept_freed_memory_is_reused_without_page_faults_where_the_default_faults_it_in_again():
+    """The invariant the server's steadier reloads rest on: after `_keep_freed_memory`, blocks the main thread
+    frees (the 113 MB embedding included, which glibc would otherwise map and unmap each time) are reused by
+    the next allocations of the same sizes without the kernel faulting fresh pages in. Each in a process of its
+    own: the options are process-wide."""
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", _CYCLES, mode], capture_output=True, text=True, timeout=300,
+                             check=False)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    pages = (40 * 576 * 1536 + 49152 * 576) * 4 // 4096  # one cycle's blocks, in 4 KiB pages
+    default, kept = faults("default"), faults("keep")
+    assert default[-1] > pages // 5, default  # glibc's default maps the embedding afresh every time
+    assert kept[-1] < pages // 100, kept  # kept: the last cycles fault (almost) nothing in

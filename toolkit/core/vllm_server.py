@@ -21,8 +21,10 @@ is up and warmed: on a CPU build of vLLM the first reloads of the weights cost s
 (measured 4.4, 1.3, 1.8 s before 0.6-0.7 s for the 135M model: the engine's reload allocates and repacks every
 layer, and the process's memory settles over the first rounds), so before it listens the server pushes the
 checkpoint's own weights through the upload path `--warm_up` times (default 2 on a CPU build, 0 on a GPU); a
-trainer's first syncs then cost less (the first upload's 2 s of buffer allocation is gone; the engine's first
-reload of a real upload can still pass 1 s). A checkpoint whose weights cannot be read (no model.safetensors
+trainer's first syncs then cost less (the first upload's 2 s of buffer allocation is gone). On a CPU build the
+server also keeps the memory a reload frees for the next one (glibc's allocator, `_keep_freed_memory`; the reloads
+run on the main thread, where that applies): a reload then faults no fresh pages in, which is what made some
+reloads take twice the usual time (`--release_freed_memory` to not). A checkpoint whose weights cannot be read (no model.safetensors
 or index) skips the warm-up with a warning; an engine error during the warm-up stops the server (the reload
 may have left the engine half-loaded).
 
@@ -81,16 +83,18 @@ class _Uploads:
     """Weight uploads: one at a time, read into one reused buffer, loaded on one long-lived thread.
 
     A fresh 500 MB buffer per upload cost its page faults every step (up to a second for 135M fp32 parameters);
-    the engine copies the weights out before the buffer is reused. The loads run on one thread of their own
-    rather than on each request's thread (ThreadingHTTPServer starts one per request), so the warm-up's
-    reloads and every later one run where the engine's per-thread state (malloc arena, oneDNN and OpenMP
-    state) is the same: a precaution, not measured on its own (the measured gain is the warm-up's)."""
+    the engine copies the weights out before the buffer is reused. The loads run on one thread rather than on
+    each request's thread (ThreadingHTTPServer starts one per request), so the warm-up's reloads and every
+    later one run where the engine's per-thread state (malloc arena, oneDNN and OpenMP state) is the same:
+    a thread of their own (`loader` None), or `toolkit vllm-serve`'s main thread (a `_MainThreadLoader`, where
+    glibc keeps the memory a reload frees for the next one: see `_keep_freed_memory`)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, loader=None):
         self.backend = backend
         self.lock = threading.Lock()
         self.buffer = bytearray()
-        self.loader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkit-vllm-load")
+        self.loader = loader if loader is not None else concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="toolkit-vllm-load")
 
     def view(self, length: int) -> memoryview:
         """The first `length` bytes of the buffer (grown to fit, with 1 MiB to spare: the same weights in another
@@ -114,6 +118,81 @@ class _Uploads:
         self.loader.submit(self.backend.load_weights, weights, partial=partial).result()
         del weights  # views of the buffer: none outlives the upload
         return {"parse_s": round(parsed - started, 4), "load_s": round(time.perf_counter() - parsed, 4)}
+
+
+class _MainThreadLoader:
+    """The loader of `toolkit vllm-serve` on a CPU build: the engine's reloads run on the process's main thread
+    (`run`, while the HTTP server answers from threads of its own). glibc serves the main thread from its main
+    arena, the one `_keep_freed_memory` can make keep freed memory; another thread may be handed one of the
+    other arenas, whose memory glibc maps and unmaps per block (measured: a loader thread of its own got the
+    main arena in one of three runs, and re-faulted every reload's 110k pages in the other two). submit() from
+    the main thread itself (the warm-up, before the port opens) runs at once."""
+
+    def __init__(self):
+        import queue
+
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if threading.current_thread() is threading.main_thread():
+            self._run(future, fn, args, kwargs)
+        else:
+            self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    @staticmethod
+    def _run(future, fn, args, kwargs) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - the request's thread raises it (a 500), the loop goes on
+            future.set_exception(e)
+
+    def run(self, serving: threading.Thread) -> None:
+        """Run queued loads on this (the main) thread for as long as `serving` (the HTTP server's thread) lives."""
+        import queue
+
+        while serving.is_alive():
+            try:
+                job = self._jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._run(*job)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Refuse what is still queued (the server is closing): its requests get an error, not a hang."""
+        import queue
+
+        while True:
+            try:
+                future, *_ = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the server is shutting down"))
+
+
+def _keep_freed_memory() -> bool:
+    """glibc only: keep the memory the main thread frees for its next allocations instead of handing it back to
+    the kernel (no mmap for blocks under 1 GiB, no trimming of the heap under 2 GiB free). Whether it was set.
+
+    Why: a CPU build of vLLM rebuilds every layer on a weight reload (fresh tensors, repacked for oneDNN) and
+    frees the old ones. With glibc's defaults every reload of the 135M model faulted ~110k fresh pages in, and
+    the kernel's share of a reload varied from 0.2 to 0.7 s of system time: the reloads over the usual 0.38 s
+    (up to 0.95 s) were those. Kept, the reloads reuse the freed blocks: no page faults from about the third
+    reload on, 0.31-0.33 s each (measured on a 2-core Intel Xeon, docs/vllm.md). The process keeps up to one
+    model's worth of freed memory between reloads (its peak, old and new weights during a reload, is as before).
+    Process-wide: only for the process that runs the server."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+    return bool(mallopt(M_MMAP_THRESHOLD, 1 << 30) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def _warm_up(uploads: _Uploads, weights: list, rounds: int) -> list[float]:
@@ -340,6 +419,9 @@ def serve(argv: list[str]) -> int:
                                                    "else a random one, printed)")
     ap.add_argument("--max_request_mib", type=int, default=16, help="largest /generate body")
     ap.add_argument("--max_upload_gib", type=int, default=64, help="largest /update_weights body")
+    ap.add_argument("--release_freed_memory", action="store_true",
+                    help="on a CPU build, leave glibc's allocator at its defaults (by default the server keeps the "
+                         "memory a weight reload frees for the next reload, and reloads on its main thread)")
     ap.add_argument("--warm_up", type=int, default=None,
                     help="push the starting weights through the upload path this many times before READY "
                          "(default: 2 on a CPU build of vLLM, whose first reloads are slow; 0 on a GPU)")
@@ -354,12 +436,19 @@ def serve(argv: list[str]) -> int:
     from .vllm_backend import VLLMBackend
 
     path = str(resolve_model_path(args.model))
+    cpu = _cpu_build()
+    # before the engine exists: its first weights are then freed into the kept heap by the first reload
+    kept = cpu and not args.release_freed_memory and _keep_freed_memory()
     backend = VLLMBackend(path, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=args.kv_cache_gib,
                           dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                           enforce_eager=not args.no_enforce_eager)
     # warmed before the port listens: a client's /health then finds nothing rather than a socket nobody answers
-    uploads = _Uploads(backend)
-    rounds = args.warm_up if args.warm_up is not None else (2 if _cpu_build() else 0)
+    if kept:
+        logger.info("weight reloads run on the main thread, and the memory they free is kept for the next one "
+                    "(--release_freed_memory to not).")
+    loader = _MainThreadLoader() if kept else None
+    uploads = _Uploads(backend, loader)
+    rounds = args.warm_up if args.warm_up is not None else (2 if cpu else 0)
     weights = []
     if rounds:
         try:
@@ -377,7 +466,26 @@ def serve(argv: list[str]) -> int:
     print(f"TOKEN {token}", flush=True)
     print(f"READY {url}", flush=True)
     try:
-        server.serve_forever()
+        if loader is None:
+            server.serve_forever()
+        else:  # the HTTP server answers from a thread, the reloads run here (the main thread: _MainThreadLoader)
+            failed = []
+
+            def answer():
+                try:
+                    server.serve_forever()
+                except BaseException as e:  # noqa: BLE001 - raised below, on the main thread
+                    failed.append(e)
+
+            serving = threading.Thread(target=answer, name="toolkit-vllm-http", daemon=True)
+            serving.start()
+            try:
+                loader.run(serving)
+            finally:
+                if serving.is_alive():
+                    server.shutdown()
+            if failed:
+                raise failed[0]
     except KeyboardInterrupt:
         pass
     finally:
