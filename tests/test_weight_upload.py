@@ -670,6 +670,72 @@ def test_the_main_thread_loader_runs_other_threads_loads_on_the_main_thread_and_
         left[0].result(timeout=1)
 
 
+def test_ctrl_c_during_a_main_thread_reload_stops_the_loop_and_tells_the_request():
+    """Ctrl-C lands on the main thread, which may be running a reload: the server must stop (the interrupt goes
+    on) and the request that asked must get an error, not the KeyboardInterrupt and not a hang."""
+    from toolkit.core.vllm_server import _MainThreadLoader
+
+    loader = _MainThreadLoader()
+    seen = {}
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def request_thread():
+        seen["error"] = loader.submit(interrupted).exception(timeout=30)
+
+    serving = threading.Thread(target=request_thread)
+    serving.start()
+    with pytest.raises(KeyboardInterrupt):
+        loader.run(serving)
+    serving.join(timeout=30)
+    assert isinstance(seen["error"], RuntimeError) and "interrupted during the reload" in str(seen["error"])
+
+
+def test_closing_the_server_refuses_a_load_no_loop_will_run_instead_of_hanging():
+    """The real HTTP server with the main-thread loader whose loop has stopped (Ctrl-C): an upload already
+    queued is refused when the server closes, so its client gets a 500 naming the shutdown instead of waiting
+    for ever on a loop that will not run it; a later load is refused at once."""
+    import time
+
+    from toolkit.core.vllm_server import _MainThreadLoader, _Uploads
+
+    engine = Recorder()
+    loader = _MainThreadLoader()
+    server = make_server(engine, "127.0.0.1", 0, "", token="t", uploads=_Uploads(engine, loader))
+    http = threading.Thread(target=server.serve_forever, daemon=True)
+    http.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    chunks, _ = safetensors_stream(weights())
+    got = []
+    client = threading.Thread(target=lambda: got.append(_post(url, "t", b"".join(bytes(c) for c in chunks))))
+    client.start()
+    deadline = time.monotonic() + 30
+    while not loader._waiting and time.monotonic() < deadline:  # the upload has been read and its load queued
+        time.sleep(0.01)
+    assert loader._waiting, "the upload never reached the loader"
+    server.shutdown()
+    closing = threading.Thread(target=server.server_close, daemon=True)
+    closing.start()
+    closing.join(timeout=30)
+    assert not closing.is_alive(), "server_close hung"
+    client.join(timeout=30)
+    assert got and got[0][0] == 500 and "shutting down" in got[0][1]["error"], got
+    assert not hasattr(engine, "history")  # nothing reached the engine
+    late = []
+
+    def submit_late():  # from a request's thread (from the main thread a submit runs at once)
+        try:
+            loader.submit(int, "1")
+        except RuntimeError as e:
+            late.append(e)
+
+    t = threading.Thread(target=submit_late)
+    t.start()
+    t.join(timeout=30)
+    assert late and "shutting down" in str(late[0])  # refused at once, not queued for a loop that has stopped
+
+
 _CYCLES = """
 import resource, sys, torch
 if sys.argv[1] == "keep":
@@ -685,8 +751,17 @@ print(faults)
 """
 
 
+def _thp_always() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or __import__("platform").libc_ver()[0] != "glibc",
                     reason="glibc's allocator options")
+@pytest.mark.skipif(_thp_always(), reason="transparent huge pages always on: faults are counted in 2 MiB pages")
 def test_kept_freed_memory_is_reused_without_page_faults_where_the_default_faults_it_in_again():
     """The invariant the server's steadier reloads rest on: after `_keep_freed_memory`, blocks the main thread
     frees (the 113 MB embedding included, which glibc would otherwise map and unmap each time) are reused by

@@ -23,8 +23,9 @@ layer, and the process's memory settles over the first rounds), so before it lis
 checkpoint's own weights through the upload path `--warm_up` times (default 2 on a CPU build, 0 on a GPU); a
 trainer's first syncs then cost less (the first upload's 2 s of buffer allocation is gone). On a CPU build the
 server also keeps the memory a reload frees for the next one (glibc's allocator, `_keep_freed_memory`; the reloads
-run on the main thread, where that applies): a reload then faults no fresh pages in, which is what made some
-reloads take twice the usual time (`--release_freed_memory` to not). A checkpoint whose weights cannot be read (no model.safetensors
+run on the main thread, where that applies): after the first reloads a reload then faults (almost) no fresh pages
+in, which is what made some reloads take twice the usual time (`--release_freed_memory` leaves glibc's defaults
+and reloads on a thread of their own). A checkpoint whose weights cannot be read (no model.safetensors
 or index) skips the warm-up with a warning; an engine error during the warm-up stops the server (the reload
 may have left the engine half-loaded).
 
@@ -104,7 +105,7 @@ class _Uploads:
         return memoryview(self.buffer)[:length]
 
     def load(self, body: memoryview, partial: bool) -> dict:
-        """Parse `body` (views, no copy) and load it into the engine on the loader thread; the seconds of each
+        """Parse `body` (views, no copy) and load it into the engine on the loader's thread; the seconds of each
         (load_s includes waiting for a generation in progress: the engine does one thing at a time).
         _Malformed for a body that is not a safetensors file (nothing loaded). Call under `lock`."""
         from .vllm_backend import parse_safetensors
@@ -126,32 +127,53 @@ class _MainThreadLoader:
     arena, the one `_keep_freed_memory` can make keep freed memory; another thread may be handed one of the
     other arenas, whose memory glibc maps and unmaps per block (measured: a loader thread of its own got the
     main arena in one of three runs, and re-faulted every reload's 110k pages in the other two). submit() from
-    the main thread itself (the warm-up, before the port opens) runs at once."""
+    the main thread itself (the warm-up, before the port opens) runs at once. After shutdown() every load not
+    yet started is refused (its request gets an error): a request never waits on a loop that has stopped."""
 
     def __init__(self):
         import queue
 
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting: set[concurrent.futures.Future] = set()  # submitted, not finished (taken or not)
+        self._closed = False
 
     def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if threading.current_thread() is threading.main_thread():
             self._run(future, fn, args, kwargs)
-        else:
+            return future
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the server is shutting down: the weights were not loaded")
+            self._waiting.add(future)
             self._jobs.put((future, fn, args, kwargs))
         return future
 
-    @staticmethod
-    def _run(future, fn, args, kwargs) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
+    def _run(self, future, fn, args, kwargs) -> None:
         try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - the request's thread raises it (a 500), the loop goes on
-            future.set_exception(e)
+            try:
+                if not future.set_running_or_notify_cancel():
+                    return
+            except RuntimeError:  # already refused by shutdown()
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as e:  # the engine's error: the request's thread raises it (a 500), the loop goes on
+                future.set_exception(e)
+            except BaseException:  # Ctrl-C during a reload: the request is told, and the server stops
+                future.set_exception(RuntimeError("the server was interrupted during the reload; the engine may "
+                                                  "hold a partial update"))
+                raise
+            else:
+                future.set_result(result)
+        finally:
+            with self._lock:
+                self._waiting.discard(future)
 
     def run(self, serving: threading.Thread) -> None:
-        """Run queued loads on this (the main) thread for as long as `serving` (the HTTP server's thread) lives."""
+        """Run queued loads on this (the main) thread for as long as `serving` (the HTTP server's thread) lives.
+        A job taken but not run (an interrupt in between) stays in `_waiting`, so shutdown() refuses it."""
         import queue
 
         while serving.is_alive():
@@ -162,37 +184,53 @@ class _MainThreadLoader:
             self._run(*job)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Refuse what is still queued (the server is closing): its requests get an error, not a hang."""
-        import queue
-
-        while True:
+        """Refuse every load not yet started (the server is closing: `_Server.server_close` calls this; their
+        requests would otherwise wait for ever on a loop that has stopped) and any submitted later."""
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), set()
+        for future in waiting:
             try:
-                future, *_ = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError("the server is shutting down"))
+                claimed = future.set_running_or_notify_cancel()
+            except RuntimeError:  # running on the main thread right now: it finishes it
+                continue
+            if claimed:
+                future.set_exception(RuntimeError("the server is shutting down: the weights were not loaded"))
 
 
 def _keep_freed_memory() -> bool:
     """glibc only: keep the memory the main thread frees for its next allocations instead of handing it back to
-    the kernel (no mmap for blocks under 1 GiB, no trimming of the heap under 2 GiB free). Whether it was set.
+    the kernel (no mmap for blocks under 1 GiB, where this glibc allows it, else under 32 MiB; no trimming of the
+    heap's top under 2 GiB free). Whether it was set (a warning says why not).
 
     Why: a CPU build of vLLM rebuilds every layer on a weight reload (fresh tensors, repacked for oneDNN) and
     frees the old ones. With glibc's defaults every reload of the 135M model faulted ~110k fresh pages in, and
     the kernel's share of a reload varied from 0.2 to 0.7 s of system time: the reloads over the usual 0.38 s
-    (up to 0.95 s) were those. Kept, the reloads reuse the freed blocks: no page faults from about the third
-    reload on, 0.31-0.33 s each (measured on a 2-core Intel Xeon, docs/vllm.md). The process keeps up to one
-    model's worth of freed memory between reloads (its peak, old and new weights during a reload, is as before).
-    Process-wide: only for the process that runs the server."""
+    (up to 0.95 s) were those. Kept, the reloads reuse the freed blocks: (almost) no page faults after the first
+    reloads, 0.28-0.44 s each (measured on a 2-core Intel Xeon, docs/vllm.md). The process keeps up to one
+    model's worth of freed memory between reloads (its peak, old and new weights during a reload, is as before);
+    a model whose reload frees more than 2 GiB at the heap's top gets some of it trimmed and faulted in again.
+    Process-wide: only for the process that runs the server. Not with another allocator preloaded (tcmalloc,
+    jemalloc): glibc's options would not reach it."""
     import ctypes
 
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if "malloc" in preloaded:  # libtcmalloc, libjemalloc, libmimalloc: malloc is not glibc's
+        logger.info("LD_PRELOAD names another allocator (%s): glibc's options left alone.", preloaded)
+        return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-    return bool(mallopt(M_MMAP_THRESHOLD, 1 << 30) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    # glibc before 2.35 or so refuses thresholds over 32 MiB (HEAP_MAX_SIZE / 2 on 64-bit): the embedding of a
+    # large vocabulary is then mapped afresh each time, the layers still reuse their blocks
+    mapped = mallopt(M_MMAP_THRESHOLD, 1 << 30) or mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    trimmed = mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    if not (mapped and trimmed):
+        logger.warning("glibc refused its malloc options (mmap threshold set: %s, trim threshold set: %s); weight "
+                       "reloads may be slower and less steady.", bool(mapped), bool(trimmed))
+    return bool(mapped and trimmed)
 
 
 def _warm_up(uploads: _Uploads, weights: list, rounds: int) -> list[float]:
@@ -262,8 +300,10 @@ class _Server(ThreadingHTTPServer):
     uploads: _Uploads
 
     def server_close(self):
-        super().server_close()
+        # refuse the loads no loop will run: their requests answer (an error) instead of waiting for ever (the
+        # request threads are daemons, so nothing joins them: a waiting one would only hold its client)
         self.uploads.loader.shutdown(wait=False)
+        super().server_close()
 
 
 def make_server(backend, host: str, port: int, model_path: str, *, token: str, max_request_bytes: int = 16 * MIB,
@@ -438,7 +478,9 @@ def serve(argv: list[str]) -> int:
     path = str(resolve_model_path(args.model))
     cpu = _cpu_build()
     # before the engine exists: its first weights are then freed into the kept heap by the first reload
-    kept = cpu and not args.release_freed_memory and _keep_freed_memory()
+    # the main thread runs the reloads (below): serve() called from another thread (embedded) keeps a loader thread
+    kept = (cpu and not args.release_freed_memory and threading.current_thread() is threading.main_thread()
+            and _keep_freed_memory())
     backend = VLLMBackend(path, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=args.kv_cache_gib,
                           dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                           enforce_eager=not args.no_enforce_eager)
