@@ -87,6 +87,10 @@ BENCHES = [
     # the most; does the gap close when the runs have had time to flatten?
     Bench("async_staleness_60", "async_staleness.py", "long", 60, json_flag=False,
           args=["--steps", "60", "--seeds", "1,2,3", "--out", "async_staleness_60"]),
+    # the bounds 0 and 4 on seeds 1-6 with 512 held-out problems instead of 128: on 128, evaluation noise alone
+    # (about 6 points between two runs) is larger than the criterion's 5 points
+    Bench("async_staleness_512", "async_staleness_512.py", "long", 55, json_flag=False,
+          inputs=("bench/async_staleness.py",)),
     Bench("learning_vs_trl", "learning_vs_trl.py", "long", 25, json_flag=False, traced=False,
           args=["--minutes", "6", "--eval-every", "1.5"],
           needs=[("outputs/arithmetic/0-sft/final", "toolkit pipeline --config examples/arithmetic_pipeline.toml")],
@@ -529,6 +533,8 @@ def table_rows() -> list[list[str]]:
                        ("async_staleness_seeds_4_6", "held-out accuracy at max_staleness 4 against 0, seeds 4-6"),
                        ("async_staleness_60", "held-out accuracy at max_staleness 4 against 0 after 60 steps, "
                                               "seeds 1-3"),
+                       ("async_staleness_512", "held-out accuracy at max_staleness 4 against 0 on 512 held-out "
+                                               "problems, seeds 1-6"),
                        ("learning_vs_trl", "held-out accuracy per training minute vs TRL GRPO"),
                        ("distillation", "GKD student vs GRPO teacher, accuracy per training minute")):
         d = _load(name)
