@@ -83,24 +83,24 @@ def test_qlora_loads_on_this_process_gpu_where_there_is_one(monkeypatch):
     # Trainer never moves a quantized model: where it loads is where it trains. It used to load on the CPU always.
     import torch
 
-    from toolkit.core.cli import RunArgs, _model_init_kwargs
+    from toolkit.core.config import RunArgs
 
     run = RunArgs(load_in_4bit=True, lora_r=8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    on_cpu = _model_init_kwargs(run)
+    on_cpu = run.model_init_kwargs()
     assert on_cpu["device_map"] == "cpu"
     assert on_cpu["quantization_config"].bnb_4bit_compute_dtype == torch.float32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setenv("LOCAL_RANK", "1")  # the second process of torchrun on this machine
-    on_gpu = _model_init_kwargs(run)
+    on_gpu = run.model_init_kwargs()
     assert on_gpu["device_map"] == {"": 1}
     assert on_gpu["quantization_config"].bnb_4bit_compute_dtype == torch.bfloat16
 
     class CPUConfig:
         use_cpu = True
 
-    assert _model_init_kwargs(run, CPUConfig())["device_map"] == "cpu"  # use_cpu=True keeps it off the GPU
+    assert run.model_init_kwargs(CPUConfig())["device_map"] == "cpu"  # use_cpu=True keeps it off the GPU
 
 
 def test_sectioned_run_file_is_refused(tmp_path):

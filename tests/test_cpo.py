@@ -83,7 +83,7 @@ def test_loss_gradients_and_metrics_equal_trl(tmp_path, loss_type, cpo_alpha, be
     examples = [ours.train_dataset[i] for i in range(4)]
     ours.model.train()
     our_loss = ours.compute_loss(ours.model, ours.data_collator(examples))
-    our_metrics = {k.split("/", 1)[1]: v[-1] for k, v in ours._metrics.items() if k.startswith("train/")}
+    our_metrics = {k: v[-1] for k, v in ours.recorded_metrics().items()}
 
     tiny_model().save_pretrained(tmp_path / "tiny")
     theirs = TRLTrainer(model=AutoModelForCausalLM.from_pretrained(tmp_path / "tiny"), processing_class=tok,

@@ -189,7 +189,7 @@ def test_loss_and_metrics_equal_trl(tmp_path, loss_type, label_smoothing):
     batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref_c, ref_r
     ours.model.train()
     our_loss = ours.compute_loss(ours.model, batch)
-    our_metrics = {k.split("/", 1)[1]: v[-1] for k, v in ours._metrics.items() if k.startswith("train/")}
+    our_metrics = {k: v[-1] for k, v in ours.recorded_metrics().items()}
 
     tiny_model().save_pretrained(tmp_path / "tiny")
     theirs = trl.DPOTrainer(model=str(tmp_path / "tiny"), processing_class=tok,

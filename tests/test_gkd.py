@@ -3,6 +3,7 @@ and gradient) and the trainer's loss and gradients equal TRL's GKDTrainer.comput
 code, student and teacher); the chunked head equals the unchunked one; the student moves towards the teacher;
 exact resume with the lmbda coin; errors named before any model loads."""
 
+import dataclasses
 import os
 import types
 
@@ -215,8 +216,10 @@ def test_errors_name_the_field_before_any_model_loads(tmp_path):
         cfg(tmp_path, lmbda=1.5)
     with pytest.raises(ConfigError, match="beta: GKD's interpolation"):
         cfg(tmp_path, beta=-0.1)
-    with pytest.raises(ConfigError, match="num_iterations: GKD does not read"):
-        cfg(tmp_path, num_iterations=2)
+    with pytest.raises(ConfigError, match="skip_solved_threshold: a prompt counts as solved by its reward"):
+        GKDTrainer(tiny_model(), teacher_model=teacher(), args=cfg(tmp_path, skip_solved_threshold=0.9),
+                   train_dataset=rows(4), processing_class=tiny_tokenizer())
+    assert "advantage_estimator" not in {f.name for f in dataclasses.fields(GKDConfig)}  # GRPO's, not GKD's
     with pytest.raises(ConfigError, match="teacher_model: GKD needs a teacher"):
         GKDTrainer("/nonexistent/student", args=cfg(tmp_path), train_dataset=rows(4), processing_class=tiny_tokenizer())
     # lmbda < 1 needs the dataset's completions; named before the (nonexistent) models are loaded

@@ -53,15 +53,15 @@ def test_each_loss_type_trains(tmp_path, loss_type):
 
 
 def test_entropy_from_the_training_forward_equals_a_separate_entropy_pass(tmp_path, monkeypatch):
-    # the default compute_token_logps takes the logged entropy from its own LM-head product; an override that
-    # keeps only the hidden states gets it from a separate pass (chunked_entropy): the same numbers
-    from toolkit.core.packing import completion_hidden, completion_logps
+    # the default token pass takes the logged entropy from its own LM-head product; a forward_tokens override that
+    # returns only the hidden states gets it from a separate pass (chunked_entropy): the same numbers
+    from toolkit.core.packing import TokenLogps, completion_hidden, completion_logps
 
     class SeparatePass(GRPOTrainer):
-        def compute_token_logps(self, model, batch):
+        def forward_tokens(self, model, batch):
             hidden = completion_hidden(model, batch)
-            self._last_hidden = hidden.detach()
-            return completion_logps(model, batch, temperature=self.args.temperature, hidden=hidden)
+            logps = completion_logps(model, batch, temperature=self.args.temperature, hidden=hidden)
+            return TokenLogps(logps, hidden=hidden.detach())
 
     import toolkit.core.packing as packing_module  # completion_entropy's separate pass
 
@@ -402,9 +402,9 @@ def test_padded_fallback_gives_the_same_logps_as_packed_rows(tmp_path):
 
 
 def test_health_warnings_truncation_kl_and_rate_limit(caplog):
-    from toolkit.core.grpo import _Health
+    from toolkit.core.grpo import TrainingHealth
 
-    health = _Health(GRPOConfig(output_dir="/tmp/h", warn_every=5))
+    health = TrainingHealth(GRPOConfig(output_dir="/tmp/h", warn_every=5))
     bad = {"completions/clipped_ratio": 1.0, "entropy": 0.01, "kl": 3.0, "reward": 0.5, "frac_reward_zero_std": 0.2}
     with caplog.at_level(logging.WARNING, logger="toolkit.core.grpo"):
         for step in range(1, 8):
@@ -431,9 +431,9 @@ def _bernoulli_curve(seed, means, completions=32):
 
 
 def _warned(rewards, **extra):
-    from toolkit.core.grpo import _Health
+    from toolkit.core.grpo import TrainingHealth
 
-    health = _Health(GRPOConfig(output_dir="/tmp/h"))
+    health = TrainingHealth(GRPOConfig(output_dir="/tmp/h"))
     logger = logging.getLogger("toolkit.core.grpo")
     seen = []
     handler = logging.Handler()
@@ -458,14 +458,14 @@ def test_a_falling_reward_warns_and_names_collapsed_entropy():
 def test_a_flat_noisy_curve_and_a_solved_task_do_not_warn(caplog):
     """Noise at the main job's batch shape (32 completions of p=0.5 per step, 80 steps) is not a falling reward:
     the simulation behind the threshold gives 0.5% false warnings; these 40 seeds give none."""
-    from toolkit.core.grpo import _Health
+    from toolkit.core.grpo import TrainingHealth
 
     flat = [sum(1 for w in _warned(_bernoulli_curve(seed, [0.5] * 80))) for seed in range(40)]
     assert sum(1 for n in flat if n) == 0
     rising = [min(0.95, 0.2 + 0.01 * t) for t in range(80)]
     assert not _warned(_bernoulli_curve(0, rising))
     with caplog.at_level(logging.WARNING, logger="toolkit.core.grpo"):
-        health = _Health(GRPOConfig(output_dir="/tmp/h", no_signal_warn_steps=2))
+        health = TrainingHealth(GRPOConfig(output_dir="/tmp/h", no_signal_warn_steps=2))
         for step in range(1, 6):  # every group tied at the top: solved, not stuck
             health.observe(step, {"reward": 1.0, "frac_reward_zero_std": 1.0})
     assert not caplog.records, [r.getMessage() for r in caplog.records]

@@ -209,10 +209,10 @@ def test_off_policy_mask_and_importance_sampling_modes_equal_trl(tmp_path, is_mo
     rollout = fixed_rollout(prompts, completions, advantages, old, 2, ref_logps=ref)
     rollout.sampler_logps = [s.tolist() for s in sampler]
     our_loss = ours.compute_loss(ours.model, ours._split(rollout)[0])
-    masked = ours._step_metrics["off_policy_mask/masked_frac"][-1]
+    masked = ours.recorded_metrics()["off_policy_mask/masked_frac"][-1]
     assert 0 < masked < 1  # the mask dropped some completions and kept others
     if mode == "mask":
-        assert 0 < ours._step_metrics["importance_ratio/masked_frac"][-1] < 1
+        assert 0 < ours.recorded_metrics()["importance_ratio/masked_frac"][-1] < 1
     assert our_loss.item() == pytest.approx(trl_loss.item(), abs=1e-5, rel=1e-5)
     trl_loss.backward()
     our_loss.backward()

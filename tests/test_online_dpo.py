@@ -2,6 +2,8 @@
 gradients and metrics equal TRL's OnlineDPOTrainer on the same sampled pairs (TRL's own training step, its
 generation replaced by our completions); ties; exact resume; errors named before any model loads."""
 
+import dataclasses
+import math
 import os
 
 import pytest
@@ -133,7 +135,7 @@ def test_loss_gradients_and_metrics_equal_trl(tmp_path, beta):
     assert our_loss.item() != pytest.approx(0.6931, abs=1e-3)  # the reference differs: not a trivial log 2
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                 "logps/rejected"):
-        assert ours._step_metrics[key][-1] == pytest.approx(theirs.stats[key][-1], abs=1e-5), key
+        assert ours.recorded_metrics()[key][-1] == pytest.approx(theirs.stats[key][-1], abs=1e-5), key
     assert rollout.metrics["objective/scores_margin"] == pytest.approx(theirs.stats["objective/scores_margin"][-1])
     our_loss.backward()
     for (k, p), (_, q) in zip(theirs.model.named_parameters(), ours.model.named_parameters()):
@@ -151,7 +153,7 @@ def test_tied_pairs_leave_the_loss_unless_asked(tmp_path):
         assert r.metrics["frac_pairs_in_loss"] == (1.0 if keep else 0.5)
         assert r.included.tolist() == ([True] * 4 if keep else [False, False, True, True])
         if keep:  # TRL's rule: the first completion is "chosen"
-            assert r.advantages.tolist() == [1.0, -1.0, 1.0, -1.0]
+            assert r.pairs.tolist() == [[0, 1], [2, 3]]
 
 
 def test_unscored_rows_are_never_paired(tmp_path):
@@ -160,7 +162,7 @@ def test_unscored_rows_are_never_paired(tmp_path):
     t = OnlineDPOTrainer(tiny_model(), [by_ids], cfg(tmp_path), train_dataset=prompts(2), processing_class=tok)
     r = t.build_rollout([0, 1], groups, torch.tensor([[float("nan"), 1.0, 0.0, 1.0]]), 0.0, 0.0)
     # prompt 0 has one scored completion: no pair; prompt 1's pair is (row 3, row 2)
-    assert r.included.tolist() == [False, False, True, True] and r.advantages.tolist() == [0.0, 0.0, -1.0, 1.0]
+    assert r.included.tolist() == [False, False, True, True] and r.pairs.tolist() == [[3, 2]]
     micro = t._split(r)[0]
     t.model.train()
     loss = t.compute_loss(t.model, micro)
@@ -186,6 +188,16 @@ def test_accumulated_micro_batches_take_the_step_of_one(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_the_family_settings_work_for_online_dpo(tmp_path):
+    # num_iterations (rollout reuse) and skip_solved_threshold are GroupRolloutConfig's, run by GRPO's machinery
+    t = OnlineDPOTrainer(tiny_model(), [by_ids], cfg(tmp_path, max_steps=2, num_iterations=2, skip_solved_threshold=1.0,
+                                                   solved_reward=2.0),
+                         train_dataset=prompts(), processing_class=tiny_tokenizer())
+    t.train()
+    losses = logged(t, "loss")
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
 def test_exact_resume_equals_uninterrupted(tmp_path):
     def make(out, callbacks=(), **kw):
         return OnlineDPOTrainer(tiny_model(), [by_ids], cfg(out, max_steps=4, **kw), train_dataset=prompts(),
@@ -207,8 +219,10 @@ def test_errors_name_the_field_before_any_model_loads(tmp_path):
         cfg(tmp_path, loss_type="dapo")  # a GRPO policy loss is not a preference loss
     with pytest.raises(ConfigError, match="beta: DPO's beta must be > 0"):
         cfg(tmp_path, beta=0.0)
-    with pytest.raises(ConfigError, match="num_iterations: online DPO does not read"):
-        cfg(tmp_path, num_iterations=2)
+    # GRPO's objective fields are not online DPO's: its config does not have them (GroupRolloutConfig is the base)
+    names = {f.name for f in dataclasses.fields(OnlineDPOConfig)}
+    assert not names & {"advantage_estimator", "scale_rewards", "epsilon", "mask_truncated_completions",
+                        "off_policy_mask_threshold", "importance_sampling_cap"}
     with pytest.raises(ConfigError, match="num_generations: must be >= 2"):
         cfg(tmp_path, num_generations=1)
     # data is checked before the model: a model path that does not exist is never reached

@@ -89,7 +89,7 @@ def test_loss_and_metrics_equal_trl(tmp_path, classifier_dir, center, margin):
     ours.model.train()
     our_loss = ours.compute_loss(ours.model, batch)
     # as log() reports them: the mean of what one step recorded (per pair for accuracy, margin, mean_reward)
-    our_metrics = {k.split("/", 1)[1]: sum(v) / len(v) for k, v in ours._metrics.items() if k.startswith("train/")}
+    our_metrics = {k: sum(v) / len(v) for k, v in ours.recorded_metrics().items()}
 
     theirs_model = AutoModelForSequenceClassification.from_pretrained(classifier_dir, num_labels=1)
     theirs = trl.RewardTrainer(model=theirs_model, processing_class=tok,

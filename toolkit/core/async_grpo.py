@@ -153,7 +153,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     """GRPO with generation in a separate worker process; see the module docstring and docs/async_grpo.md."""
 
     # multi-turn episodes: the worker process builds the environments (the trainer's factory, sent pickled; docs/agents.md)
-    _supports_environments = True
+    supports_environments = True
 
     _tag_names = ["toolkit", "grpo", "async-grpo"]  # noqa: RUF012
 
@@ -563,9 +563,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         return str(folder)
 
-    def _write_checkpoint_state(self, folder: Path) -> None:
+    def write_checkpoint_state(self, folder: Path) -> None:
         """GRPO's state plus the worker's position, before the checkpoint is marked complete."""
-        super()._write_checkpoint_state(folder)
+        super().write_checkpoint_state(folder)
         write_atomic(folder / STATE_FILE, json.dumps({"next_round": self._next_round, "dropped": self._dropped}))
 
     @staticmethod
@@ -599,7 +599,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """The next scored round from the worker (the dataloader's indices are the same rounds; unused)."""
         item = self._next_scored_round()
         if item.infos_replaced:
-            self._health._warn(self.state.global_step, "env_info",
+            self.health.warn(self.state.global_step, "env_info",
                                f"{item.infos_replaced} value(s) in the environment's step info could not be sent from "
                                "the rollout worker (not picklable) and were replaced by their repr; return plain "
                                "data (numbers, strings, lists, dicts) in EnvResponse.info")
@@ -656,16 +656,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------- lifecycle
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        from .checkpoint import resolve_resume
-
-        path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+    def restore_checkpoint_state(self, folder: Path | None) -> None:
+        super().restore_checkpoint_state(folder)
         self._next_round = 0
-        if path is not None and (Path(path) / STATE_FILE).exists():
-            state = json.loads((Path(path) / STATE_FILE).read_text())
+        if folder is not None and (folder / STATE_FILE).exists():
+            state = json.loads((folder / STATE_FILE).read_text())
             self._next_round, self._dropped = state["next_round"], state["dropped"]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         try:
-            return super().train(resume_from_checkpoint=path, **kwargs)
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
             self.stop_worker()
 

@@ -25,12 +25,14 @@ Experimental commands (toolkit.experimental, no stability promise; the `toolkit`
 from __future__ import annotations
 
 __all__ = [
+    "load_dataset_spec",
     "main",
+    "run_offline",
+    "run_online",
 ]
 
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -77,33 +79,6 @@ def load_dataset_spec(spec: str, run: RunArgs, *, split: str, kind: str = "promp
     return load_dataset(spec, split=split)
 
 
-def _peft_config(run: RunArgs):
-    if run.lora_r <= 0:
-        return None
-    from peft import LoraConfig
-
-    return LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                      target_modules=run.lora_target_modules, task_type="CAUSAL_LM")
-
-
-def _model_init_kwargs(run: RunArgs, cfg: Any = None) -> dict[str, Any]:
-    if not run.load_in_4bit:
-        return {}
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    if torch.cuda.is_available() and not getattr(cfg, "use_cpu", False):
-        # this process's own GPU (torchrun sets LOCAL_RANK): Trainer never moves a quantized model, so where it
-        # loads is where it trains; bitsandbytes' GPU kernels compute in bfloat16 where the GPU has it
-        device_map: Any = {"": int(os.environ.get("LOCAL_RANK", "0"))}
-        compute = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    else:
-        device_map, compute = "cpu", torch.float32
-    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                      bnb_4bit_compute_dtype=compute),
-            "device_map": device_map}
-
-
 def _parse(argv: list[str], config_cls: type) -> tuple[RunArgs, Any] | None:
     """Run file + overrides -> (RunArgs, config), or None after printing --help."""
     if "--help" in argv or "-h" in argv:
@@ -135,11 +110,14 @@ def _print_summary(title: str, summary: dict[str, Any]) -> None:
         print(f"{k:>28}: {v:.4f}" if isinstance(v, float) else f"{k:>28}: {v}")
 
 
-def _run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: str, title: str,
-                 eval_keys: tuple[str, ...] = (), generates: bool = True) -> int:
-    """SFT, DPO (and the experimental reward trainer) from the command line: train, evaluate before/after, save,
-    print a summary. `generates=False`: the trained model does not generate (a reward model), so no greedy
-    accuracy."""
+def run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: str, title: str,
+                eval_keys: tuple[str, ...] = (), generates: bool = True) -> int:
+    """A command for a trainer on fixed data (SFT, DPO, and the experimental ones built like them): parse the run
+    file and overrides into `RunArgs` and `config_cls`, load the datasets (`kind`: "prompt_completion",
+    "preference"), `make_trainer(run, config, train_dataset, eval_dataset)`, evaluate before and after training,
+    save to output_dir/final with the model card, print a summary. `eval_keys`: eval metrics reported before
+    and after. `generates=False`: the trained model does not generate (a reward model), so no greedy accuracy.
+    Returns the exit code."""
     parsed = _parse(argv, config_cls)
     if parsed is None:
         return 0
@@ -238,9 +216,9 @@ def run_sft(argv: list[str]) -> int:
 
     def make(run, cfg, train, held_out):
         return SFTTrainer(run.model, cfg, train_dataset=train, eval_dataset=held_out,
-                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run, cfg))
+                          peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg))
 
-    return _run_offline(argv, SFTConfig, make, kind="prompt_completion", title="SFT")
+    return run_offline(argv, SFTConfig, make, kind="prompt_completion", title="SFT")
 
 
 def run_dpo(argv: list[str]) -> int:
@@ -248,9 +226,9 @@ def run_dpo(argv: list[str]) -> int:
 
     def make(run, cfg, train, held_out):
         return DPOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
-                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run, cfg))
+                          peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg))
 
-    return _run_offline(argv, DPOConfig, make, kind="preference", title="DPO",
+    return run_offline(argv, DPOConfig, make, kind="preference", title="DPO",
                         eval_keys=("eval_rewards/accuracies", "eval_rewards/margins"))
 
 
@@ -258,10 +236,10 @@ def run_grpo(argv: list[str]) -> int:
     from .grpo import GRPOConfig, GRPOTrainer
 
     def make(run, cfg, train, callbacks):
-        return GRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=_peft_config(run),
-                           model_init_kwargs=_model_init_kwargs(run, cfg), callbacks=callbacks)
+        return GRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=run.peft_config(),
+                           model_init_kwargs=run.model_init_kwargs(cfg), callbacks=callbacks)
 
-    return _run_online(argv, GRPOConfig, make, title="GRPO", reward_key="reward", step_name="optimizer step")
+    return run_online(argv, GRPOConfig, make, title="GRPO", reward_key="reward", step_name="optimizer step")
 
 
 def run_async_grpo(argv: list[str]) -> int:
@@ -269,10 +247,10 @@ def run_async_grpo(argv: list[str]) -> int:
 
     def make(run, cfg, train, callbacks):
         return AsyncGRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train,
-                                peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run, cfg),
+                                peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg),
                                 callbacks=callbacks)
 
-    return _run_online(argv, AsyncGRPOConfig, make, title="Async GRPO", reward_key="reward",
+    return run_online(argv, AsyncGRPOConfig, make, title="Async GRPO", reward_key="reward",
                        step_name="optimizer step")
 
 
@@ -280,15 +258,18 @@ def run_ppo(argv: list[str]) -> int:
     from .ppo import PPOConfig, PPOTrainer
 
     def make(run, cfg, train, callbacks):
-        return PPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=_peft_config(run),
-                          model_init_kwargs=_model_init_kwargs(run, cfg), callbacks=callbacks)
+        return PPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=run.peft_config(),
+                          model_init_kwargs=run.model_init_kwargs(cfg), callbacks=callbacks)
 
-    return _run_online(argv, PPOConfig, make, title="PPO", reward_key="objective/scores", step_name="PPO update")
+    return run_online(argv, PPOConfig, make, title="PPO", reward_key="objective/scores", step_name="PPO update")
 
 
-def _run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: str, reward_key: str,
-                step_name: str, kind: str = "prompt_only") -> int:
-    """GRPO and PPO from the command line: held-out accuracy before/after, save, report, summary."""
+def run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: str, reward_key: str,
+               step_name: str, kind: str = "prompt_only") -> int:
+    """A command for a trainer that samples from its policy (GRPO, PPO, and the experimental ones built like
+    them): parse, load the prompts, `make_trainer(run, config, train_dataset, callbacks)` (pass `callbacks` on:
+    they measure held-out accuracy), train, save to output_dir/final, write the report (`reward_key`: the logged
+    reward to plot; `step_name`: what a step is called) and print a summary. Returns the exit code."""
     from .report import AccuracyCallback, write_report
 
     parsed = _parse(argv, config_cls)

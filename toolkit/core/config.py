@@ -87,6 +87,37 @@ class RunArgs:
         if not str(self.model).strip():
             raise ConfigError(f"model: empty; use '{DEFAULT_MODEL}' (the embedded model), a local folder or a Hub id.")
 
+    def peft_config(self) -> Any:
+        """The LoRA adapter config these settings describe (peft's LoraConfig), or None for full fine-tuning."""
+        if self.lora_r <= 0:
+            return None
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                          target_modules=self.lora_target_modules, task_type="CAUSAL_LM")
+
+    def model_init_kwargs(self, trainer_config: Any = None) -> dict[str, Any]:
+        """Keyword arguments for loading the model: 4-bit NF4 quantization for QLoRA (`load_in_4bit`), else none.
+
+        On a GPU (unless `trainer_config.use_cpu`) the model loads on this process's own GPU (LOCAL_RANK) and
+        computes in bfloat16 where the GPU has it; on the CPU in float32."""
+        if not self.load_in_4bit:
+            return {}
+        import os
+
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        if torch.cuda.is_available() and not getattr(trainer_config, "use_cpu", False):
+            # Trainer never moves a quantized model, so where it loads is where it trains
+            device_map: Any = {"": int(os.environ.get("LOCAL_RANK", "0"))}
+            compute = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            device_map, compute = "cpu", torch.float32
+        return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                          bnb_4bit_compute_dtype=compute),
+                "device_map": device_map}
+
 
 ALIASES = {"lr": "learning_rate", "bs": "per_device_train_batch_size", "batch_size": "per_device_train_batch_size",
            "epochs": "num_train_epochs", "steps": "max_steps", "grad_accum": "gradient_accumulation_steps"}

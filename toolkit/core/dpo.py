@@ -26,7 +26,6 @@ import contextlib
 import copy
 import inspect
 import logging
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,17 +34,9 @@ from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from .attention import packed_layout, supports_varlen, use_varlen_attention
-from .checkpoint import (
-    CompleteCheckpointCallback,
-    resolve_resume,
-    resume_already_finished,
-    save_trainer_checkpoint,
-)
-from .console import install_console
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
-from .distributed import warn_if_sharding_ignored
 from .errors import ConfigError, DataError, TrainingHealthError
-from .model_card import write_model_card
+from .lifecycle import TrainerLifecycle
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -60,7 +51,7 @@ from .numerics import DEFAULT_CHUNK_SIZE
 from .objectives import PreferenceLossInputs, resolve_preference_loss_settings
 from .objectives.preference import check_loss_kwargs_used
 from .packing import completion_logps, pack_for_layout, sequence_sums
-from .plugins import notify_checkpoint_saved, notify_step_metrics, registry
+from .plugins import registry
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +110,11 @@ class DPOConfig(TrainingArguments):
         self.loss_weight_values = list(self.loss_weights) if self.loss_weights is not None else [1.0] * len(types)
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(TrainerLifecycle, Trainer):
     """DPO and variants on preference data; see the module docstring and docs/dpo.md."""
 
     _tag_names = ["toolkit", "dpo"]
+    trainer_kind = "dpo"
 
     def __init__(
         self,
@@ -154,8 +146,8 @@ class DPOTrainer(Trainer):
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        train_tok = self._prepare(train_dataset, tokenizer, args, "train")
-        eval_tok = self._prepare(eval_dataset, tokenizer, args, "eval") if eval_dataset is not None else None
+        train_tok = self.prepare_examples(train_dataset, tokenizer, args, "train")
+        eval_tok = self.prepare_examples(eval_dataset, tokenizer, args, "eval") if eval_dataset is not None else None
 
         # 2. Models.
         init_kwargs = dict(model_init_kwargs or {})
@@ -181,21 +173,16 @@ class DPOTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=_PreferenceCollator(),
                          train_dataset=Dataset.from_list(train_tok),
                          eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
-                         processing_class=tokenizer, callbacks=list(callbacks or []) + [CompleteCheckpointCallback(
-                             on_complete=lambda step, path: notify_checkpoint_saved("dpo", step, path))],
-                         optimizers=optimizers)
-        install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
+                         processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
         if self.ref_model is not None:
             # Trainer places only the policy; the frozen reference was loaded or copied on the CPU
             place_frozen(self.ref_model, self.args.device)
-        warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
         self.preference_losses = []  # (name, PreferenceLoss, its settings at start-up, weight)
         self._loss_takes_chosen_logps = "chosen_logps" in inspect.signature(self.compute_preference_loss).parameters
         for name, weight in zip(args.loss_types, args.loss_weight_values):
             loss = registry().get("preference_loss", name, field="loss_type")
             self.preference_losses.append((name, loss, resolve_preference_loss_settings(loss, args, name=name), weight))
         self.loss_is_scaled_for_ga = False  # mean over examples per micro-batch; Trainer divides by accumulation
-        self._metrics: dict[str, list[float]] = defaultdict(list)
         self._flat: list[tuple[float, float]] = []
         if args.precompute_ref_log_probs:
             self._precompute_reference()
@@ -207,7 +194,9 @@ class DPOTrainer(Trainer):
 
     # ----------------------------------------------------------------------------------- data
 
-    def _prepare(self, data: Any, tokenizer: Any, args: DPOConfig, split: str) -> list[dict[str, Any]]:
+    def prepare_examples(self, data: Any, tokenizer: Any, args: DPOConfig, split: str) -> list[dict[str, Any]]:
+        """Rows of `data` ("train" or "eval" `split`) -> tokenized examples, checked before any model loads (the
+        seam a trainer with other rows overrides: KTO's unpaired feedback)."""
         rows = normalize_rows(as_rows(data))
         fmt = detect_format(rows)
         validate(rows, fmt, tokenizer=tokenizer)
@@ -319,13 +308,11 @@ class DPOTrainer(Trainer):
         with torch.no_grad():
             chosen_rewards = self.args.beta * chosen_logratios.detach()
             rejected_rewards = self.args.beta * rejected_logratios.detach()
-            m = self._metrics
-            m[f"{mode}/rewards/chosen"].append(chosen_rewards.mean().item())
-            m[f"{mode}/rewards/rejected"].append(rejected_rewards.mean().item())
-            m[f"{mode}/rewards/accuracies"].append((chosen_rewards > rejected_rewards).float().mean().item())
-            m[f"{mode}/rewards/margins"].append((chosen_rewards - rejected_rewards).mean().item())
-            m[f"{mode}/logps/chosen"].append(chosen.detach().mean().item())
-            m[f"{mode}/logps/rejected"].append(rejected.detach().mean().item())
+            for name, value in (("rewards/chosen", chosen_rewards.mean()), ("rewards/rejected", rejected_rewards.mean()),
+                                ("rewards/accuracies", (chosen_rewards > rejected_rewards).float().mean()),
+                                ("rewards/margins", (chosen_rewards - rejected_rewards).mean()),
+                                ("logps/chosen", chosen.detach().mean()), ("logps/rejected", rejected.detach().mean())):
+                self.record_metric(name, value, mode=mode)
         return (loss, {"chosen": chosen.detach()}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -334,17 +321,9 @@ class DPOTrainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
-        prefix = "eval_" if mode == "eval" else ""
-        for key, values in list(self._metrics.items()):
-            if key.startswith(mode + "/") and values:
-                logs[prefix + key[len(mode) + 1:]] = round(sum(values) / len(values), 6)
-                self._metrics[key] = []
+    def on_log_metrics(self, logs: dict[str, float], mode: str) -> None:
         if mode == "train" and "rewards/accuracies" in logs:
             self._watch_flat(logs)
-        super().log(logs, start_time)
-        notify_step_metrics("dpo", self.state.global_step, logs)
 
     def _watch_flat(self, logs: dict[str, float]) -> None:
         self._flat.append((logs["rewards/accuracies"], logs["rewards/margins"]))
@@ -356,32 +335,6 @@ class DPOTrainer(Trainer):
                     "DPO step %d: reward margins stayed at ~0 and accuracies flat for %d logged steps: the policy is "
                     "not moving away from the reference. Raise the learning rate or beta, and check that chosen and "
                     "rejected really differ.", self.state.global_step, k)
-
-    # Copied from toolkit.core.sft.SFTTrainer.save_model
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights."""
-        super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            write_model_card(self, output_dir or self.args.output_dir)
-
-    # Copied from toolkit.core.sft.SFTTrainer.create_model_card
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
-                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
-        """The card `push_to_hub` uploads (README.md in output_dir); TRL's `dataset_name`, `model_name`, `tags`
-        are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
-        write_model_card(self, self.args.output_dir, model_name=model_name,
-                         dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
-
-    def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint, written atomically: complete or absent (toolkit.core.checkpoint)."""
-        save_trainer_checkpoint(self, super()._save_checkpoint, model, trial)
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        finished = resume_already_finished(self, path)
-        if finished is not None:
-            return finished
-        return super().train(resume_from_checkpoint=path, **kwargs)
 
 
 class _PreferenceCollator:

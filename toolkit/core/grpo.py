@@ -34,13 +34,11 @@ import copy
 import dataclasses
 import functools
 import inspect
-import warnings
 import json
 import logging
 import math
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,22 +47,15 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 from datasets import Dataset
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer
 
 from .attention import packed_layout, supports_varlen, use_varlen_attention
-from .checkpoint import (
-    CompleteCheckpointCallback,
-    resolve_resume,
-    resume_already_finished,
-    save_trainer_checkpoint,
-    write_atomic,
-)
+from .checkpoint import write_atomic
 from .data import prompt_rows, tokenize_prompts
-from .console import install_console
-from .distributed import env_world_size, warn_if_sharding_ignored
-from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
+from .distributed import env_world_size
+from .errors import ConfigError, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
-from .model_card import write_model_card
+from .lifecycle import TrainerLifecycle
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -75,7 +66,7 @@ from .models import (
     prepare_model,
     unwrap_model,
 )
-from .numerics import DEFAULT_CHUNK_SIZE, SCALE_REWARDS
+from .numerics import SCALE_REWARDS, tokens_to_rows
 from .objectives import (
     AdvantageInputs,
     PolicyLossInputs,
@@ -86,18 +77,14 @@ from .objectives import (
     resolve_policy_loss_settings,
     resolve_settings,
 )
-from .packing import (
-    completion_entropy,
-    completion_hidden,
-    completion_logps,
-    completion_logps_and_entropy,
-    pack_for_layout,
-)
-from .plugins import notify_checkpoint_saved, notify_step_metrics, registry, resolve_reward
+from .objectives.policy import legacy_policy_loss_inputs, policy_term_of
+from .packing import TokenLogps, completion_entropy, completion_token_pass, pack_for_layout
+from .plugins import registry, resolve_reward
 from .rewards import RewardRunner, score_completions, weighted_total
 from .rollout import RoundSampler, generate_and_score, generation_seed
+from .rollout_config import RolloutConfig
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "Rollout"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "GroupRolloutConfig", "ResolvedObjective", "Rollout", "TrainingHealth"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,101 +106,28 @@ def _checkpointing_default(args: GRPOConfig, episodes: bool) -> bool:
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
-    """Settings of `GRPOTrainer`: every `TrainingArguments` field plus the ones below (TRL's names).
+class GroupRolloutConfig(RolloutConfig):
+    """Settings of every trainer built on GRPO's group rollouts (GRPO, async GRPO, the experimental online DPO and
+    GKD): `RolloutConfig`'s sampling, backend and reward fields plus the group, the rollout's reuse, multi-turn
+    episodes and the training-health warnings. The objective's own fields (its loss, its `beta`) belong to each
+    method's config (`GRPOConfig`, ...).
 
     `per_device_train_batch_size` counts completions per micro-batch and must be a multiple of
     `num_generations`; each optimizer step sees `gradient_accumulation_steps` such micro-batches.
     """
 
-    output_dir: str | None = field(default="outputs/grpo", metadata={"help": "Checkpoints, final model, report."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak AdamW learning rate."})
-    logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
-    report_to: Any = field(default="none", metadata={"help": "Integrations to report to."})
-    remove_unused_columns: bool = field(default=False, metadata={"help": "Kept False (rows are looked up by index)."})
-    optim: str = field(default="adamw_torch_fused", metadata={"help": "Optimizer (TrainingArguments names)."})
-
     num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (the group size G)."})
-    max_prompt_length: int | None = field(default=512, metadata={
-        "help": "Prompts longer than this many tokens are cut from the left, and the count reported."})
-    max_completion_length: int = field(default=64, metadata={"help": "Most tokens sampled per completion."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; the trainer's log-probs use "
-                                                              "the same temperature."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (1.0 = off)."})
-    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens (0 = off)."})
-    min_p: float = field(default=0.0, metadata={"help": "Drop tokens below min_p x the top probability (0 = off)."})
-    stop_token_ids: list[int] | None = field(default=None, metadata={
-        "help": "Tokens that end a completion; default: the tokenizer's EOS."})
-    generation_batch_size: int = field(default=256, metadata={
-        "help": "Most sequences the transformers backend decodes at once."})
-
-    loss_type: str = field(default="dapo", metadata={
-        "help": "grpo (sequence mean) | bnpo (token mean per micro-batch) | dr_grpo (constant normaliser) | "
-                "dapo (token mean over the whole step) | prompt (ScaleRL prompt-level mean) | gspo / gspo_token "
-                "(GSPO's sequence ratio; use epsilon ~3e-4) | a plugin's loss "
-                "(e.g. cispo from plugins/toolkit-cispo); `toolkit plugins` lists them."})
-    loss_kwargs: dict | None = field(default=None, metadata={
-        "help": "The policy loss's own settings (e.g. {epsilon_max = 5.0} for cispo), checked against its settings "
-                "dataclass before any model loads; settings named by a config field (epsilon) are set there."})
-    advantage_estimator: str = field(default="grpo", metadata={
-        "help": "grpo (group baseline, scaled by scale_rewards) | rloo (leave-one-out) | a registered estimator."})
-    advantage_estimator_kwargs: dict | None = field(default=None, metadata={
-        "help": "The advantage estimator's own settings (a plugin estimator's), checked like loss_kwargs."})
-    generation_backend: str = field(default="transformers", metadata={
-        "help": "Generation backend by name: transformers | a registered backend (e.g. vllm)."})
-    generation_backend_kwargs: dict | None = field(default=None, metadata={
-        "help": "Settings passed to the generation backend's factory; the transformers backend takes only dtype "
-                "(checked here). A backend object handed to the trainer is already built and reads none."})
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the importance ratio."})
-    epsilon_high: float | None = field(default=None, metadata={
-        "help": "Upper clip range (DAPO clip-higher); default: epsilon."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (k3 estimator). "
-                                                       "0 loads no reference model."})
-    kl_bias_correction: bool = field(default=True, metadata={
-        "help": "Multiply the KL term by the importance ratio pi/pi_old: the completions were sampled from pi_old, "
-                "so this makes the k3 estimate (and its gradient) that of KL(pi || ref). TRL's default too."})
     num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu in the GRPO paper); "
                                                              ">1 stores old log-probs."})
-    scale_rewards: str = field(default="group", metadata={
-        "help": "Advantage scaling: group (the group's std) | batch (the std of the step's raw rewards, TRL's "
-                "meaning) | batch_centred (the step's std of group-centred rewards, ScaleRL) | none (Dr. GRPO)."})
-    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function."})
-    reward_timeout: float = field(default=60.0, metadata={"help": "Seconds a reward function may take per batch."})
-    reward_max_consecutive_failures: int = field(default=3, metadata={
-        "help": "Stop the run (naming the function, its error and the columns it got) when a reward function fails "
-                "on this many batches in a row; a failure is an exception, a timeout, a wrong length, or NaN."})
-    importance_sampling_cap: float | None = field(default=2.0, metadata={
-        "help": "Truncated importance sampling between sampler and trainer log-probs: weights min(ratio, cap). "
-                "None (with importance_sampling_min None too) turns the correction off."})
-    importance_sampling_level: str = field(default="token", metadata={
-        "help": "Level of the sampler correction (importance_sampling_cap): token | sequence (one weight per "
-                "completion, the product of its token ratios). Not GSPO: that is loss_type='gspo'."})
-    importance_sampling_mode: str = field(default="truncate", metadata={
-        "help": "truncate (TIS: ratios clamped to [importance_sampling_min, importance_sampling_cap]) | mask (MIS: "
-                "tokens, or with importance_sampling_level='sequence' whole completions, whose ratio is outside "
-                "that range drop out of the loss). TRL's vllm_importance_sampling_mode = <level>_<mode>."})
-    importance_sampling_min: float | None = field(default=None, metadata={
-        "help": "Lower bound of the sampler ratio for importance_sampling_mode (None: no lower bound)."})
-    off_policy_mask_threshold: float | None = field(default=None, metadata={
-        "help": "DeepSeek-V3.2's off-policy sequence mask: completions with a negative advantage whose mean "
-                "per-token KL from the sampling policy exceeds this (e.g. 0.5) leave the loss. None: off."})
-    zero_variance_filter: bool = field(default=True, metadata={
-        "help": "Drop groups whose rewards are all equal from the loss (they carry no signal)."})
     skip_steps_without_signal: bool = field(default=True, metadata={
         "help": "An optimizer step whose rollout has no row in the loss on any rank (every group tied under "
                 "zero_variance_filter, no rewards) leaves the weights and the optimizer state as they are. With "
                 "False it runs on zero gradients, and Adam's momentum keeps moving the weights along the last "
                 "informative step for about 1/(1-beta1) = 10 more steps (docs/grpo.md, 'Steps without signal'). "
                 "Never skipped under DeepSpeed or with a GradScaler (fp16), which need gradients every step."})
-    mask_truncated_completions: bool = field(default=False, metadata={
-        "help": "Exclude completions that hit max_completion_length without a stop token from the loss."})
     skip_solved_threshold: float | None = field(default=None, metadata={
         "help": "Stop resampling prompts whose pass rate reached this (e.g. 0.9); see solved_reward."})
     solved_reward: float = field(default=1.0, metadata={"help": "A completion counts as passing at this total reward."})
-    logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
-    fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
-    model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
-    chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
 
     environment: str | None = field(default=None, metadata={
         "help": "Multi-turn episodes instead of single completions: a registered environment by name (calculator | "
@@ -246,7 +160,8 @@ class GRPOConfig(TrainingArguments):
                 "tasks with one right answer)."})
     reward_drop_warn: float = field(default=0.10, metadata={
         "help": "Warn when the 10-step average reward falls this far below its best (learning going backwards)."})
-    kl_ceiling: float = field(default=1.0, metadata={"help": "Warn when mean KL to the reference exceeds this."})
+    kl_ceiling: float = field(default=1.0, metadata={"help": "Warn when a logged mean KL to the reference ('kl') "
+                                                             "exceeds this."})
 
     def __post_init__(self):
         # GRPO trains on completions packed behind their shared prompt, a few hundred to a few thousand tokens a
@@ -256,24 +171,14 @@ class GRPOConfig(TrainingArguments):
         # 16% faster without it at +0.1-0.2 GB peak RSS; 128 x 24 (the main job's GRPO stage), 8% faster at
         # +1.4 GB (5.0 against 3.5 GB). Above _CHECKPOINTING_ABOVE_TOKENS a micro-batch the memory matters
         # more, and the default stays on; on a GPU too, whose memory is the scarcer (the H200 run in
-        # bench/results/gpu: 3.5x TRL's peak without it, equal with it). An environment given to GRPOTrainer as a factory (not named here) is
-        # known only there, which resolves the default again for episodes when the user set neither name.
+        # bench/results/gpu: 3.5x TRL's peak without it, equal with it). An environment given to GRPOTrainer as a
+        # factory (not named here) is known only there, which resolves the default again for episodes when the
+        # user set neither name.
         self._checkpointing_defaulted = (getattr(self, "activation_checkpointing", None) is None
                                          and getattr(self, "gradient_checkpointing", None) is None)
         checkpointing = _checkpointing_default(self, episodes=self.environment is not None)
         apply_cpu_training_defaults(self, cpu_checkpointing=checkpointing, gpu_checkpointing=checkpointing)
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
         super().__post_init__()
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ConfigError(f"max_prompt_length: must be >= 1 or None (no cut), got {self.max_prompt_length}.")
-        if self.max_completion_length < 1:
-            raise ConfigError(f"max_completion_length: must be >= 1, got {self.max_completion_length}.")
-        if not self.reward_timeout > 0:
-            raise ConfigError(f"reward_timeout: must be > 0 seconds, got {self.reward_timeout}.")
-        if self.reward_max_consecutive_failures < 1:
-            raise ConfigError(f"reward_max_consecutive_failures: must be >= 1, got "
-                              f"{self.reward_max_consecutive_failures}.")
         if self.num_generations < 1:
             raise ConfigError(f"num_generations: must be >= 1, got {self.num_generations}.")
         if self.per_device_train_batch_size % self.num_generations:
@@ -281,20 +186,6 @@ class GRPOConfig(TrainingArguments):
                 f"per_device_train_batch_size: counts completions and must be a multiple of num_generations="
                 f"{self.num_generations}; got {self.per_device_train_batch_size}. Try "
                 f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}.")
-        if self.loss_type in ("gspo", "gspo_token") and self.epsilon >= 0.01:
-            # a length-normalised sequence ratio moves far less than a token's: PPO's 0.2 would almost never clip
-            logger.warning("loss_type=%s with epsilon=%s: GSPO's sequence ratio stays close to 1, so this clip range "
-                           "barely binds; the GSPO paper uses epsilon=3e-4, epsilon_high=4e-4.", self.loss_type,
-                           self.epsilon)
-        self._check_objective()
-        reg = registry()
-        reg.get("generation_backend", self.generation_backend, field="generation_backend")
-        if self.generation_backend == "transformers":
-            from .generation import _check_transformers_backend_kwargs
-
-            _check_transformers_backend_kwargs(self.generation_backend_kwargs)
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ConfigError(f"scale_rewards: '{self.scale_rewards}' is not one of {list(SCALE_REWARDS)}.")
         if self.num_iterations < 1:
             raise ConfigError(f"num_iterations: must be >= 1, got {self.num_iterations}.")
         if self.num_iterations > 1 and self.save_strategy == "steps" and self.save_steps % self.num_iterations:
@@ -307,10 +198,8 @@ class GRPOConfig(TrainingArguments):
             # each rank would learn a different solved set and the ranks' prompt orders would drift apart
             raise ConfigError("skip_solved_threshold: not supported with several processes yet (the solved set is "
                               "per rank); leave it None or run one process.")
-        SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
         if self.environment is not None:
-            reg.get("environment", self.environment, field="environment")
+            registry().get("environment", self.environment, field="environment")
             self.check_episode_settings()
         elif self.environment_kwargs:
             raise ConfigError("environment_kwargs: set without environment; name the environment (e.g. "
@@ -327,14 +216,72 @@ class GRPOConfig(TrainingArguments):
         if not self.environment_step_timeout > 0:
             raise ConfigError(f"environment_step_timeout: must be > 0 seconds, got {self.environment_step_timeout}.")
 
-    def _check_objective(self) -> None:
-        """Every loss/estimator setting, checked by the objects' own settings dataclasses before any model loads.
 
-        A trainer built on GRPO's rollouts with another loss (toolkit.experimental's online DPO and GKD) checks
-        its own objective here instead."""
+@dataclass
+class GRPOConfig(GroupRolloutConfig):
+    """Settings of `GRPOTrainer`: `GroupRolloutConfig`'s fields plus GRPO's objective below (TRL's names)."""
+
+    output_dir: str | None = field(default="outputs/grpo", metadata={"help": "Checkpoints, final model, report."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak AdamW learning rate."})
+
+    loss_type: str = field(default="dapo", metadata={
+        "help": "grpo (sequence mean) | bnpo (token mean per micro-batch) | dr_grpo (constant normaliser) | "
+                "dapo (token mean over the whole step) | prompt (ScaleRL prompt-level mean) | gspo / gspo_token "
+                "(GSPO's sequence ratio; use epsilon ~3e-4) | a plugin's loss "
+                "(e.g. cispo from plugins/toolkit-cispo); `toolkit plugins` lists them."})
+    loss_kwargs: dict | None = field(default=None, metadata={
+        "help": "The policy loss's own settings (e.g. {epsilon_max = 5.0} for cispo), checked against its settings "
+                "dataclass before any model loads; settings named by a config field (epsilon) are set there."})
+    advantage_estimator: str = field(default="grpo", metadata={
+        "help": "grpo (group baseline, scaled by scale_rewards) | rloo (leave-one-out) | a registered estimator."})
+    advantage_estimator_kwargs: dict | None = field(default=None, metadata={
+        "help": "The advantage estimator's own settings (a plugin estimator's), checked like loss_kwargs."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the importance ratio."})
+    epsilon_high: float | None = field(default=None, metadata={
+        "help": "Upper clip range (DAPO clip-higher); default: epsilon."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (k3 estimator). "
+                                                       "0 loads no reference model."})
+    kl_bias_correction: bool = field(default=True, metadata={
+        "help": "Multiply the KL term by the importance ratio pi/pi_old: the completions were sampled from pi_old, "
+                "so this makes the k3 estimate (and its gradient) that of KL(pi || ref). TRL's default too."})
+    scale_rewards: str = field(default="group", metadata={
+        "help": "Advantage scaling: group (the group's std) | batch (the std of the step's raw rewards, TRL's "
+                "meaning) | batch_centred (the step's std of group-centred rewards, ScaleRL) | none (Dr. GRPO)."})
+    importance_sampling_cap: float | None = field(default=2.0, metadata={
+        "help": "Truncated importance sampling between sampler and trainer log-probs: weights min(ratio, cap). "
+                "None (with importance_sampling_min None too) turns the correction off."})
+    importance_sampling_level: str = field(default="token", metadata={
+        "help": "Level of the sampler correction (importance_sampling_cap): token | sequence (one weight per "
+                "completion, the product of its token ratios). Not GSPO: that is loss_type='gspo'."})
+    importance_sampling_mode: str = field(default="truncate", metadata={
+        "help": "truncate (TIS: ratios clamped to [importance_sampling_min, importance_sampling_cap]) | mask (MIS: "
+                "tokens, or with importance_sampling_level='sequence' whole completions, whose ratio is outside "
+                "that range drop out of the loss). TRL's vllm_importance_sampling_mode = <level>_<mode>."})
+    importance_sampling_min: float | None = field(default=None, metadata={
+        "help": "Lower bound of the sampler ratio for importance_sampling_mode (None: no lower bound)."})
+    off_policy_mask_threshold: float | None = field(default=None, metadata={
+        "help": "DeepSeek-V3.2's off-policy sequence mask: completions with a negative advantage whose mean "
+                "per-token KL from the sampling policy exceeds this (e.g. 0.5) leave the loss. None: off."})
+    zero_variance_filter: bool = field(default=True, metadata={
+        "help": "Drop groups whose rewards are all equal from the loss (they carry no signal)."})
+    mask_truncated_completions: bool = field(default=False, metadata={
+        "help": "Exclude completions that hit max_completion_length without a stop token from the loss."})
+
+    def __post_init__(self):
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        super().__post_init__()
         if self.num_generations < 2:
             raise ConfigError(f"num_generations: must be >= 2 (advantages are relative to the group), got "
                               f"{self.num_generations}.")
+        if self.loss_type in ("gspo", "gspo_token") and self.epsilon >= 0.01:
+            # a length-normalised sequence ratio moves far less than a token's: PPO's 0.2 would almost never clip
+            logger.warning("loss_type=%s with epsilon=%s: GSPO's sequence ratio stays close to 1, so this clip range "
+                           "barely binds; the GSPO paper uses epsilon=3e-4, epsilon_high=4e-4.", self.loss_type,
+                           self.epsilon)
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError(f"scale_rewards: '{self.scale_rewards}' is not one of {list(SCALE_REWARDS)}.")
+        # every loss and estimator setting, checked by the objects' own settings dataclasses before any model loads
         reg = registry()
         resolve_policy_loss_settings(reg.get("policy_loss", self.loss_type, field="loss_type"), self,
                                      name=self.loss_type)
@@ -364,6 +311,17 @@ class Rollout:
     token_masks: list[list[int]] | None = None
     # per row [L]: the policy version (optimizer step) whose weights sampled each id; None: not reported
     sampler_versions: list[list[int]] | None = None
+    # [P, 2] long: (chosen row, rejected row) of each preference pair, for a pairwise objective (online DPO; set by
+    # its select_rows); every row of a pair is in the loss. None: no pairs.
+    pairs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedObjective:
+    """GRPO's objective settings as resolved from the config (GRPOTrainer.resolved_objective)."""
+
+    loss_settings: Any                              # the policy loss's settings dataclass
+    objective_settings: PolicyObjectiveSettings     # what policy_objective adds around it (KL, correction, ...)
 
 
 def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
@@ -379,21 +337,29 @@ def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
                or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(TrainerLifecycle, Trainer):
     """GRPO on prompt-only (or prompt-completion; the completion is ignored) data with reward functions.
 
     See the module docstring for the step; docs/grpo.md for every option.
+
+    Trainers built on GRPO's rollouts with another objective (toolkit.experimental's online DPO and GKD) take a
+    `GroupRolloutConfig` of their own and override the objective seams, all public: `uses_reference_model`,
+    `setup_objective`, `describe_objective`, `compute_advantages`, `select_rows`, `compute_loss` (reading
+    `forward_tokens`, `record_metric`, `health`); docs/grpo.md, "Building on GRPO's rollouts".
     """
 
     _tag_names = ["toolkit", "grpo"]
-    _needs_rewards = True  # a subclass whose loss reads no reward (GKD) may run without reward functions
-    _supports_environments = True  # a subclass whose rollouts are not GRPO's (async, online DPO, GKD) says False
+    trainer_kind = "grpo"
+    #: False for an objective that reads no reward (GKD): the run may then have no reward functions.
+    needs_rewards = True
+    #: False for a trainer whose rollouts are not GRPO's episodes (online DPO, GKD): `environment` is refused.
+    supports_environments = True
 
     def __init__(
         self,
         model: str | PreTrainedModel = DEFAULT_MODEL,
         reward_funcs: Sequence[str | Callable[..., Any]] | str | Callable[..., Any] = (),
-        args: GRPOConfig | None = None,
+        args: GroupRolloutConfig | None = None,
         train_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
@@ -405,60 +371,97 @@ class GRPOTrainer(Trainer):
         environment: Callable[[], Any] | None = None,
     ):
         args = args if args is not None else GRPOConfig()
-        if not isinstance(args, GRPOConfig):
-            raise ConfigError(f"args: GRPOTrainer needs a GRPOConfig, got {type(args).__name__}.")
+        if not isinstance(args, GroupRolloutConfig):
+            raise ConfigError(f"args: {type(self).__name__} needs a GRPOConfig, got {type(args).__name__}.")
         if train_dataset is None:
-            raise ConfigError("train_dataset: GRPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
-        if callable(reward_funcs) or isinstance(reward_funcs, str):
-            reward_funcs = [reward_funcs]
-        if (environment is not None or args.environment is not None) and not self._supports_environments:
+            raise ConfigError(f"train_dataset: {type(self).__name__} needs prompts (Dataset, list of dicts or .jsonl "
+                              "path).")
+        self._setup_environment(environment, args)
+        self._setup_rewards(reward_funcs, args)
+
+        # 1. Data, before any model work.
+        tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.prepare_prompts(train_dataset, tokenizer, args)
+        prompts_per_micro = args.per_device_train_batch_size // args.num_generations
+        self.prompts_per_round = prompts_per_micro * args.gradient_accumulation_steps
+        if len(self.rows) < self.prompts_per_round:
+            raise ConfigError(f"train_dataset: {len(self.rows)} prompts, fewer than one step needs "
+                              f"({self.prompts_per_round} = per_device_train_batch_size / num_generations x "
+                              "gradient_accumulation_steps).")
+
+        # 2. Models, the objective, the generation backend.
+        model = self._load_models(model, args, peft_config, model_init_kwargs, ref_model)
+        self.sampling = args.sampling_params(tokenizer.eos_token_id)
+        self.setup_objective(args)
+        self.episode_delta = self._episode_delta(tokenizer, args) if self.environment_factory is not None else None
+        self.generation_backend = generation_backend if generation_backend is not None else registry().get(
+            "generation_backend", args.generation_backend, field="generation_backend")(model, tokenizer, args)
+        logger.info("%s; %d prompts x %d completions per step; rewards %s with weights %s.",
+                    self.describe_objective(args), self.prompts_per_round, args.num_generations, self.reward_names,
+                    self.reward_weights.tolist())
+
+        super().__init__(model=model, args=args, data_collator=_index_collator,
+                         train_dataset=Dataset.from_list([{"row_index": i} for i in range(len(self.rows))]),
+                         processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
+        if self.ref_model is not None:
+            # Trainer places only the policy; the frozen copy was made before that, on the CPU
+            place_frozen(self.ref_model, self.args.device)
+        self.loss_is_scaled_for_ga = True
+        self.solved: set[int] = set()
+        self._micro = 0
+        self._skip_update = False
+        self._rows_in_loss_all_ranks = 0  # set by _split, over all ranks
+        self._rollout: Rollout | None = None
+        self._rollout_step = 0  # the optimizer step at which the current rollout was built (pi_old's version)
+        self._micro_batches: list[dict[str, Any]] = []
+        self._reward_failures: dict[str, int] = {}  # set by compute_rewards; build_rollout may be called without it
+        self.health = TrainingHealth(args)
+
+    def _setup_environment(self, environment: Callable[[], Any] | None, args: GroupRolloutConfig) -> None:
+        """Multi-turn episodes: the environment factory (None: single completions), checked before any model."""
+        if (environment is not None or args.environment is not None) and not self.supports_environments:
             raise ConfigError(f"environment: {type(self).__name__} does not run multi-turn episodes yet; use "
                               "GRPOTrainer (docs/agents.md).")
         self.environment_factory = self._environment_factory(environment, args)
-        if self.environment_factory is not None:
-            args.check_episode_settings()
-            if (environment is not None and getattr(args, "_checkpointing_defaulted", False)
-                    and _checkpointing_default(args, episodes=True)):
-                # The config resolved its default for single completions; these micro-batches hold episodes.
-                args.activation_checkpointing = args.gradient_checkpointing = True
-                logger.info("Activation checkpointing on: a micro-batch may hold %d x %d episode tokens (more than "
-                            "%d); set activation_checkpointing=False to trade memory for speed.",
-                            args.per_device_train_batch_size, args.max_episode_tokens,
-                            _CHECKPOINTING_ABOVE_TOKENS)
+        if self.environment_factory is None:
+            return
+        args.check_episode_settings()
+        if (environment is not None and getattr(args, "_checkpointing_defaulted", False)
+                and _checkpointing_default(args, episodes=True)):
+            # The config resolved its default for single completions; these micro-batches hold episodes.
+            args.activation_checkpointing = args.gradient_checkpointing = True
+            logger.info("Activation checkpointing on: a micro-batch may hold %d x %d episode tokens (more than "
+                        "%d); set activation_checkpointing=False to trade memory for speed.",
+                        args.per_device_train_batch_size, args.max_episode_tokens, _CHECKPOINTING_ABOVE_TOKENS)
+
+    def _setup_rewards(self, reward_funcs: Any, args: GroupRolloutConfig) -> None:
+        """The reward functions by name or callable, run under their timeouts, and their weights."""
+        if callable(reward_funcs) or isinstance(reward_funcs, str):
+            reward_funcs = [reward_funcs]
         if self.environment_factory is not None and list(reward_funcs):
             raise ConfigError("reward_funcs: with an environment the episode's reward is the environment's (its "
                               "step() returns it); give no reward functions, or score the final answer inside the "
                               "environment.")
         self.reward_runner = RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout,
                                           max_consecutive_failures=args.reward_max_consecutive_failures,
-                                          allow_empty=not self._needs_rewards or self.environment_factory is not None)
+                                          allow_empty=not self.needs_rewards or self.environment_factory is not None)
         weights = args.reward_weights or [1.0] * len(self.reward_names)
         if len(weights) != len(self.reward_names):
             raise ConfigError(f"reward_weights: {len(weights)} weights for {len(self.reward_names)} reward "
                               f"functions ({', '.join(self.reward_names)}); give one weight per function.")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
 
-        # 1. Data, before any model work.
-        tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        self._prepare_prompts(train_dataset, tokenizer, args)
-        rows = self.rows
-        prompts_per_micro = args.per_device_train_batch_size // args.num_generations
-        self.prompts_per_round = prompts_per_micro * args.gradient_accumulation_steps
-        if len(rows) < self.prompts_per_round:
-            raise ConfigError(f"train_dataset: {len(rows)} prompts, fewer than one step needs "
-                              f"({self.prompts_per_round} = per_device_train_batch_size / num_generations x "
-                              "gradient_accumulation_steps).")
-
-        # 2. Models.
+    def _load_models(self, model: Any, args: GroupRolloutConfig, peft_config: Any, model_init_kwargs: dict | None,
+                     ref_model: Any) -> Any:
+        """The policy (loaded, PEFT applied), the frozen reference where the objective reads one, attention."""
         init_kwargs = dict(model_init_kwargs or {})
         model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
         self.ref_model = None
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
-        if is_peft_model(model) and ref_model is None:
-            pass  # the reference (beta > 0) is the base with the adapters disabled: no second copy
-        elif self._uses_reference(args):
+        self.reads_reference = self.uses_reference_model(args)
+        if self.reads_reference and not (is_peft_model(model) and ref_model is None):
             # With PEFT the reference is the base model with adapters disabled: no second copy.
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
             self.ref_model.eval().requires_grad_(False)
@@ -471,59 +474,53 @@ class GRPOTrainer(Trainer):
         # The shared-prompt layout only where the kernel can express it (toolkit_varlen); flash-attention
         # gets prompt copies it can delimit from position_ids (attention.packed_layout).
         self.packed_layout = packed_layout(base, self.ref_model) if self.padding_free else "padded"
-        self.sampling = SamplingParams(
-            max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            min_p=args.min_p,
-            stop_token_ids=tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id]),
-        )
-        self._setup_objective(args)
-        self.episode_delta = self._episode_delta(tokenizer, args) if self.environment_factory is not None else None
-        reg = registry()
-        self.generation_backend = generation_backend if generation_backend is not None else reg.get(
-            "generation_backend", args.generation_backend, field="generation_backend")(model, tokenizer, args)
-        self._log_objective(args, weights)
-
-        callbacks = list(callbacks or []) + [CompleteCheckpointCallback(
-            on_complete=lambda step, path: notify_checkpoint_saved("grpo", step, path))]
-        super().__init__(model=model, args=args, data_collator=_index_collator,
-                         train_dataset=Dataset.from_list([{"row_index": i} for i in range(len(rows))]),
-                         processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
-        install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
-        warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
-        if self.ref_model is not None:
-            # Trainer places only the policy; the frozen copy was made before that, on the CPU
-            place_frozen(self.ref_model, self.args.device)
-        self.loss_is_scaled_for_ga = True
-        self.solved: set[int] = set()
-        self._micro = 0
-        self._skip_update = False
-        self._rows_in_loss_all_ranks = 0  # set by _split, over all ranks
-        self._rollout: Rollout | None = None
-        self._rollout_step = 0  # the optimizer step at which the current rollout was built (pi_old's version)
-        self._micro_batches: list[dict[str, Any]] = []
-        self._step_metrics: dict[str, list[float]] = defaultdict(list)
-        self._reward_failures: dict[str, int] = {}  # set by compute_rewards; build_rollout may be called without it
-        self._health = _Health(args)
+        return model
 
     # ------------------------------------------------------------------------------ the objective
 
-    def _uses_reference(self, args: GRPOConfig) -> bool:
-        """Whether the loss reads reference log-probs (a frozen copy, or the PEFT base with adapters off)."""
+    def uses_reference_model(self, args: GroupRolloutConfig) -> bool:
+        """Whether the objective reads reference log-probs: a frozen copy is loaded (or, with PEFT, the base with
+        adapters off is used) and each rollout carries `ref_logps`. GRPO: when `beta > 0`."""
         return args.beta > 0
 
-    def _setup_objective(self, args: GRPOConfig) -> None:
-        """The objective: named objects from the objectives room (or a plugin), with their own settings."""
+    def setup_objective(self, args: GroupRolloutConfig) -> None:
+        """Build the objective: for GRPO the named policy loss and advantage estimator (the objectives room, or a
+        plugin's), their settings checked. Called once, after the models are loaded."""
         reg = registry()
         self.policy_loss = reg.get("policy_loss", args.loss_type, field="loss_type")
-        self.loss_settings = resolve_policy_loss_settings(self.policy_loss, args, name=args.loss_type)
         self.loss_aggregation = self.policy_loss.aggregation
-        self.objective_settings = dataclasses.replace(
-            resolve_settings(PolicyObjectiveSettings, args, kwargs=None, kwargs_field="", owner="GRPO"),
-            aggregation_constant=self._aggregation_constant(args))
         self.advantage_estimator = reg.get("advantage_estimator", args.advantage_estimator, field="advantage_estimator")
         self.advantage_settings = resolve_estimator_settings(self.advantage_estimator, args,
                                                              name=args.advantage_estimator)
-        self._policy_term = _policy_term_of(self)
+        self._policy_term = policy_term_of(self, GRPOTrainer)
+        self._objective_cache: tuple[Any, ResolvedObjective] | None = None
+
+    def describe_objective(self, args: GroupRolloutConfig) -> str:
+        """The start-up log's account of the objective (the effective loss settings)."""
+        resolved = self.resolved_objective(args)
+        return (f"GRPO loss settings: loss_type={args.loss_type} (aggregation {self.loss_aggregation}, "
+                f"{resolved.loss_settings}) beta={args.beta} num_iterations={args.num_iterations} "
+                f"scale_rewards={args.scale_rewards} importance_sampling_cap={args.importance_sampling_cap} "
+                f"zero_variance_filter={args.zero_variance_filter} "
+                f"mask_truncated_completions={args.mask_truncated_completions}; G={args.num_generations}")
+
+    def resolved_objective(self, args: GroupRolloutConfig | None = None) -> ResolvedObjective:
+        """The policy loss's settings and `policy_objective`'s, resolved from `args` (default: the trainer's) in this
+        one place: once, and again only when a field they read has changed (a callback that schedules epsilon or
+        beta)."""
+        source = args if args is not None else self.args
+        names = [f.name for f in dataclasses.fields(PolicyObjectiveSettings)]
+        if dataclasses.is_dataclass(self.policy_loss.settings):
+            names += [f.name for f in dataclasses.fields(self.policy_loss.settings)]
+        key = (tuple(repr(getattr(source, n, None)) for n in names), repr(getattr(source, "loss_kwargs", None)))
+        if self._objective_cache is None or self._objective_cache[0] != key:
+            resolved = ResolvedObjective(
+                loss_settings=resolve_policy_loss_settings(self.policy_loss, source, name=source.loss_type),
+                objective_settings=dataclasses.replace(
+                    resolve_settings(PolicyObjectiveSettings, source, kwargs=None, kwargs_field="", owner="GRPO"),
+                    aggregation_constant=self._aggregation_constant(source)))
+            self._objective_cache = (key, resolved)
+        return self._objective_cache[1]
 
     def _aggregation_constant(self, args: GRPOConfig) -> int:
         """Dr. GRPO's constant normaliser: the most sampled tokens a sample can hold (an episode's: every turn at
@@ -632,7 +629,7 @@ class GRPOTrainer(Trainer):
         G = self.args.num_generations
         for ep in episodes:
             if "env_error" in (ep.infos[-1] if ep.infos else {}):
-                self._health._warn(self.state.global_step, "env_error",
+                self.health.warn(self.state.global_step, "env_error",
                                    f"an environment failed (episodes without a reward, left out of the loss): "
                                    f"{ep.infos[-1]['env_error']}")
         for k, ep in enumerate(episodes):
@@ -651,21 +648,12 @@ class GRPOTrainer(Trainer):
         rollout.metrics.update(episode_metrics(episodes))
         return rollout
 
-    def _log_objective(self, args: GRPOConfig, weights: list[float]) -> None:
-        logger.info(
-            "GRPO loss settings: loss_type=%s (aggregation %s, %s) beta=%s num_iterations=%d "
-            "scale_rewards=%s importance_sampling_cap=%s zero_variance_filter=%s mask_truncated_completions=%s; "
-            "G=%d, %d prompts x %d completions per step; rewards %s with weights %s.",
-            args.loss_type, self.loss_aggregation, self.loss_settings, args.beta,
-            args.num_iterations, args.scale_rewards, args.importance_sampling_cap, args.zero_variance_filter,
-            args.mask_truncated_completions, args.num_generations, self.prompts_per_round, args.num_generations,
-            self.reward_names, weights,
-        )
-
     # ------------------------------------------------------------------------------ data plumbing
 
-    def _prepare_prompts(self, train_dataset: Any, tokenizer: Any, args: Any) -> None:
-        """Validate the prompt rows and render each prompt to token ids once (before any model loads)."""
+    def prepare_prompts(self, train_dataset: Any, tokenizer: Any, args: Any) -> None:
+        """Validate the prompt rows and render each prompt to token ids once (before any model loads); sets
+        `rows`, `dataset_format` and `prompt_ids`. A subclass that needs more of each row (GKD's completions)
+        extends it."""
         rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="GRPO")
         self.rows, self.dataset_format = rows, prompt_fmt
         self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
@@ -676,11 +664,6 @@ class GRPOTrainer(Trainer):
         if n_cut:
             logger.warning("GRPO: %d of %d prompts were longer than max_prompt_length=%s and were cut from the left.",
                            n_cut, len(rows), args.max_prompt_length)
-
-    @staticmethod
-    def _to_rows(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Flat per-token values (row-major) -> [B, T] with zeros outside the mask."""
-        return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
 
     def build_prompt_sampler(self) -> RoundSampler:
         """The sampler of prompt indices (the wrapper seam for curricula and custom orders).
@@ -738,26 +721,22 @@ class GRPOTrainer(Trainer):
                     f"{int(torch.isinf(values).sum())} rows. Return a finite number, or None to exclude a row.")
         total = weighted_total(rewards_per_func, self.reward_weights)
         advantages, zero_std = self._advantages_over_ranks(total)
-        included = ~torch.isnan(total)
-        if args.zero_variance_filter:
-            included &= ~zero_std
-        if args.mask_truncated_completions:
-            included &= ~truncated
         group_ids = torch.arange(len(row_indices)).repeat_interleave(G)
         rollout = Rollout(
             prompt_ids=row_prompt_ids if row_prompt_ids is not None else [p for p in prompt_ids for _ in range(G)],
             completion_ids=completion_ids,
             sampler_logps=sampler_logps, rewards=total, rewards_per_func=rewards_per_func, advantages=advantages,
-            included=included, group_ids=group_ids, truncated=truncated, token_masks=token_masks,
+            included=~torch.isnan(total), group_ids=group_ids, truncated=truncated, token_masks=token_masks,
             # the version of the weights that sampled each token: the backend's record (in-flight updates), else
             # this step's (synchronous generation; async GRPO passes its round's version)
             sampler_versions=[c.versions if c.versions is not None else [self.state.global_step] * len(c.token_ids)
                               for g in groups for c in g],
         )
+        rollout.included = self.select_rows(rollout, zero_std)
         t2 = time.perf_counter()
         if args.num_iterations > 1:
             rollout.old_logps = self._score_rows(self.model, rollout)
-        if self._uses_reference(args):
+        if self.reads_reference:
             rollout.ref_logps = self._score_rows(None, rollout)
         t_extra = time.perf_counter() - t2
         if args.skip_solved_threshold is not None:
@@ -767,6 +746,17 @@ class GRPOTrainer(Trainer):
                     self.solved.add(int(idx))
         rollout.metrics = self._rollout_metrics(rollout, zero_std, t_gen, t_score, t_extra)
         return rollout
+
+    def select_rows(self, rollout: Rollout, zero_std: torch.Tensor) -> torch.Tensor:
+        """[R] bool: the rows of a scored rollout that count in the loss (`rollout.included` holds the rows with a
+        reward). GRPO leaves out groups whose rewards tie (`zero_std`, under zero_variance_filter) and, if asked,
+        truncated completions. A pairwise objective (online DPO) also sets `rollout.pairs` here."""
+        included = rollout.included.clone()
+        if self.args.zero_variance_filter:
+            included &= ~zero_std
+        if self.args.mask_truncated_completions:
+            included &= ~rollout.truncated
+        return included
 
     def compute_rewards(self, rows: list[dict[str, Any]], completion_ids: list[list[int]]) -> torch.Tensor:
         """[F, R] rewards of each function for each row (NaN = excluded). Override to add a reward model."""
@@ -817,7 +807,7 @@ class GRPOTrainer(Trainer):
             was = scorer.training
             scorer.eval()
             with ctx:
-                flat = self.compute_token_logps(scorer, batch)
+                flat = self.forward_tokens(scorer, batch).logps
             scorer.train(was)
             out += list(flat.cpu().split(batch["completion_lengths"].tolist()))
         return out
@@ -855,6 +845,11 @@ class GRPOTrainer(Trainer):
             batch["old_logps"] = _pad_rows([rollout.old_logps[r] for r in rows], L)
         if rollout.ref_logps is not None:
             batch["ref_logps"] = _pad_rows([rollout.ref_logps[r] for r in rows], L)
+        if rollout.pairs is not None:
+            # each pair's two rows, as positions in this micro-batch (groups, and so pairs, never span two)
+            position = {r: i for i, r in enumerate(rows)}
+            pairs = [(position[c], position[j]) for c, j in rollout.pairs.tolist() if c in position]
+            batch["pairs"] = torch.tensor(pairs, dtype=torch.long).view(-1, 2)
         for k, v in step_counts.items():
             batch[k] = torch.tensor(v)
         return batch
@@ -896,17 +891,22 @@ class GRPOTrainer(Trainer):
     # -------------------------------------------------------------------------------- the loss
 
     def compute_token_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam)."""
-        hidden = completion_hidden(model, batch)
-        self._last_hidden = hidden.detach()
-        if not torch.is_grad_enabled():  # scoring (old, reference log-probs): no entropy wanted
-            return completion_logps(model, batch, temperature=self.args.temperature,
-                                    chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head, hidden=hidden)
-        # the training forward: the logged entropy comes from the same LM-head product (one fewer per step)
-        logps, self._last_entropy = completion_logps_and_entropy(
-            model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
-            upcast=self.args.fp32_lm_head, hidden=hidden, keep_for_backward=True)
-        return logps
+        """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam: an override's
+        log-probs are what the loss and the scoring passes read; no entropy is logged then)."""
+        return self._token_pass(model, batch).logps
+
+    def forward_tokens(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> TokenLogps:
+        """One forward over a packed batch: the completion tokens' log-probs, with the entropy and hidden states the
+        metrics read from the same forward. A subclass's `compute_token_logps` is honoured (its log-probs only)."""
+        if type(self).compute_token_logps is not GRPOTrainer.compute_token_logps:
+            return TokenLogps(self.compute_token_logps(model, batch))
+        return self._token_pass(model, batch)
+
+    def _token_pass(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> TokenLogps:
+        # the training forward's entropy comes from the same LM-head product (one fewer per step)
+        return completion_token_pass(model, batch, temperature=self.args.temperature,
+                                     chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head,
+                                     keep_for_backward=True)
 
     def compute_policy_loss(self, inputs: PolicyLossInputs, *legacy: torch.Tensor
                             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -918,22 +918,16 @@ class GRPOTrainer(Trainer):
         override is answered here.
         """
         if legacy:
-            warnings.warn(_LEGACY_SEAM_MESSAGE.format(cls=type(self).__name__), ToolkitDeprecationWarning,
-                          stacklevel=2)
-            old_logps, advantages, mask = legacy
-            inputs = PolicyLossInputs(logps=inputs, old_logps=old_logps, advantages=advantages, loss_mask=mask)
-        # Settings are read from args at every step, so a callback that schedules epsilon takes effect.
-        return self.policy_loss(inputs, resolve_policy_loss_settings(self.policy_loss, self.args,
-                                                                     name=self.args.loss_type))
+            inputs = legacy_policy_loss_inputs(type(self).__name__, inputs, *legacy)
+        # the settings are current: a callback that schedules epsilon takes effect (resolved_objective)
+        return self.policy_loss(inputs, self.resolved_objective().loss_settings)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self._last_hidden = self._last_entropy = None  # set by the default compute_token_logps (an override need not)
-        flat = self.compute_token_logps(model, inputs)
+        tokens = self.forward_tokens(model, inputs)
         present = inputs["completion_mask"]
-        logps = self._to_rows(flat, present)
+        logps = tokens_to_rows(tokens.logps, present)
         # the tokens the policy produced: all completion ids, or an episode's sampled ones
         mask = present & inputs["sampled_mask"] if "sampled_mask" in inputs else present
-        self._present_mask = present
         old = inputs.get("old_logps")
         loss_inputs = PolicyLossInputs(
             logps=logps, old_logps=logps.detach() if old is None else old, advantages=inputs["advantages"],
@@ -944,15 +938,13 @@ class GRPOTrainer(Trainer):
             sampler_versions=inputs.get("sampler_versions"), policy_version=self.state.global_step,
             # pi_old: the current weights on-policy, else those of the step that built the rollout
             proximal_version=self.state.global_step if old is None else self._rollout_step)
-        # beta, importance_sampling_cap, ... are read at every step (callbacks may schedule them).
-        objective_settings = dataclasses.replace(
-            resolve_settings(PolicyObjectiveSettings, self.args, kwargs=None, kwargs_field="", owner="GRPO"),
-            aggregation_constant=self._aggregation_constant(self.args))
         out = policy_objective(loss_inputs, self._policy_term, aggregation=self.loss_aggregation,
-                               settings=objective_settings, corrects_behaviour=self.policy_loss.corrects_behaviour)
-        self._health.check_finite(self.state.global_step, loss=out.loss, logps=flat, advantages=inputs["advantages"])
-        self._record_loss_metrics(loss_inputs, out)
-        return (out.loss, {"logps": flat.detach()}) if return_outputs else out.loss
+                               settings=self.resolved_objective().objective_settings,
+                               corrects_behaviour=self.policy_loss.corrects_behaviour)
+        self.health.check_finite(self.state.global_step, loss=out.loss, logps=tokens.logps,
+                                 advantages=inputs["advantages"])
+        self._record_loss_metrics(loss_inputs, out, tokens, present)
+        return (out.loss, {"logps": tokens.logps.detach()}) if return_outputs else out.loss
 
     # ------------------------------------------------------------------------------ the step
 
@@ -966,7 +958,7 @@ class GRPOTrainer(Trainer):
             self._rollout = self.generate_rollout(rows)
             self._micro_batches = self._split(self._rollout)
             for name, value in self._rollout.metrics.items():
-                self._step_metrics[name].append(value)
+                self.record_metric(name, value)
             self._skip_update = self._update_without_signal(self._rollout)
         self._micro += 1
         micro = self._micro_batches[k % self.args.gradient_accumulation_steps]
@@ -975,10 +967,9 @@ class GRPOTrainer(Trainer):
             loss = self._forward_without_update(model, micro)
         else:
             loss = super().training_step(model, micro, num_items_in_batch=None)
-        self._step_metrics["update_skipped"].append(float(self._skip_update))
-        self._step_metrics["time/train_s"].append(time.perf_counter() - t)
-        self._step_metrics["train_tokens_per_s"].append(
-            float(micro["input_ids"].numel()) / max(time.perf_counter() - t, 1e-9))
+        self.record_metric("update_skipped", float(self._skip_update))
+        self.record_metric("time/train_s", time.perf_counter() - t)
+        self.record_metric("train_tokens_per_s", float(micro["input_ids"].numel()) / max(time.perf_counter() - t, 1e-9))
         return loss
 
     def _forward_without_update(self, model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tensor:
@@ -1013,54 +1004,22 @@ class GRPOTrainer(Trainer):
         # all-reduces, so one rank without a backward would hang the others)
         return self._rows_in_loss_all_ranks == 0
 
-    # Copied from toolkit.core.sft.SFTTrainer.save_model
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights."""
-        super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            write_model_card(self, output_dir or self.args.output_dir)
+    # ------------------------------------------------------------------------------ checkpoints, logs
 
-    # Copied from toolkit.core.sft.SFTTrainer.create_model_card
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
-                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
-        """The card `push_to_hub` uploads (README.md in output_dir); TRL's `dataset_name`, `model_name`, `tags`
-        are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
-        write_model_card(self, self.args.output_dir, model_name=model_name,
-                         dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
-
-    def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint plus GRPO's own state, written atomically (toolkit.core.checkpoint)."""
-        save_trainer_checkpoint(self, super()._save_checkpoint, model, trial, self._write_checkpoint_state)
-
-    def _write_checkpoint_state(self, folder: Path) -> None:
-        """The trainer's own state, into the checkpoint folder before it is marked complete."""
+    def write_checkpoint_state(self, folder: Path) -> None:
+        """The prompts marked solved (skip_solved_threshold), into the checkpoint before it is marked complete."""
         write_atomic(folder / "grpo_state.json", json.dumps({"solved": sorted(self.solved)}))
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """As Trainer.train; `resume_from_checkpoint=True` picks the newest complete checkpoint."""
-        path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        finished = resume_already_finished(self, path)
-        if finished is not None:
-            return finished
-        if path is not None:
-            state_file = Path(path) / "grpo_state.json"
-            if state_file.exists():
-                self.solved.clear()
-                self.solved.update(json.loads(state_file.read_text())["solved"])
+    def restore_checkpoint_state(self, folder: Path | None) -> None:
+        if folder is not None and (folder / "grpo_state.json").exists():
+            self.solved.clear()
+            self.solved.update(json.loads((folder / "grpo_state.json").read_text())["solved"])
         self._micro = 0
         self._rollout = None
-        return super().train(resume_from_checkpoint=path, **kwargs)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self._step_metrics:
-            for name, values in self._step_metrics.items():
-                values = [v for v in values if not math.isnan(v)]
-                if values:
-                    logs[name] = round(max(values) if name.endswith("_max") else sum(values) / len(values), 6)
-            self._step_metrics = defaultdict(list)
-            self._health.observe(self.state.global_step, logs)
-        super().log(logs, start_time)
-        notify_step_metrics("grpo", self.state.global_step, logs)
+    def on_log_metrics(self, logs: dict[str, float], mode: str) -> None:
+        if mode == "train":
+            self.health.observe(self.state.global_step, logs)
 
     # ------------------------------------------------------------------------------ metrics
 
@@ -1085,57 +1044,55 @@ class GRPOTrainer(Trainer):
             m[f"rewards/{name}/failures"] = float(self._reward_failures.get(name, 0))
         return m
 
-    def _record_loss_metrics(self, inputs: PolicyLossInputs, out: PolicyLossOutput) -> None:
-        s = self._step_metrics
+    def _record_loss_metrics(self, inputs: PolicyLossInputs, out: PolicyLossOutput, tokens: TokenLogps,
+                             present: torch.Tensor) -> None:
+        """The loss's metrics for this micro-batch, kept as tensors until the step is logged."""
+        record = self.record_metric
         info, tis, kl, mask, lm = out.info, out.importance_weights, out.kl, inputs.completion_mask, inputs.loss_mask
         # How far the sampler's log-probs are from the trainer's for the same tokens (engine numerics, stale
         # weights): the quantity importance_sampling_cap corrects, logged every step (the masked stand-in row of a
         # micro-batch with nothing to train is a real sample, so it still measures this).
         gap = (inputs.old_logps - inputs.sampler_logps).abs()[mask]
         if gap.numel():
-            s["sampler/logp_abs_diff_mean"].append(float(gap.mean()))
-            s["sampler/logp_abs_diff_max"].append(float(gap.max()))
+            record("sampler/logp_abs_diff_mean", gap.mean())
+            record("sampler/logp_abs_diff_max", gap.max())
         if not bool(lm.any()):  # the rest describes the training signal: nothing here was trained
             return
-        denom = max(int(lm.sum()), 1)
+        denom = lm.sum().clamp(min=1)
         if "clipped_low" in info:
-            s["clip_ratio/low_mean"].append(float((info["clipped_low"] & lm).sum()) / denom)
-            s["clip_ratio/high_mean"].append(float((info["clipped_high"] & lm).sum()) / denom)
-            s["clip_ratio/region_mean"].append(float(((info["clipped_low"] | info["clipped_high"]) & lm).sum()) / denom)
+            record("clip_ratio/low_mean", (info["clipped_low"] & lm).sum() / denom)
+            record("clip_ratio/high_mean", (info["clipped_high"] & lm).sum() / denom)
+            record("clip_ratio/region_mean", ((info["clipped_low"] | info["clipped_high"]) & lm).sum() / denom)
         for name, value in info.items():  # a loss's own diagnostics: masks as a share, weights as a mean
             if name in ("ratio", "clipped_low", "clipped_high") or value.shape != lm.shape:
                 continue
             if value.dtype == torch.bool:
-                s[f"loss/{name}_frac"].append(float((value & lm).sum()) / denom)
+                record(f"loss/{name}_frac", (value & lm).sum() / denom)
             else:
-                s[f"loss/{name}_mean"].append(float(value.detach()[lm].float().mean()))
+                record(f"loss/{name}_mean", value.detach()[lm].float().mean())
         if out.off_policy_mask is not None:  # share of the completions in the loss that the mask left out
-            in_loss = lm.any(-1)
-            kept = out.off_policy_mask.squeeze(-1)[in_loss]
-            s["off_policy_mask/masked_frac"].append(float(1.0 - kept.mean()) if kept.numel() else 0.0)
+            kept = out.off_policy_mask.squeeze(-1)[lm.any(-1)]
+            record("off_policy_mask/masked_frac", 1.0 - kept.float().mean() if kept.numel() else 0.0)
         if tis is not None:
             sel = tis[mask]
             if self.args.importance_sampling_mode == "mask":
-                s["importance_ratio/masked_frac"].append(float((sel == 0).float().mean()) if sel.numel() else 0.0)
-            s["importance_ratio/mean"].append(float(sel.mean()) if sel.numel() else 1.0)
-            s["importance_ratio/min"].append(float(sel.min()) if sel.numel() else 1.0)
-            s["importance_ratio/max_max"].append(float(sel.max()) if sel.numel() else 1.0)
+                record("importance_ratio/masked_frac", (sel == 0).float().mean() if sel.numel() else 0.0)
+            record("importance_ratio/mean", sel.mean() if sel.numel() else 1.0)
+            record("importance_ratio/min", sel.min() if sel.numel() else 1.0)
+            record("importance_ratio/max_max", sel.max() if sel.numel() else 1.0)
         if kl is not None:
-            s["kl"].append(float((kl.detach() * mask).sum() / max(int(mask.sum()), 1)))
-        hidden = getattr(self, "_last_hidden", None)
-        ent = getattr(self, "_last_entropy", None)
-        present = getattr(self, "_present_mask", inputs.completion_mask)
-        if ent is None and hidden is not None:
-            # entropy from the hidden states of this forward (a compute_token_logps override that does not call
-            # the default leaves none, and then no entropy is logged rather than a stale one)
-            ent = completion_entropy(self.model, hidden, temperature=self.args.temperature,
-                                     chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
-        if ent is not None and ent.shape[0] == int(present.sum()):
-            ent = ent[inputs.completion_mask[present]]  # on sampled tokens
-            s["entropy"].append(float(ent.mean()) if ent.numel() else 0.0)
+            record("kl", (kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+        entropy = tokens.entropy
+        if entropy is None and tokens.hidden is not None:
+            # a forward without autograd (a step without signal) computes no entropy with its log-probs
+            entropy = completion_entropy(self.model, tokens.hidden, temperature=self.args.temperature,
+                                         chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
+        if entropy is not None and entropy.shape[0] == tokens.logps.shape[0]:
+            entropy = entropy[inputs.completion_mask[present]]  # on sampled tokens
+            record("entropy", entropy.mean() if entropy.numel() else 0.0)
 
 
-class _Health:
+class TrainingHealth:
     """Warnings a person can act on, at most once per cause per `warn_every` steps; NaN/inf stops the run."""
 
     def __init__(self, args: GRPOConfig):
@@ -1147,7 +1104,8 @@ class _Health:
         self.best_step = 0
         self.falling_run = 0
 
-    def _warn(self, step: int, cause: str, message: str) -> None:
+    def warn(self, step: int, cause: str, message: str) -> None:
+        """Log `message` as a warning, unless one of the same `cause` was logged less than `warn_every` steps ago."""
         if step - self.last.get(cause, -10**9) >= self.args.warn_every:
             self.last[cause] = step
             logger.warning("step %d: %s", step, message)
@@ -1182,7 +1140,7 @@ class _Health:
             collapsed = (f" with entropy at {entropy:.4f} (< entropy_floor={self.args.entropy_floor}): the policy "
                          "narrowed onto worse answers" if entropy is not None and entropy < self.args.entropy_floor
                          else "")
-            self._warn(step, "reward_falling",
+            self.warn(step, "reward_falling",
                        f"REWARD FALLING: the 10-step average reward is {average:.3f}, {self.best_average - average:.3f} "
                        f"below its best ({self.best_average:.3f} at step {self.best_step}) for {self.falling_run} "
                        f"steps{collapsed}. Lower the learning rate, raise beta, or keep the checkpoint from the best "
@@ -1202,7 +1160,7 @@ class _Health:
                                                                  reward >= self.args.solved_reward):
             self.no_signal_run += 1
             if self.no_signal_run >= self.args.no_signal_warn_steps:
-                self._warn(step, "no_signal",
+                self.warn(step, "no_signal",
                            f"NO LEARNING SIGNAL: every group had identical rewards for {self.no_signal_run} steps "
                            f"(mean reward {logs.get('reward', float('nan')):.3f}), so the loss is zero. Make the task "
                            "easier or the reward denser, raise num_generations or temperature.")
@@ -1211,10 +1169,10 @@ class _Health:
         if reward is not None and math.isfinite(reward):
             self._observe_reward(step, reward, logs.get("entropy"))
         if logs.get("completions/clipped_ratio", 0.0) >= 1.0:
-            self._warn(step, "truncated", "every completion hit max_completion_length without a stop token; raise "
+            self.warn(step, "truncated", "every completion hit max_completion_length without a stop token; raise "
                                           "max_completion_length or check the stop tokens.")
         if "kl" in logs and logs["kl"] > self.args.kl_ceiling:
-            self._warn(step, "kl", f"KL to the reference is {logs['kl']:.3f} (> kl_ceiling={self.args.kl_ceiling}); "
+            self.warn(step, "kl", f"KL to the reference is {logs['kl']:.3f} (> kl_ceiling={self.args.kl_ceiling}); "
                                    "raise beta or lower the learning rate.")
 
 
@@ -1240,27 +1198,6 @@ class _Flat(torch.utils.data.Sampler):
 
 def _index_collator(features: list[dict[str, int]]) -> dict[str, torch.Tensor]:
     return {"row_index": torch.tensor([f["row_index"] for f in features], dtype=torch.long)}
-
-
-_LEGACY_SEAM_MESSAGE = (
-    "{cls}.compute_policy_loss(logps, old_logps, advantages, mask) is the toolkit 0.1 seam, deprecated in 0.2 and "
-    "removed in 0.3: override compute_policy_loss(self, inputs: PolicyLossInputs) and read inputs.logps, "
-    "inputs.old_logps, inputs.advantages, inputs.loss_mask.")
-
-
-def _policy_term_of(trainer: GRPOTrainer) -> Callable[[PolicyLossInputs], tuple[torch.Tensor, dict]]:
-    """The per-token term `policy_objective` calls: the `compute_policy_loss` seam, in either form.
-
-    An override with four positional tensor parameters is the toolkit 0.1 form: it is called that way (with a
-    deprecation warning once, here), without touching the user's class.
-    """
-    method = trainer.compute_policy_loss
-    params = [p for p in inspect.signature(method).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if type(trainer).compute_policy_loss is GRPOTrainer.compute_policy_loss or len(params) < 4:
-        return method
-    warnings.warn(_LEGACY_SEAM_MESSAGE.format(cls=type(trainer).__name__), ToolkitDeprecationWarning, stacklevel=3)
-    return lambda inputs: method(inputs.logps, inputs.old_logps, inputs.advantages, inputs.loss_mask)
 
 
 def _pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:

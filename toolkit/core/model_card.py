@@ -84,7 +84,7 @@ def _shown(name: str) -> str:
 
 def _method(trainer: Any) -> str:
     tags = list(getattr(trainer, "_tag_names", []) or [])
-    if getattr(trainer, "_method_card", None) and tags:
+    if getattr(trainer, "method_card", None) and tags:
         return tags[-1]  # a trainer outside the core (toolkit.experimental, a plugin) names its own method
     return next((t for t in reversed(tags) if t in METHODS), "sft")
 
@@ -98,8 +98,8 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
     from huggingface_hub import ModelCard, ModelCardData
 
     method = _method(trainer)
-    # `_method_card = (title, BibTeX)` on a trainer class describes a method METHODS does not list
-    title, citation = getattr(trainer, "_method_card", None) or METHODS[method]
+    # `method_card = (title, BibTeX)` on a trainer class describes a method METHODS does not list
+    title, citation = getattr(trainer, "method_card", None) or METHODS[method]
     base = base_model_id(trainer.model)
     adapter = is_peft_model(trainer.model)
     all_tags = ["toolkit", method, *(t for t in getattr(trainer, "_tag_names", []) if t not in ("toolkit", method))]

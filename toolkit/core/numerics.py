@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -41,14 +41,16 @@ __all__ = [
     "preference_loss",
     "rloo_advantages",
     "second_moment_mask",
+    "tokens_to_rows",
     "truncated_importance_weights",
+    "upcast_region",
 ]
 
 #: Default number of token positions whose logits exist at once: 512 x 49,152 x 4 bytes = 100 MB.
 DEFAULT_CHUNK_SIZE = 512
 
 
-def _upcast_region(upcast: bool, device_type: str):
+def upcast_region(upcast: bool, device_type: str) -> Any:
     """Autocast off where `upcast` promises float32 products: a wrapper's bfloat16 / float16 autocast region would
     take them back to low precision whatever their inputs' dtypes."""
     if upcast and torch.is_autocast_enabled(device_type):
@@ -61,7 +63,7 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if upcast:
         h, weight = h.float(), weight.float()
         bias = bias.float() if bias is not None else None
-    with _upcast_region(upcast, h.device.type):
+    with upcast_region(upcast, h.device.type):
         logits = h @ weight.t()
         if bias is not None:
             logits = logits + bias
@@ -119,7 +121,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, *_no_grad_for_entropy):
-        with _upcast_region(ctx.upcast, grad_logps.device.type):  # a backward() called inside autocast
+        with upcast_region(ctx.upcast, grad_logps.device.type):  # a backward() called inside autocast
             return _ChunkedTokenLogps._backward(ctx, grad_logps)
 
     @staticmethod
@@ -254,6 +256,11 @@ def chunked_entropy(
         logp = torch.log_softmax(z, dim=-1)
         out[start:end] = -(logp.exp() * logp).sum(-1)
     return out
+
+
+def tokens_to_rows(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Flat per-token values [N] (row-major, the `True` positions of `mask`) -> [B, T] with zeros elsewhere."""
+    return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

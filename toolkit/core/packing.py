@@ -10,11 +10,13 @@ rows get a right-padded batch instead; the log-probs are the same (tested).
 from __future__ import annotations
 
 __all__ = [
+    "TokenLogps",
     "common_start",
     "completion_entropy",
     "completion_hidden",
     "completion_logps",
     "completion_logps_and_entropy",
+    "completion_token_pass",
     "group_by_prompt",
     "pack_completions",
     "pack_for_layout",
@@ -26,6 +28,7 @@ __all__ = [
 import contextlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -250,6 +253,31 @@ def completion_entropy(model: torch.nn.Module, hidden: torch.Tensor, *, temperat
     with torch.no_grad():
         return chunked_entropy(hidden.detach(), weight.detach(), bias=bias.detach() if bias is not None else None,
                                temperature=temperature, chunk_size=chunk_size, upcast=upcast)
+
+
+@dataclass
+class TokenLogps:
+    """What one forward over a packed batch gives a policy loss: the completion tokens' log-probs, and what the
+    metrics read from the same forward (so no trainer keeps them aside between calls)."""
+
+    logps: torch.Tensor                   # [N] the completion tokens, row-major; carries the gradient
+    entropy: torch.Tensor | None = None   # [N] detached, from the same LM-head product; None: not computed
+    hidden: torch.Tensor | None = None    # [N, H] detached final hidden states (entropy can be computed from them)
+
+
+def completion_token_pass(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
+                          chunk_size: int = 512, upcast: bool = True, hidden: torch.Tensor | None = None,
+                          keep_for_backward: bool = False) -> TokenLogps:
+    """The completion tokens' log-probs under `model`, with their entropy when autograd is on (a training forward:
+    one LM-head product per chunk for both) and without it otherwise (scoring reference or old log-probs)."""
+    if hidden is None:
+        hidden = completion_hidden(model, batch)
+    if not torch.is_grad_enabled():
+        return TokenLogps(completion_logps(model, batch, temperature=temperature, chunk_size=chunk_size,
+                                           upcast=upcast, hidden=hidden), hidden=hidden.detach())
+    logps, entropy = completion_logps_and_entropy(model, batch, temperature=temperature, chunk_size=chunk_size,
+                                                  upcast=upcast, hidden=hidden, keep_for_backward=keep_for_backward)
+    return TokenLogps(logps, entropy=entropy, hidden=hidden.detach())
 
 
 def sequence_sums(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

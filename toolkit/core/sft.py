@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,13 +39,6 @@ from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from .attention import supports_varlen, use_varlen_attention, varlen_kwargs
-from .checkpoint import (
-    CompleteCheckpointCallback,
-    resolve_resume,
-    resume_already_finished,
-    save_trainer_checkpoint,
-)
-from .console import install_console
 from .data import (
     SFTCollator,
     as_rows,
@@ -55,9 +49,8 @@ from .data import (
     tokenize_for_sft,
     validate,
 )
-from .distributed import warn_if_sharding_ignored
 from .errors import ConfigError, DataError, TrainingHealthError
-from .model_card import write_model_card
+from .lifecycle import TrainerLifecycle
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -68,7 +61,6 @@ from .models import (
     unwrap_model,
 )
 from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
-from .plugins import notify_checkpoint_saved, notify_step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +221,7 @@ class _SFTStream(torch.utils.data.IterableDataset):
             yield _standard_keys(example) if self.standard_keys else example
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(TrainerLifecycle, Trainer):
     """Supervised fine-tuning on language-modeling or prompt-completion data (plain or conversational).
 
     Supports completion-only and assistant-only loss, padding-free batches and packing (each example
@@ -244,6 +236,7 @@ class SFTTrainer(Trainer):
     """
 
     _tag_names = ["toolkit", "sft"]
+    trainer_kind = "sft"
 
     def __init__(
         self,
@@ -375,13 +368,8 @@ class SFTTrainer(Trainer):
             self.dataset_format.describe(), completion_only, args.assistant_only_loss, args.packing,
             packed, args.max_length, args.gradient_checkpointing, report.loss_tokens,
         )
-        callbacks = list(callbacks or []) + [CompleteCheckpointCallback(
-            on_complete=lambda step, path: notify_checkpoint_saved("sft", step, path))]
-        super().__init__(
-            model=model, args=args, data_collator=collator, **datasets_, processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers, **kwargs,
-        )
-        install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
-        warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
+        super().__init__(model=model, args=args, data_collator=collator, **datasets_, processing_class=tokenizer,
+                         callbacks=callbacks, optimizers=optimizers, **kwargs)
         # Our compute_loss divides by the token count of the whole accumulated step (num_items_in_batch),
         # so Trainer must count the tokens and must not divide by the accumulation steps again.
         self.model_accepts_loss_kwargs = True
@@ -449,46 +437,20 @@ class SFTTrainer(Trainer):
             loss = -logps.sum() / max(logps.numel(), 1)
         return loss.detach(), None, None
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self.model.training:
-            now = time.perf_counter()
-            self._total_tokens += self._window_loss_tokens
-            # Real (non-padding) tokens through the model per second, and loss tokens seen so far.
-            logs["train_tokens_per_second"] = round(self._window_tokens / max(now - self._window_start, 1e-9), 1)
-            logs["num_loss_tokens"] = self._total_tokens
-            if logs["loss"] < 30:
-                logs["perplexity"] = round(math.exp(logs["loss"]), 3)
-            self._window_tokens, self._window_loss_tokens, self._window_start = 0, 0, now
-        super().log(logs, start_time)
-        notify_step_metrics("sft", self.state.global_step, logs)
+    def on_log_metrics(self, logs: dict[str, float], mode: str) -> None:
+        if mode != "train" or not self.model.training:
+            return
+        now = time.perf_counter()
+        self._total_tokens += self._window_loss_tokens
+        # Real (non-padding) tokens through the model per second, and loss tokens seen so far.
+        logs["train_tokens_per_second"] = round(self._window_tokens / max(now - self._window_start, 1e-9), 1)
+        logs["num_loss_tokens"] = self._total_tokens
+        if logs["loss"] < 30:
+            logs["perplexity"] = round(math.exp(logs["loss"]), 3)
+        self._window_tokens, self._window_loss_tokens, self._window_start = 0, 0, now
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights."""
-        super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            write_model_card(self, output_dir or self.args.output_dir)
-
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
-                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
-        """The card `push_to_hub` uploads (README.md in output_dir); TRL's `dataset_name`, `model_name`, `tags`
-        are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
-        write_model_card(self, self.args.output_dir, model_name=model_name,
-                         dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
-
-    def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint, written atomically: complete or absent (toolkit.core.checkpoint)."""
-        save_trainer_checkpoint(self, super()._save_checkpoint, model, trial)
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """As Trainer.train; `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint."""
-        path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        finished = resume_already_finished(self, path)
-        if finished is not None:
-            return finished
-        if path is not None:
-            logger.info("Resuming from %s", path)
+    def restore_checkpoint_state(self, folder: Path | None) -> None:
         self._window_start = time.perf_counter()
-        return super().train(resume_from_checkpoint=path, **kwargs)
 
 
 def _pack(examples: list[dict[str, list[int]]], capacity: int) -> list[dict[str, Any]]:

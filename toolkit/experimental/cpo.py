@@ -136,7 +136,8 @@ class CPOTrainer(DPOTrainer):
     """CPO / SimPO: DPOTrainer without a reference model and with CPO's losses; see the module docstring."""
 
     _tag_names = ["toolkit", "cpo"]  # noqa: RUF012 (transformers reads a list)
-    _method_card = ("Contrastive Preference Optimization (CPO) / SimPO", _CITATION)
+    method_card = ("Contrastive Preference Optimization (CPO) / SimPO", _CITATION)
+    trainer_kind = "cpo"
 
     def __init__(self, model: Any = None, args: CPOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None,
@@ -162,14 +163,13 @@ class CPOTrainer(DPOTrainer):
             per_token = self.args.cpo_loss_type in ("simpo", "ipo")
             c = chosen.detach() / chosen_len if per_token else chosen.detach()
             r = rejected.detach() / rejected_len if per_token else rejected.detach()
-            m = self._metrics
-            m[f"{mode}/rewards/chosen"].append((self.args.beta * c).mean().item())
-            m[f"{mode}/rewards/rejected"].append((self.args.beta * r).mean().item())
-            m[f"{mode}/rewards/accuracies"].append((c > r).float().mean().item())
-            m[f"{mode}/rewards/margins"].append((self.args.beta * (c - r)).mean().item())
-            m[f"{mode}/logps/chosen"].append(c.mean().item())
-            m[f"{mode}/logps/rejected"].append(r.mean().item())
-            m[f"{mode}/nll_loss"].append((-chosen.detach().sum() / chosen_len.sum()).item())
+            self.record_metric("rewards/chosen", (self.args.beta * c).mean(), mode=mode)
+            self.record_metric("rewards/rejected", (self.args.beta * r).mean(), mode=mode)
+            self.record_metric("rewards/accuracies", (c > r).float().mean(), mode=mode)
+            self.record_metric("rewards/margins", (self.args.beta * (c - r)).mean(), mode=mode)
+            self.record_metric("logps/chosen", c.mean(), mode=mode)
+            self.record_metric("logps/rejected", r.mean(), mode=mode)
+            self.record_metric("nll_loss", (-chosen.detach().sum() / chosen_len.sum()), mode=mode)
         if not torch.isfinite(loss):
             from toolkit.core.errors import TrainingHealthError
 
@@ -180,11 +180,11 @@ class CPOTrainer(DPOTrainer):
 
 def run_cpo_command(argv: list[str]) -> int:
     """`toolkit cpo --config <file>`: the DPO command's path (held-out accuracy and eval loss before/after)."""
-    from toolkit.core.cli import _model_init_kwargs, _peft_config, _run_offline
+    from toolkit.core.cli import run_offline
 
     def make(run, cfg, train, held_out):
         return CPOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
-                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+                          peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg))
 
-    return _run_offline(argv, CPOConfig, make, kind="preference", title="CPO",
-                        eval_keys=("eval_rewards/accuracies", "eval_rewards/margins"))
+    return run_offline(argv, CPOConfig, make, kind="preference", title="CPO",
+                       eval_keys=("eval_rewards/accuracies", "eval_rewards/margins"))

@@ -44,9 +44,9 @@ from toolkit.core.attention import packed_layout, supports_varlen, use_varlen_at
 from toolkit.core.data import DatasetFormat, tokenize_for_sft
 from toolkit.core.errors import ConfigError, DataError
 from toolkit.core.generation import Completion
-from toolkit.core.grpo import GRPOConfig, GRPOTrainer, Rollout
+from toolkit.core.grpo import GroupRolloutConfig, GRPOTrainer, Rollout
 from toolkit.core.models import DEFAULT_MODEL, load_model, load_tokenizer, output_head, place_frozen, unwrap_model
-from toolkit.core.numerics import _upcast_region
+from toolkit.core.numerics import upcast_region
 from toolkit.core.packing import completion_hidden
 from toolkit.core.rollout import generation_seed
 
@@ -81,7 +81,7 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
 
 def _chunk_jsd(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, temperature, upcast):
     dtype = torch.float32 if upcast else hidden.dtype
-    with _upcast_region(upcast, hidden.device.type):
+    with upcast_region(upcast, hidden.device.type):
         student = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
         with torch.no_grad():
             teacher = F.linear(teacher_hidden.to(dtype), teacher_weight.to(dtype),
@@ -90,10 +90,11 @@ def _chunk_jsd(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bia
 
 
 @dataclass
-class GKDConfig(GRPOConfig):
-    """Settings of `GKDTrainer`: GRPO's sampling and batching fields plus GKD's (TRL's names and defaults).
+class GKDConfig(GroupRolloutConfig):
+    """Settings of `GKDTrainer`: the GRPO family's sampling, reward and batching fields (`GroupRolloutConfig`) plus
+    GKD's below (TRL's names and defaults).
 
-    `beta` is GKD's interpolation of the divergence, not GRPO's KL coefficient.
+    `beta` is GKD's interpolation of the divergence.
     """
 
     output_dir: str | None = field(default="outputs/gkd", metadata={"help": "Checkpoints, final model."})
@@ -109,18 +110,13 @@ class GKDConfig(GRPOConfig):
     teacher_model_name_or_path: str | None = field(default=None, metadata={
         "help": "The teacher: a local path or embedded model name (the tokenizer must be the student's)."})
 
-    def _check_objective(self) -> None:
+    def __post_init__(self):
+        super().__post_init__()
         if not 0.0 <= self.lmbda <= 1.0:
             raise ConfigError(f"lmbda: the probability of an on-policy step must be in [0, 1], got {self.lmbda}.")
         if not 0.0 <= self.beta <= 1.0:
             raise ConfigError(f"beta: GKD's interpolation must be in [0, 1] (0 forward KL, 1 reverse KL), got "
                               f"{self.beta}.")
-        for name, default in (("num_iterations", 1), ("off_policy_mask_threshold", None),
-                              ("skip_solved_threshold", None), ("loss_kwargs", None),
-                              ("mask_truncated_completions", False)):
-            if getattr(self, name) != default:
-                raise ConfigError(f"{name}: GKD does not read GRPO's {name} (got {getattr(self, name)!r}); leave it "
-                                  "unset.")
         if self.lmbda < 1 and self.num_generations > 1:
             # the loss is a token mean, so G copies give the value of one, at G times the compute
             logger.warning("GKD: lmbda=%s with num_generations=%d: off-policy steps train on each dataset completion "
@@ -135,11 +131,12 @@ class GKDTrainer(GRPOTrainer):
     mode. `reward_funcs` are optional and only logged (the loss does not read them).
     """
 
-    _supports_environments = False  # multi-turn episodes: GRPOTrainer only, for now (docs/agents.md)
+    supports_environments = False  # multi-turn episodes: GRPOTrainer only, for now (docs/agents.md)
+    needs_rewards = False  # rewards are only logged
 
     _tag_names = ["toolkit", "gkd"]
-    _method_card = ("Generalized Knowledge Distillation (GKD)", _CITATION)
-    _needs_rewards = False
+    trainer_kind = "gkd"
+    method_card = ("Generalized Knowledge Distillation (GKD)", _CITATION)
 
     def __init__(self, model: Any = DEFAULT_MODEL, teacher_model: Any = None, args: GKDConfig | None = None,
                  reward_funcs: Any = (), train_dataset: Any = None, processing_class: Any = None, **kwargs: Any):
@@ -184,20 +181,21 @@ class GKDTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------ GRPO's seams
 
-    def _uses_reference(self, args: Any) -> bool:
+    def uses_reference_model(self, args: Any) -> bool:
         return False  # the teacher is not a reference: it is read in the loss, on every vocabulary entry
 
-    def _setup_objective(self, args: Any) -> None:
-        pass  # the loss is generalized_jsd; nothing to resolve
+    def setup_objective(self, args: Any) -> None:
+        if args.skip_solved_threshold is not None and not self.reward_runner.funcs:
+            raise ConfigError("skip_solved_threshold: a prompt counts as solved by its reward, and this GKD run has no "
+                              "reward functions; add reward_funcs or leave skip_solved_threshold unset.")
 
-    def _log_objective(self, args: Any, weights: list[float]) -> None:
-        logger.info("GKD: beta=%s (0 forward KL, 1 reverse KL), lmbda=%s (share of on-policy steps), %d prompts x %d "
-                    "samples per step; logged rewards %s.", args.beta, args.lmbda, self.prompts_per_round,
-                    args.num_generations, self.reward_runner.names or "none")
+    def describe_objective(self, args: Any) -> str:
+        return (f"GKD: beta={args.beta} (0 forward KL, 1 reverse KL), lmbda={args.lmbda} (share of on-policy steps); "
+                f"logged rewards {self.reward_runner.names or 'none'}")
 
-    def _prepare_prompts(self, train_dataset: Any, tokenizer: Any, args: Any) -> None:
+    def prepare_prompts(self, train_dataset: Any, tokenizer: Any, args: Any) -> None:
         """GRPO's prompt rows, and for lmbda < 1 the dataset's completions as token ids (before any model loads)."""
-        super()._prepare_prompts(train_dataset, tokenizer, args)
+        super().prepare_prompts(train_dataset, tokenizer, args)
         self._dataset_completions = self._tokenize_completions(args, tokenizer) if args.lmbda < 1 else None
 
     def _tokenize_completions(self, args: Any, tokenizer: Any) -> list[list[int]]:
@@ -258,12 +256,13 @@ class GKDTrainer(GRPOTrainer):
         # the loss reads no advantages; a group of one sample has no spread to compare with
         return torch.zeros_like(rewards), torch.zeros_like(rewards, dtype=torch.bool)
 
+    def select_rows(self, rollout: Rollout, zero_std: torch.Tensor) -> torch.Tensor:
+        """Every completion: distillation has no reward to filter on."""
+        return torch.ones_like(rollout.included)
+
     @torch.no_grad()
-    def build_rollout(self, row_indices, groups, rewards_per_func, t_gen, t_score) -> Rollout:
-        """GRPO's rollout with every completion in the loss: distillation has no reward to filter on."""
-        rollout = super().build_rollout(row_indices, groups, rewards_per_func, t_gen, t_score)
-        rollout.included = torch.ones_like(rollout.included)
-        rollout.metrics["frac_rows_in_loss"] = 1.0
+    def build_rollout(self, row_indices, groups, rewards_per_func, t_gen, t_score, **kwargs) -> Rollout:
+        rollout = super().build_rollout(row_indices, groups, rewards_per_func, t_gen, t_score, **kwargs)
         rollout.metrics.pop("frac_reward_zero_std", None)  # ties in reward do not stop distillation from learning
         return rollout
 
@@ -295,21 +294,21 @@ class GKDTrainer(GRPOTrainer):
         # the step's token count over every micro-batch and rank, so accumulated micro-batches add up to the mean
         # over the step's tokens (TRL's num_items_in_batch normalisation)
         loss = total / inputs["step_tokens"] + 0.0 * hidden.sum()  # 0 x hidden: a graph even with no token
-        self._health.check_finite(self.state.global_step, loss=loss)
-        self._step_metrics["jsd_per_token"].append(float(total.detach()) / max(int(keep.sum()), 1))
+        self.health.check_finite(self.state.global_step, loss=loss)
+        self.record_metric("jsd_per_token", total.detach() / keep.sum().clamp(min=1))
         return (loss, {}) if return_outputs else loss
 
 
 def run_gkd_command(argv: list[str]) -> int:
     """`toolkit gkd --config <file>`: GRPO's command path (held-out accuracy before/after, report); the teacher is
     `teacher_model_name_or_path`."""
-    from toolkit.core.cli import _model_init_kwargs, _peft_config, _run_online
+    from toolkit.core.cli import run_online
 
     def make(run, cfg, train, callbacks):
         return GKDTrainer(run.model, args=cfg, reward_funcs=list(run.reward_funcs), train_dataset=train,
-                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run),
+                          peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg),
                           callbacks=callbacks)
 
     # prompt + completion rows: off-policy steps (lmbda < 1) read the completions; on-policy ones ignore them
-    return _run_online(argv, GKDConfig, make, title="GKD", reward_key="reward", step_name="optimizer step",
+    return run_online(argv, GKDConfig, make, title="GKD", reward_key="reward", step_name="optimizer step",
                        kind="prompt_completion")

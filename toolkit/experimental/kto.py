@@ -30,12 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import Trainer
 
 from toolkit.core.data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from toolkit.core.dpo import DPOConfig, DPOTrainer
 from toolkit.core.errors import ConfigError, DataError, TrainingHealthError
-from toolkit.core.plugins import notify_step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +112,8 @@ class KTOTrainer(DPOTrainer):
     """KTO on unpaired (prompt, completion, label) data; see the module docstring."""
 
     _tag_names = ["toolkit", "kto"]  # noqa: RUF012 (transformers reads a list)
-    _method_card = ("Kahneman-Tversky Optimization (KTO)", _CITATION)
+    trainer_kind = "kto"
+    method_card = ("Kahneman-Tversky Optimization (KTO)", _CITATION)
 
     def __init__(self, model: Any = None, ref_model: Any = None, args: KTOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
@@ -136,7 +135,7 @@ class KTOTrainer(DPOTrainer):
 
     # ------------------------------------------------------------------------------------ data
 
-    def _prepare(self, data: Any, tokenizer: Any, args: Any, split: str) -> list[dict[str, Any]]:
+    def prepare_examples(self, data: Any, tokenizer: Any, args: Any, split: str) -> list[dict[str, Any]]:
         rows = normalize_rows(as_rows(data))
         fmt = detect_format(rows)
         if fmt.kind == "preference":
@@ -205,29 +204,17 @@ class KTOTrainer(DPOTrainer):
                                       "rate or check the data for extreme lengths.")
         mode = "train" if model.training else "eval"
         with torch.no_grad():
-            m = self._metrics
-            m[f"{mode}/kl"].append(float(kl))
+            self.record_metric("kl", kl, mode=mode)
             rewards = self.args.beta * logratios.detach()
             if labels.any():
-                m[f"{mode}/rewards/chosen"].append(rewards[labels].mean().item())
-                m[f"{mode}/logps/chosen"].append(target.detach()[labels].mean().item())
+                self.record_metric("rewards/chosen", rewards[labels].mean(), mode=mode)
+                self.record_metric("logps/chosen", target.detach()[labels].mean(), mode=mode)
             if (~labels).any():
-                m[f"{mode}/rewards/rejected"].append(rewards[~labels].mean().item())
-                m[f"{mode}/logps/rejected"].append(target.detach()[~labels].mean().item())
+                self.record_metric("rewards/rejected", rewards[~labels].mean(), mode=mode)
+                self.record_metric("logps/rejected", target.detach()[~labels].mean(), mode=mode)
             if labels.any() and (~labels).any():
-                m[f"{mode}/rewards/margins"].append((rewards[labels].mean() - rewards[~labels].mean()).item())
+                self.record_metric("rewards/margins", rewards[labels].mean() - rewards[~labels].mean(), mode=mode)
         return (loss, {"logps": target.detach()}) if return_outputs else loss
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # DPO's log watches accuracies (a paired quantity KTO does not have); KTO logs its own metrics
-        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
-        prefix = "eval_" if mode == "eval" else ""
-        for key, values in list(self._metrics.items()):
-            if key.startswith(mode + "/") and values:
-                logs[prefix + key[len(mode) + 1:]] = round(sum(values) / len(values), 6)
-                self._metrics[key] = []
-        Trainer.log(self, logs, start_time)
-        notify_step_metrics("kto", self.state.global_step, logs)
 
 
 class _KTOCollator:
@@ -264,11 +251,11 @@ def _refuse_dpo_only_fields(config: Any, method: str) -> None:
 
 def run_kto_command(argv: list[str]) -> int:
     """`toolkit kto --config <file>`: the DPO command's path; builtin preference pairs are unpaired."""
-    from toolkit.core.cli import _model_init_kwargs, _peft_config, _run_offline
+    from toolkit.core.cli import run_offline
 
     def make(run, cfg, train, held_out):
         return KTOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
-                          peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+                          peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg))
 
-    return _run_offline(argv, KTOConfig, make, kind="preference", title="KTO",
-                        eval_keys=("eval_rewards/margins", "eval_kl"))
+    return run_offline(argv, KTOConfig, make, kind="preference", title="KTO",
+                       eval_keys=("eval_rewards/margins", "eval_kl"))

@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from toolkit.core.errors import ConfigError, TrainingHealthError
-from toolkit.core.grpo import GRPOConfig, GRPOTrainer, Rollout
+from toolkit.core.grpo import GroupRolloutConfig, GRPOTrainer, Rollout
 from toolkit.core.models import DEFAULT_MODEL
+from toolkit.core.numerics import tokens_to_rows
 from toolkit.core.objectives import PreferenceLossInputs, resolve_preference_loss_settings
 from toolkit.core.packing import completion_logps
 from toolkit.core.plugins import registry
@@ -55,11 +56,12 @@ _CITATION = """@article{guo2024direct,
 
 
 @dataclass
-class OnlineDPOConfig(GRPOConfig):
-    """Settings of `OnlineDPOTrainer`: GRPO's sampling, reward and batching fields, DPO's loss fields.
+class OnlineDPOConfig(GroupRolloutConfig):
+    """Settings of `OnlineDPOTrainer`: the GRPO family's sampling, reward and batching fields (`GroupRolloutConfig`)
+    plus DPO's loss fields below.
 
-    `beta` is DPO's (the strength of the implicit KL to the reference), not GRPO's KL coefficient. Defaults
-    follow TRL's OnlineDPOConfig (beta 0.1, sigmoid, learning rate 5e-7, temperature 0.9, 2 completions).
+    `beta` is DPO's (the strength of the implicit KL to the reference). Defaults follow TRL's OnlineDPOConfig
+    (beta 0.1, sigmoid, learning rate 5e-7, temperature 0.9, 2 completions).
     """
 
     output_dir: str | None = field(default="outputs/online-dpo", metadata={"help": "Checkpoints, final model."})
@@ -71,12 +73,15 @@ class OnlineDPOConfig(GRPOConfig):
     beta: float = field(default=0.1, metadata={"help": "DPO's beta: strength of the implicit KL to the reference."})
     loss_type: str = field(default="sigmoid", metadata={
         "help": "A preference loss: sigmoid (DPO) | ipo | hinge | robust | a registered one."})
+    loss_kwargs: dict | None = field(default=None, metadata={
+        "help": "The preference loss's own settings (a plugin loss's), checked against its settings dataclass."})
     label_smoothing: float = field(default=0.0, metadata={"help": "cDPO label smoothing (sigmoid, robust)."})
     zero_variance_filter: bool = field(default=True, metadata={
         "help": "Leave pairs whose completions scored the same out of the loss (no preference). False: keep "
                 "them with the first completion as chosen (TRL's behaviour)."})
 
-    def _check_objective(self) -> None:
+    def __post_init__(self):
+        super().__post_init__()
         if not isinstance(self.loss_type, str):
             raise ConfigError(f"loss_type: online DPO takes one preference loss by name, got {self.loss_type!r}.")
         if not self.beta > 0:
@@ -89,13 +94,6 @@ class OnlineDPOConfig(GRPOConfig):
                               "with a preference loss; online DPO takes one preference loss (e.g. 'sigmoid').")
         loss = registry().get("preference_loss", self.loss_type, field="loss_type")
         resolve_preference_loss_settings(loss, self, name=self.loss_type)
-        # GRPO's own objective fields are not read here: refused by name rather than silently ignored.
-        for name, default in (("num_iterations", 1), ("off_policy_mask_threshold", None),
-                              ("skip_solved_threshold", None), ("advantage_estimator", "grpo"),
-                              ("advantage_estimator_kwargs", None), ("mask_truncated_completions", False)):
-            if getattr(self, name) != default:
-                raise ConfigError(f"{name}: online DPO does not read GRPO's {name} (got {getattr(self, name)!r}); "
-                                  "leave it unset.")
 
 
 def select_pairs(rewards: torch.Tensor, group_size: int, *, keep_ties: bool = False
@@ -125,31 +123,37 @@ def select_pairs(rewards: torch.Tensor, group_size: int, *, keep_ties: bool = Fa
 
 
 class OnlineDPOTrainer(GRPOTrainer):
-    """Online DPO on prompt data with reward functions (see the module docstring); GRPOTrainer's arguments."""
+    """Online DPO on prompt data with reward functions (see the module docstring); GRPOTrainer's arguments.
 
-    _supports_environments = False  # multi-turn episodes: GRPOTrainer only, for now (docs/agents.md)
+    Built on GRPO's rollouts through its public objective seams: the reference is always read, each group's
+    (best, worst) pair is chosen in `select_rows` and carried as `Rollout.pairs`, and `compute_loss` is DPO's.
+    """
+
+    supports_environments = False  # multi-turn episodes: GRPOTrainer only, for now (docs/agents.md)
 
     _tag_names = ["toolkit", "online-dpo"]
-    _method_card = ("Online DPO", _CITATION)
+    trainer_kind = "online-dpo"
+    method_card = ("Online DPO", _CITATION)
 
-    def __init__(self, model: Any = DEFAULT_MODEL, reward_funcs: Any = (), args: OnlineDPOConfig | None = None, **kwargs: Any):
+    def __init__(self, model: Any = DEFAULT_MODEL, reward_funcs: Any = (), args: OnlineDPOConfig | None = None,
+                 **kwargs: Any):
         args = args if args is not None else OnlineDPOConfig()
         if not isinstance(args, OnlineDPOConfig):
             raise ConfigError(f"args: OnlineDPOTrainer needs an OnlineDPOConfig, got {type(args).__name__}.")
         super().__init__(model, reward_funcs, args, **kwargs)
 
-    def _uses_reference(self, args: Any) -> bool:
+    # ------------------------------------------------------------------------------ GRPO's objective seams
+
+    def uses_reference_model(self, args: Any) -> bool:
         return True  # DPO's implicit reward is always relative to the reference
 
-    def _setup_objective(self, args: Any) -> None:
+    def setup_objective(self, args: Any) -> None:
         self.preference_loss = registry().get("preference_loss", args.loss_type, field="loss_type")
         resolve_preference_loss_settings(self.preference_loss, args, name=args.loss_type)
 
-    def _log_objective(self, args: Any, weights: list[float]) -> None:
-        logger.info("Online DPO: loss_type=%s beta=%s, %d completions per prompt (pair = best vs worst), %d prompts "
-                    "per step, ties %s; rewards %s with weights %s.", args.loss_type, args.beta, args.num_generations,
-                    self.prompts_per_round, "left out" if args.zero_variance_filter else "kept (first = chosen)",
-                    self.reward_runner.names, weights)
+    def describe_objective(self, args: Any) -> str:
+        return (f"Online DPO: loss_type={args.loss_type} beta={args.beta}, {args.num_generations} completions per "
+                f"prompt (pair = best vs worst), ties {'left out' if args.zero_variance_filter else 'kept'}")
 
     def compute_token_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Flat [N] log-probs of the sampled tokens at temperature 1: DPO's implicit reward is on the model's own
@@ -164,42 +168,40 @@ class OnlineDPOTrainer(GRPOTrainer):
         _, _, valid = select_pairs(rewards, G, keep_ties=not self.args.zero_variance_filter)
         return torch.zeros_like(rewards), (~valid).repeat_interleave(G)
 
-    @torch.no_grad()
-    def build_rollout(self, row_indices, groups, rewards_per_func, t_gen, t_score) -> Rollout:
-        """GRPO's rollout; then each group's (chosen, rejected) pair, marked by advantage +1 / -1 on the two rows
-        that stay in the loss (the micro-batches carry advantages, so the pairing needs no new field)."""
-        rollout = super().build_rollout(row_indices, groups, rewards_per_func, t_gen, t_score)
-        G = self.args.num_generations
-        chosen, rejected, valid = select_pairs(rollout.rewards, G, keep_ties=not self.args.zero_variance_filter)
+    def select_rows(self, rollout: Rollout, zero_std: torch.Tensor) -> torch.Tensor:
+        """Each group's (chosen, rejected) pair, as `rollout.pairs`; only the pairs' rows are in the loss."""
+        chosen, rejected, valid = select_pairs(rollout.rewards, self.args.num_generations,
+                                               keep_ties=not self.args.zero_variance_filter)
+        rollout.pairs = torch.stack([chosen[valid], rejected[valid]], dim=-1)
         included = torch.zeros_like(rollout.included)
-        advantages = torch.zeros_like(rollout.advantages)
-        included[chosen[valid]] = True
-        included[rejected[valid]] = True
-        advantages[chosen[valid]] = 1.0
-        advantages[rejected[valid]] = -1.0
-        rollout.included, rollout.advantages = included, advantages
-        margin = rollout.rewards[chosen[valid]] - rollout.rewards[rejected[valid]]
+        included[rollout.pairs.flatten()] = True
+        return included
+
+    @torch.no_grad()
+    def build_rollout(self, row_indices, groups, rewards_per_func, t_gen, t_score, **kwargs) -> Rollout:
+        """GRPO's rollout, with the pairs' metrics."""
+        rollout = super().build_rollout(row_indices, groups, rewards_per_func, t_gen, t_score, **kwargs)
+        pairs = rollout.pairs
+        margin = rollout.rewards[pairs[:, 0]] - rollout.rewards[pairs[:, 1]]
         rollout.metrics.update({
-            "frac_rows_in_loss": float(included.float().mean()),
-            "frac_pairs_in_loss": float(valid.float().mean()),
+            "frac_pairs_in_loss": len(pairs) / len(row_indices),
             "objective/scores": rollout.metrics["reward"],
             "objective/scores_margin": float(margin.mean()) if margin.numel() else 0.0,
         })
         return rollout
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        flat = self.compute_token_logps(model, inputs)
+        flat = self.forward_tokens(model, inputs).logps
         mask = inputs["completion_mask"]
-        seq = self._to_rows(flat, mask).sum(-1)
+        seq = tokens_to_rows(flat, mask).sum(-1)
         ref = (inputs["ref_logps"] * mask).sum(-1)
-        in_loss = inputs["loss_mask"].any(-1)
-        # Rows are prompt-major and each group holds at most one pair, so the i-th chosen and the i-th rejected
-        # row belong to the same prompt.
-        chosen, rejected = in_loss & (inputs["advantages"] > 0), in_loss & (inputs["advantages"] < 0)
-        if int(chosen.sum()) != int(rejected.sum()) or int(in_loss.sum()) != 2 * int(chosen.sum()):
-            raise TrainingHealthError(f"online DPO step {self.state.global_step}: {int(chosen.sum())} chosen and "
-                                      f"{int(rejected.sum())} rejected rows in a micro-batch; every pair must be "
-                                      "whole (a compute_loss or build_rollout override broke the pairing).")
+        pairs = inputs["pairs"].to(seq.device)
+        if int(inputs["loss_mask"].any(-1).sum()) != 2 * len(pairs):
+            raise TrainingHealthError(f"online DPO step {self.state.global_step}: {len(pairs)} pairs but "
+                                      f"{int(inputs['loss_mask'].any(-1).sum())} rows in the loss of a micro-batch; "
+                                      "every row in the loss must belong to one pair (a select_rows or "
+                                      "build_rollout override broke the pairing).")
+        chosen, rejected = pairs[:, 0], pairs[:, 1]
         logratios = seq - ref
         lengths = mask.sum(-1).to(seq.dtype)
         settings = resolve_preference_loss_settings(self.preference_loss, self.args, name=self.args.loss_type)
@@ -209,33 +211,34 @@ class OnlineDPOTrainer(GRPOTrainer):
         # the loss: one pair each), so accumulated micro-batches add up to the step's mean; 0 x seq keeps a graph
         # when this micro-batch has no pair.
         loss = losses.sum() / inputs["step_prompts"] + 0.0 * seq.sum()
-        self._health.check_finite(self.state.global_step, loss=loss, logps=flat)
-        self._record_pair_metrics(seq.detach(), ref, chosen, rejected, mask)
+        self.health.check_finite(self.state.global_step, loss=loss, logps=flat)
+        self._record_pair_metrics(seq.detach(), ref, chosen, rejected)
         return (loss, {"logps": flat.detach()}) if return_outputs else loss
 
-    def _record_pair_metrics(self, seq, ref, chosen, rejected, mask) -> None:
+    def _record_pair_metrics(self, seq, ref, chosen, rejected) -> None:
         """TRL's online-DPO metric names; the rewards are beta x log-ratio (DPO's implicit rewards)."""
-        s, beta = self._step_metrics, self.args.beta
-        s["beta"].append(beta)
-        if chosen.any():  # (a micro-batch without a pair holds one masked stand-in row: not a sample)
-            s["objective/kl"].append(float((seq - ref)[chosen | rejected].mean()))
-            c, r = beta * (seq - ref)[chosen], beta * (seq - ref)[rejected]
-            s["rewards/chosen"].append(float(c.mean()))
-            s["rewards/rejected"].append(float(r.mean()))
-            s["rewards/margins"].append(float((c - r).mean()))
-            s["rewards/accuracies"].append(float((c > r).float().mean()))
-            s["logps/chosen"].append(float(seq[chosen].mean()))
-            s["logps/rejected"].append(float(seq[rejected].mean()))
+        beta = self.args.beta
+        self.record_metric("beta", beta)
+        if len(chosen):  # (a micro-batch without a pair holds one masked stand-in row: not a sample)
+            logratios = seq - ref
+            c, r = beta * logratios[chosen], beta * logratios[rejected]
+            self.record_metric("objective/kl", torch.cat([logratios[chosen], logratios[rejected]]).mean())
+            self.record_metric("rewards/chosen", c.mean())
+            self.record_metric("rewards/rejected", r.mean())
+            self.record_metric("rewards/margins", (c - r).mean())
+            self.record_metric("rewards/accuracies", (c > r).float().mean())
+            self.record_metric("logps/chosen", seq[chosen].mean())
+            self.record_metric("logps/rejected", seq[rejected].mean())
 
 
 def run_online_dpo_command(argv: list[str]) -> int:
     """`toolkit online-dpo --config <file>`: GRPO's command path (held-out accuracy before/after, report)."""
-    from toolkit.core.cli import _model_init_kwargs, _peft_config, _run_online
+    from toolkit.core.cli import run_online
 
     def make(run, cfg, train, callbacks):
         return OnlineDPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train,
-                                peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run),
+                                peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg),
                                 callbacks=callbacks)
 
-    return _run_online(argv, OnlineDPOConfig, make, title="Online DPO", reward_key="reward",
+    return run_online(argv, OnlineDPOConfig, make, title="Online DPO", reward_key="reward",
                        step_name="optimizer step")

@@ -82,7 +82,8 @@ class ORPOTrainer(DPOTrainer):
     """ORPO: NLL of the chosen sequence plus the odds-ratio preference term, no reference; see the module docstring."""
 
     _tag_names = ["toolkit", "orpo"]  # noqa: RUF012 (transformers reads a list)
-    _method_card = ("Odds Ratio Preference Optimization (ORPO)", _CITATION)
+    method_card = ("Odds Ratio Preference Optimization (ORPO)", _CITATION)
+    trainer_kind = "orpo"
 
     def __init__(self, model: Any = None, args: ORPOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None,
@@ -130,26 +131,25 @@ class ORPOTrainer(DPOTrainer):
         mode = "train" if model.training else "eval"
         with torch.no_grad():
             c, r = self.args.beta * chosen.detach(), self.args.beta * rejected.detach()
-            m = self._metrics
-            m[f"{mode}/rewards/chosen"].append(c.mean().item())
-            m[f"{mode}/rewards/rejected"].append(r.mean().item())
-            m[f"{mode}/rewards/accuracies"].append((c > r).float().mean().item())
-            m[f"{mode}/rewards/margins"].append((c - r).mean().item())
-            m[f"{mode}/logps/chosen"].append(chosen.detach().mean().item())
-            m[f"{mode}/logps/rejected"].append(rejected.detach().mean().item())
-            m[f"{mode}/nll_loss"].append(nll.detach().item())
-            m[f"{mode}/log_odds_ratio"].append(ratio.detach().mean().item())
-            m[f"{mode}/log_odds_chosen"].append(log_odds.detach().mean().item())
+            self.record_metric("rewards/chosen", c.mean(), mode=mode)
+            self.record_metric("rewards/rejected", r.mean(), mode=mode)
+            self.record_metric("rewards/accuracies", (c > r).float().mean(), mode=mode)
+            self.record_metric("rewards/margins", (c - r).mean(), mode=mode)
+            self.record_metric("logps/chosen", chosen.detach().mean(), mode=mode)
+            self.record_metric("logps/rejected", rejected.detach().mean(), mode=mode)
+            self.record_metric("nll_loss", nll.detach(), mode=mode)
+            self.record_metric("log_odds_ratio", ratio.detach().mean(), mode=mode)
+            self.record_metric("log_odds_chosen", log_odds.detach().mean(), mode=mode)
         return (loss, {"chosen": chosen.detach()}) if return_outputs else loss
 
 
 def run_orpo_command(argv: list[str]) -> int:
     """`toolkit orpo --config <file>`: the DPO command's path (held-out accuracy and eval loss before/after)."""
-    from toolkit.core.cli import _model_init_kwargs, _peft_config, _run_offline
+    from toolkit.core.cli import run_offline
 
     def make(run, cfg, train, held_out):
         return ORPOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
-                           peft_config=_peft_config(run), model_init_kwargs=_model_init_kwargs(run))
+                           peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg))
 
-    return _run_offline(argv, ORPOConfig, make, kind="preference", title="ORPO",
-                        eval_keys=("eval_rewards/accuracies", "eval_rewards/margins", "eval_nll_loss"))
+    return run_offline(argv, ORPOConfig, make, kind="preference", title="ORPO",
+                       eval_keys=("eval_rewards/accuracies", "eval_rewards/margins", "eval_nll_loss"))

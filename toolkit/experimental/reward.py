@@ -34,7 +34,6 @@ __all__ = ["RewardConfig", "RewardTrainer", "run_reward_command"]
 
 import logging
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,17 +42,9 @@ import torch.nn.functional as F
 from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments, set_seed
 
-from toolkit.core.checkpoint import (
-    CompleteCheckpointCallback,
-    resolve_resume,
-    resume_already_finished,
-    save_trainer_checkpoint,
-)
-from toolkit.core.console import install_console
-from toolkit.core.distributed import warn_if_sharding_ignored
 from toolkit.core.data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from toolkit.core.errors import ConfigError, DataError, TrainingHealthError
-from toolkit.core.model_card import write_model_card
+from toolkit.core.lifecycle import TrainerLifecycle
 from toolkit.core.models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -62,7 +53,6 @@ from toolkit.core.models import (
     prepare_model,
     sequence_classifier_parts,
 )
-from toolkit.core.plugins import notify_checkpoint_saved, notify_step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +122,12 @@ def _template_suffix(tokenizer: Any, template_kwargs: dict | None) -> list[int]:
     return ids[len(ids) - ids[::-1].index(eos):]
 
 
-class RewardTrainer(Trainer):
+class RewardTrainer(TrainerLifecycle, Trainer):
     """Bradley-Terry reward modelling on preference pairs; see the module docstring and docs/reward.md."""
 
     _tag_names = ["toolkit", "reward-modeling"]  # noqa: RUF012 (transformers reads a list)
-    _method_card = ("Reward modelling (Bradley-Terry)", _CITATION)
+    method_card = ("Reward modelling (Bradley-Terry)", _CITATION)
+    trainer_kind = "reward"
 
     def __init__(
         self,
@@ -160,8 +151,8 @@ class RewardTrainer(Trainer):
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        train_tok = self._prepare(train_dataset, tokenizer, args, "train")
-        eval_tok = self._prepare(eval_dataset, tokenizer, args, "eval") if eval_dataset is not None else None
+        train_tok = self.prepare_examples(train_dataset, tokenizer, args, "train")
+        eval_tok = self.prepare_examples(eval_dataset, tokenizer, args, "eval") if eval_dataset is not None else None
 
         # 2. Model: a sequence classifier with one output.
         init_kwargs = dict(model_init_kwargs or {})
@@ -199,20 +190,15 @@ class RewardTrainer(Trainer):
                     f", centring {args.center_rewards_coefficient}" if args.center_rewards_coefficient else "",
                     args.max_length)
 
-        callbacks = list(callbacks or []) + [CompleteCheckpointCallback(
-            on_complete=lambda step, path: notify_checkpoint_saved("reward", step, path))]
         super().__init__(model=model, args=args, data_collator=_PairCollator(tokenizer.pad_token_id),
                          train_dataset=Dataset.from_list(train_tok),
                          eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
-        install_console(self)
-        warn_if_sharding_ignored(self)
         self.loss_is_scaled_for_ga = False  # a mean over the micro-batch's pairs; Trainer divides by accumulation
-        self._metrics: dict[str, list[float]] = defaultdict(list)
 
     # ----------------------------------------------------------------------------------- data
 
-    def _prepare(self, data: Any, tokenizer: Any, args: RewardConfig, split: str) -> list[dict[str, Any]]:
+    def prepare_examples(self, data: Any, tokenizer: Any, args: RewardConfig, split: str) -> list[dict[str, Any]]:
         rows = normalize_rows(as_rows(data))
         fmt = detect_format(rows)
         if fmt.kind not in ("preference", "tokenized_preference"):
@@ -292,12 +278,11 @@ class RewardTrainer(Trainer):
             gather = self.accelerator.gather_for_metrics if self.accelerator.num_processes > 1 else (lambda t: t)
             diff = gather((chosen - rejected).detach())
             both = gather(torch.cat([chosen, rejected]).detach())
-            m = self._metrics
-            m[f"{mode}/accuracy"] += (diff > 0).float().tolist()
-            m[f"{mode}/margin"] += diff.tolist()
-            m[f"{mode}/mean_reward"] += both.tolist()
-            m[f"{mode}/min_reward"].append(both.min().item())
-            m[f"{mode}/max_reward"].append(both.max().item())
+            self.record_metric("accuracy", (diff > 0).float(), mode=mode)
+            self.record_metric("margin", diff, mode=mode)
+            self.record_metric("mean_reward", both, mode=mode)
+            self.record_metric("min_reward", both.min(), mode=mode)
+            self.record_metric("max_reward", both.max(), mode=mode)
         return (loss, {"chosen": chosen.detach(), "rejected": rejected.detach()}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -306,22 +291,12 @@ class RewardTrainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
-        prefix = "eval_" if mode == "eval" else ""
-        for key, values in list(self._metrics.items()):
-            if key.startswith(mode + "/") and values:
-                logs[prefix + key[len(mode) + 1:]] = round(sum(values) / len(values), 6)
-                self._metrics[key] = []
-        super().log(logs, start_time)
-        notify_step_metrics("reward", self.state.global_step, logs)
-
     @torch.no_grad()
     def pair_report(self, dataset: Any = None) -> dict[str, Any]:
         """Pass/fail on held-out pairs (default: eval_dataset): a pair passes when chosen scores above rejected.
 
         Returns {"pairs", "accuracy", "mean_margin", "failed_rows"} (row indices of the dataset given)."""
-        examples = (self._prepare(dataset, self.processing_class, self.args, "report") if dataset is not None
+        examples = (self.prepare_examples(dataset, self.processing_class, self.args, "report") if dataset is not None
                     else [self.eval_dataset[i] for i in range(len(self.eval_dataset))] if self.eval_dataset is not None
                     else None)
         if examples is None:
@@ -338,33 +313,6 @@ class RewardTrainer(Trainer):
         failed = [i for i, m in enumerate(margins) if not m > 0]
         return {"pairs": len(margins), "accuracy": 1 - len(failed) / max(len(margins), 1),
                 "mean_margin": sum(margins) / max(len(margins), 1), "failed_rows": failed}
-
-    # Copied from toolkit.core.sft.SFTTrainer.save_model
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights."""
-        super().save_model(output_dir, _internal_call)
-        if self.args.should_save:
-            write_model_card(self, output_dir or self.args.output_dir)
-
-    # Copied from toolkit.core.sft.SFTTrainer.create_model_card
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
-                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
-        """The card `push_to_hub` uploads (README.md in output_dir); TRL's `dataset_name`, `model_name`, `tags`
-        are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
-        write_model_card(self, self.args.output_dir, model_name=model_name,
-                         dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
-
-    def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint, written atomically: complete or absent (toolkit.core.checkpoint)."""
-        save_trainer_checkpoint(self, super()._save_checkpoint, model, trial)
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """As Trainer.train; `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint."""
-        path = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        finished = resume_already_finished(self, path)
-        if finished is not None:
-            return finished
-        return super().train(resume_from_checkpoint=path, **kwargs)
 
 
 class _PairCollator:
@@ -391,14 +339,14 @@ class _PairCollator:
 def run_reward_command(argv: list[str]) -> int:
     """`toolkit reward --config <file> [--field value ...]`: train, report held-out pair accuracy before/after,
     save to output_dir/final with its card, print a summary (the CLI path SFT and DPO take)."""
-    from toolkit.core.cli import _model_init_kwargs, _peft_config, _run_offline
+    from toolkit.core.cli import run_offline
 
     def make(run, cfg, train, held_out):
-        peft = _peft_config(run)
+        peft = run.peft_config()
         if peft is not None:
             peft.task_type = "SEQ_CLS"  # PEFT then trains the score head too (modules_to_save)
         return RewardTrainer(run.model, cfg, train_dataset=train, eval_dataset=held_out,
-                             peft_config=peft, model_init_kwargs=_model_init_kwargs(run))
+                             peft_config=peft, model_init_kwargs=run.model_init_kwargs(cfg))
 
-    return _run_offline(argv, RewardConfig, make, kind="preference", title="Reward model",
-                        eval_keys=("eval_accuracy", "eval_margin"), generates=False)
+    return run_offline(argv, RewardConfig, make, kind="preference", title="Reward model",
+                       eval_keys=("eval_accuracy", "eval_margin"), generates=False)

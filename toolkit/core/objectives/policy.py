@@ -52,7 +52,9 @@ __all__ = [
     "PolicyObjectiveSettings",
     "SeqMISSettings",
     "clipped_surrogate_term",
+    "legacy_policy_loss_inputs",
     "policy_objective",
+    "policy_term_of",
     "resolve_policy_loss_settings",
 ]
 
@@ -442,3 +444,39 @@ def legacy_policy_loss(fn: Callable[..., Any], *, name: str, origin: str) -> Pol
         del adapted.check_config
     return PolicyLoss(adapted, settings=_LegacyConfigSettings, aggregation=getattr(fn, "aggregation", "token"),
                       description=(fn.__doc__ or "").strip().split("\n")[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainers' `compute_policy_loss` seam and its toolkit 0.1 form (GRPO and PPO)
+# ------------------------------------------------------------------------------------------------
+
+_LEGACY_SEAM_MESSAGE = (
+    "{cls}.compute_policy_loss(logps, old_logps, advantages, mask) is the toolkit 0.1 seam, deprecated in 0.2 and "
+    "removed in 0.3: override compute_policy_loss(self, inputs: PolicyLossInputs) and read inputs.logps, "
+    "inputs.old_logps, inputs.advantages, inputs.loss_mask.")
+
+
+def legacy_policy_loss_inputs(cls_name: str, logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                              mask: torch.Tensor) -> PolicyLossInputs:
+    """`compute_policy_loss(logps, old_logps, advantages, mask)` called in the toolkit 0.1 form (a subclass's
+    `super()` call): the same inputs as a `PolicyLossInputs`, with a deprecation warning."""
+    warnings.warn(_LEGACY_SEAM_MESSAGE.format(cls=cls_name), ToolkitDeprecationWarning, stacklevel=3)
+    return PolicyLossInputs(logps=logps, old_logps=old_logps, advantages=advantages, loss_mask=mask)
+
+
+def policy_term_of(trainer: Any, base: type) -> Callable[[PolicyLossInputs], tuple[torch.Tensor, dict]]:
+    """The per-token term `policy_objective` calls: `trainer.compute_policy_loss`, in either form.
+
+    `base` is the trainer class that defines the seam (GRPOTrainer, PPOTrainer). An override with four positional
+    tensor parameters is the toolkit 0.1 form: it is called that way (with a deprecation warning once, here),
+    without touching the user's class.
+    """
+    import inspect
+
+    method = trainer.compute_policy_loss
+    params = [p for p in inspect.signature(method).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if type(trainer).compute_policy_loss is base.compute_policy_loss or len(params) < 4:
+        return method
+    warnings.warn(_LEGACY_SEAM_MESSAGE.format(cls=type(trainer).__name__), ToolkitDeprecationWarning, stacklevel=3)
+    return lambda inputs: method(inputs.logps, inputs.old_logps, inputs.advantages, inputs.loss_mask)
