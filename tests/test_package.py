@@ -40,9 +40,10 @@ def test_copied_blocks_in_the_package_match_their_sources():
     found, problems = check_tree(toolkit.__path__[0])
     print(f"{found} 'Copied from' blocks verified")  # shown with -rP / in the CI log of a failure
     assert not problems, "\n".join(map(str, problems))
-    # The deliberate copies between trainers (PPO's prompt preparation and _to_rows from GRPO) are markers the
-    # checker must find: a marker lost in a refactor would turn this test into one that checks nothing.
-    assert found >= 2, f"only {found} 'Copied from' markers found in the package"
+    # The deliberate copy between trainers (PPO's prompt preparation, from GRPO) is a marker the checker must find:
+    # a marker lost in a refactor would turn this test into one that checks nothing. (What trainers on
+    # transformers.Trainer share is written once in toolkit.core.lifecycle; per-token rows in numerics.)
+    assert found >= 1, f"only {found} 'Copied from' markers found in the package"
 
 
 def _write_pkg(tmp_path, copy_body, marker="# Copied from pkg_src.mod.Source.method with Source->Copy"):

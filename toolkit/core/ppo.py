@@ -48,16 +48,15 @@ from typing import Any
 import torch
 from datasets import Dataset
 from torch import nn
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer
 from transformers.trainer_utils import TrainOutput
 
 from .attention import packed_layout, supports_varlen, use_varlen_attention
 from .checkpoint import begin_checkpoint, commit_checkpoint, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
-from .console import install_console
 from .distributed import env_world_size, refuse_sharding
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
-from .generation import SamplingParams
+from .lifecycle import TrainerLifecycle
 from .model_card import write_model_card
 from .models import (
     DEFAULT_MODEL,
@@ -72,24 +71,26 @@ from .models import (
     unwrap_model,
 )
 from .numerics import (
-    DEFAULT_CHUNK_SIZE,
     clipped_value_loss,
     explained_variance,
     gae,
     kl_estimate,
     masked_whiten,
+    tokens_to_rows,
 )
-from .objectives import ClipSettings, PolicyLossInputs, clipped_surrogate_term, resolve_settings
+from .objectives import PolicyLossInputs, resolve_policy_loss_settings
+from .objectives.policy import legacy_policy_loss_inputs, policy_term_of
 from .packing import (
+    TokenLogps,
     completion_entropy,
     completion_hidden,
-    completion_logps,
-    completion_logps_and_entropy,
+    completion_token_pass,
     pack_for_layout,
 )
-from .plugins import notify_checkpoint_saved, notify_step_metrics, registry, resolve_reward
+from .plugins import registry, resolve_reward
 from .rewards import RewardRunner, score_completions
 from .rollout import generation_seed, order_seed
+from .rollout_config import RolloutConfig
 
 __all__ = [
     "AdaptiveKLController",
@@ -112,8 +113,9 @@ _STAT_KEYS = ("loss/policy", "loss/value", "policy/approxkl", "policy/clipfrac",
 
 
 @dataclass
-class PPOConfig(TrainingArguments):
-    """Settings of `PPOTrainer`: every `TrainingArguments` field plus the ones below (TRL's names where TRL has one).
+class PPOConfig(RolloutConfig):
+    """Settings of `PPOTrainer`: `RolloutConfig`'s sampling, backend and reward fields plus the ones below (TRL's
+    names where TRL has one).
 
     One update = one rollout of `rollout_batch_size` completions, then `num_ppo_epochs` x
     `num_mini_batches` optimizer steps; `max_steps` counts updates. A mini-batch is
@@ -127,36 +129,27 @@ class PPOConfig(TrainingArguments):
     output_dir: str | None = field(default="outputs/ppo", metadata={"help": "Checkpoints, final model, report."})
     learning_rate: float = field(default=3e-6, metadata={"help": "Peak AdamW learning rate (policy and critic)."})
     logging_steps: float = field(default=1, metadata={"help": "Log every this many updates."})
-    report_to: Any = field(default="none", metadata={"help": "Integrations to report to."})
-    remove_unused_columns: bool = field(default=False, metadata={"help": "Kept False (rows are looked up by index)."})
-    optim: str = field(default="adamw_torch_fused", metadata={"help": "Optimizer (TrainingArguments names)."})
 
     rollout_batch_size: int | None = field(default=None, metadata={
         "help": "Completions per update in each process (N processes: N x this per update); default per_device_train_batch_size x gradient_accumulation_steps x "
                 "num_mini_batches, and if given it must equal that."})
     num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per epoch over one rollout."})
     num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout."})
-    max_prompt_length: int | None = field(default=512, metadata={
-        "help": "Prompts longer than this many tokens are cut from the left, and the count reported."})
-    max_completion_length: int = field(default=64, metadata={"help": "Most tokens sampled per completion."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also used for log-probs)."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (1.0 = off)."})
-    top_k: int = field(default=0, metadata={"help": "Sample among the k most likely tokens (0 = off)."})
-    min_p: float = field(default=0.0, metadata={"help": "Drop tokens below min_p x the top probability (0 = off)."})
-    stop_token_ids: list[int] | None = field(default=None, metadata={
-        "help": "Tokens that end a completion; default: the tokenizer's EOS."})
-    generation_backend: str = field(default="transformers", metadata={"help": "Generation backend by name."})
-    generation_backend_kwargs: dict | None = field(default=None, metadata={
-        "help": "Settings passed to the generation backend's factory; the transformers backend takes only dtype "
-                "(checked here). A backend object handed to the trainer is already built and reads none."})
-    generation_batch_size: int = field(default=256, metadata={
-        "help": "Most sequences the transformers backend decodes at once."})
 
     critic: str | None = field(default=None, metadata={
         "help": "head (value head on the policy's hidden states, one shared forward) | separate (own backbone: a "
                 "copy of the policy's, or value_model) | base (PEFT: value head on the adapter-free base). Default: "
                 "'separate' when a value_model is given, else 'head'."})
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    loss_type: str = field(default="ppo", metadata={
+        "help": "The policy loss by name (the registry GRPO uses): ppo (the clipped surrogate, PPO's own) | a "
+                "registered loss that averages over tokens (cispo from plugins/toolkit-cispo, decoupled_ppo, m2po, "
+                "seq_mis); `toolkit plugins` lists them. PPO takes a token mean over each mini-batch, so losses that "
+                "average otherwise (grpo, dr_grpo, ...) are refused."})
+    loss_kwargs: dict | None = field(default=None, metadata={
+        "help": "The policy loss's own settings (e.g. {epsilon_max = 5.0} for cispo), checked against its settings "
+                "dataclass before any model loads; epsilon is set by its config field."})
     epsilon: float = field(default=0.2, metadata={
         "help": "Clip range of the policy ratio, [1 - epsilon, 1 + epsilon] (GRPO's name; TRL's PPO calls it cliprange)."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value update."})
@@ -175,16 +168,7 @@ class PPOConfig(TrainingArguments):
     whiten_advantages: bool = field(default=True, metadata={"help": "Whiten advantages over the rollout's tokens."})
     early_stop_approx_kl: float | None = field(default=None, metadata={
         "help": "Stop this update's remaining epochs when a mini-batch's approximate KL to pi_old exceeds this."})
-    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function."})
     reward_model_weight: float = field(default=1.0, metadata={"help": "Weight of the reward model's score."})
-    reward_timeout: float = field(default=60.0, metadata={"help": "Seconds a reward function may take per batch."})
-    reward_max_consecutive_failures: int = field(default=3, metadata={
-        "help": "Stop the run (naming the function, its error and the columns it got) when a reward function fails "
-                "on this many batches in a row; a failure is an exception, a timeout, a wrong length, or NaN."})
-    logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
-    fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
-    model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
-    chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
     kl_coef: float | None = field(default=None, metadata={
         "help": "Deprecated alias of beta (toolkit 0.1's and TRL's PPO name); removed in toolkit 0.3."})
     cliprange: float | None = field(default=None, metadata={
@@ -207,16 +191,7 @@ class PPOConfig(TrainingArguments):
         # measured on SmolLM2 (8 x ~56 tokens, policy + critic), 26.4 s/update with checkpointing vs 19.4 without.
         # Off unless asked for, under either of its names.
         apply_cpu_training_defaults(self, cpu_checkpointing=False)
-        super().__post_init__()
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ConfigError(f"max_prompt_length: must be >= 1 or None (no cut), got {self.max_prompt_length}.")
-        if self.max_completion_length < 1:
-            raise ConfigError(f"max_completion_length: must be >= 1, got {self.max_completion_length}.")
-        if not self.reward_timeout > 0:
-            raise ConfigError(f"reward_timeout: must be > 0 seconds, got {self.reward_timeout}.")
-        if self.reward_max_consecutive_failures < 1:
-            raise ConfigError(f"reward_max_consecutive_failures: must be >= 1, got "
-                              f"{self.reward_max_consecutive_failures}.")
+        super().__post_init__()  # RolloutConfig: sampling, backend and reward fields
         # PPO owns its loop (docs/ppo.md): it saves every `save_steps` updates or not at all.
         strategy = str(getattr(self.save_strategy, "value", self.save_strategy))
         if strategy not in ("no", "steps"):
@@ -247,7 +222,12 @@ class PPOConfig(TrainingArguments):
             raise ConfigError(f"kl_estimator: '{self.kl_estimator}' is not k1 | k3.")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ConfigError(f"gamma, lam: must be in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
-        resolve_settings(ClipSettings, self, kwargs=None, kwargs_field="", owner="PPO")  # checks epsilon
+        loss = registry().get("policy_loss", self.loss_type, field="loss_type")
+        if loss.aggregation != "token":
+            raise ConfigError(f"loss_type: '{self.loss_type}' averages by '{loss.aggregation}', and PPO takes a token "
+                              "mean over each mini-batch (its advantages are per token); use 'ppo' or a loss that "
+                              "averages over tokens (`toolkit plugins` lists them with their aggregation).")
+        resolve_policy_loss_settings(loss, self, name=self.loss_type)  # checks epsilon and loss_kwargs
         if self.cliprange_value <= 0:
             raise ConfigError(f"cliprange_value: must be > 0, got {self.cliprange_value}.")
         if self.beta < 0:
@@ -258,13 +238,6 @@ class PPOConfig(TrainingArguments):
             raise ConfigError(f"target_kl: must be > 0 or None, got {self.target_kl}.")
         if self.early_stop_approx_kl is not None and self.early_stop_approx_kl <= 0:
             raise ConfigError(f"early_stop_approx_kl: must be > 0 or None, got {self.early_stop_approx_kl}.")
-        registry().get("generation_backend", self.generation_backend, field="generation_backend")
-        if self.generation_backend == "transformers":
-            from .generation import _check_transformers_backend_kwargs
-
-            _check_transformers_backend_kwargs(self.generation_backend_kwargs)  # before any model loads
-        SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, min_p=self.min_p)  # validates the sampling fields
 
 
 class AdaptiveKLController:
@@ -323,10 +296,11 @@ class PPORollout:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class PPOTrainer(Trainer):
+class PPOTrainer(TrainerLifecycle, Trainer):
     """PPO on prompts with a reward model and/or reward functions; see the module docstring and docs/ppo.md."""
 
     _tag_names = ["toolkit", "ppo"]  # noqa: RUF012 (transformers reads a list)
+    trainer_kind = "ppo"
 
     def __init__(
         self,
@@ -353,12 +327,6 @@ class PPOTrainer(Trainer):
             # run: unscaled float16 gradients underflow and the run learns nothing, silently.
             raise ConfigError("fp16: PPOTrainer does not support fp16 mixed precision (its own loop has no loss "
                               "scaler); use bf16=True (autocast over float32 weights) or train in float32.")
-        if callable(reward_funcs) or isinstance(reward_funcs, str):
-            reward_funcs = [reward_funcs]
-        reward_funcs = list(reward_funcs)
-        if not reward_funcs and reward_model is None:
-            raise ConfigError("reward_funcs / reward_model: PPO needs a reward source; pass reward functions "
-                              "(e.g. reward_funcs=['numeric_match']), a sequence-classification reward_model, or both.")
         # The critic layout, resolved here (the config is the caller's and is not written to). By default a shared
         # value head (trlx's and TRL 0.x's layout): one backbone forward and backward serves log-probs and values,
         # and no second model holds weights, gradients and Adam moments (bench/ppo_vs_trl.py measures both
@@ -374,6 +342,57 @@ class PPOTrainer(Trainer):
                               "critic='separate' to use value_model.")
         if train_dataset is None:
             raise ConfigError("train_dataset: PPOTrainer needs prompts (Dataset, list of dicts or .jsonl path).")
+        self._setup_rewards(reward_funcs, reward_model, args)
+        # 1. Data, before any model work.
+        tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.prepare_prompts(train_dataset, tokenizer, args)
+        rows = self.rows
+        if len(rows) < args.rollout_batch_size * env_world_size():
+            on = f" x {env_world_size()} processes" if env_world_size() > 1 else ""
+            raise ConfigError(f"train_dataset: {len(rows)} prompts, fewer than one update needs (rollout_batch_size="
+                              f"{args.rollout_batch_size}{on}).")
+
+        # 2. Models: policy, reference, critic, reward model.
+        policy = self._build_models(model, args, peft_config, model_init_kwargs, ref_model, value_model, reward_model)
+        self.sampling = args.sampling_params(tokenizer.eos_token_id)
+        self.generation_backend = generation_backend if generation_backend is not None else registry().get(
+            "generation_backend", args.generation_backend, field="generation_backend")(policy, tokenizer, args)
+        self.kl_controller = AdaptiveKLController(args.beta, args.target_kl, args.kl_horizon)
+        self.policy_loss = registry().get("policy_loss", args.loss_type, field="loss_type")
+        self.loss_settings = resolve_policy_loss_settings(self.policy_loss, args, name=args.loss_type)
+        self._policy_term = policy_term_of(self, PPOTrainer)
+        logger.info(
+            "PPO: %d prompts, %d completions per update%s, %d epochs x %d mini-batches; critic=%s; beta=%s (%s%s); "
+            "gamma=%s lam=%s loss_type=%s (%s) cliprange_value=%s vf_coef=%s; rewards: %s%s.",
+            len(rows), args.rollout_batch_size,
+            f" per process x {env_world_size()} processes" if env_world_size() > 1 else "", args.num_ppo_epochs, args.num_mini_batches, critic,
+            args.beta, args.kl_estimator, f", adaptive to {args.target_kl}" if args.target_kl else ", fixed",
+            args.gamma, args.lam, args.loss_type, self.loss_settings, args.cliprange_value, args.vf_coef,
+            self.reward_runner.names if self.reward_runner else "[]", " + reward model" if reward_model else "")
+
+        super().__init__(model=policy, args=args, train_dataset=Dataset.from_list([{"row_index": 0}]),
+                         processing_class=tokenizer, callbacks=callbacks)
+        # Trainer places only the policy; the reference, critic and reward model were built on the CPU. Every
+        # tensor a rollout or an update builds goes to this device too (`_pack`, `generate_rollout`).
+        if self.ref_model is not None:
+            place_frozen(self.ref_model, self.args.device)
+        if self.reward_model is not None and not self._dispatched["reward model"]:
+            self.reward_model.to(self.args.device)
+        if not self._dispatched["critic"]:
+            self.critic.to(self.args.device)
+        self._step_metrics: dict[str, list[float]] = defaultdict(list)  # averaged over ranks at each log
+
+    def _setup_rewards(self, reward_funcs: Any, reward_model: Any, args: PPOConfig) -> None:
+        """The reward functions (run under their timeouts) and their weights; a reward model is loaded with the
+        other models."""
+        if callable(reward_funcs) or isinstance(reward_funcs, str):
+            reward_funcs = [reward_funcs]
+        reward_funcs = list(reward_funcs)
+        if not reward_funcs and reward_model is None:
+            raise ConfigError("reward_funcs / reward_model: PPO needs a reward source; pass reward functions "
+                              "(e.g. reward_funcs=['numeric_match']), a sequence-classification reward_model, or both.")
         self.reward_runner = (RewardRunner([resolve_reward(f) for f in reward_funcs], timeout=args.reward_timeout,
                                            max_consecutive_failures=args.reward_max_consecutive_failures)
                               if reward_funcs else None)
@@ -383,18 +402,10 @@ class PPOTrainer(Trainer):
                               "give one weight per function.")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
 
-        # 1. Data, before any model work.
-        tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        self._prepare_prompts(train_dataset, tokenizer, args)
-        rows = self.rows
-        if len(rows) < args.rollout_batch_size * env_world_size():
-            on = f" x {env_world_size()} processes" if env_world_size() > 1 else ""
-            raise ConfigError(f"train_dataset: {len(rows)} prompts, fewer than one update needs (rollout_batch_size="
-                              f"{args.rollout_batch_size}{on}).")
-
-        # 2. Models: policy, reference, critic, reward model.
+    def _build_models(self, model: Any, args: PPOConfig, peft_config: Any, model_init_kwargs: dict | None,
+                      ref_model: Any, value_model: Any, reward_model: Any) -> Any:
+        """The policy (PEFT applied), the frozen reference, the critic, the reward model; packed attention."""
+        critic = self.critic_kind
         init_kwargs = dict(model_init_kwargs or {})
         dtype = init_kwargs.pop("dtype", args.model_dtype)
         policy = load_model(model, dtype=dtype, **init_kwargs)
@@ -435,42 +446,15 @@ class PPOTrainer(Trainer):
                     use_varlen_attention(m)
         # how every forward over prompt + completion lays out its batch: all four models must run it
         self.packed_layout = packed_layout(*scorers) if self.padding_free else "padded"
-        self.sampling = SamplingParams(
-            max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            min_p=args.min_p,
-            stop_token_ids=tuple(args.stop_token_ids if args.stop_token_ids is not None else [tokenizer.eos_token_id]),
-        )
-        self.generation_backend = generation_backend if generation_backend is not None else registry().get(
-            "generation_backend", args.generation_backend, field="generation_backend")(policy, tokenizer, args)
-        self.kl_controller = AdaptiveKLController(args.beta, args.target_kl, args.kl_horizon)
-        self.clip_settings = ClipSettings(epsilon=args.epsilon)
-        logger.info(
-            "PPO: %d prompts, %d completions per update%s, %d epochs x %d mini-batches; critic=%s; beta=%s (%s%s); "
-            "gamma=%s lam=%s epsilon=%s cliprange_value=%s vf_coef=%s; rewards: %s%s.",
-            len(rows), args.rollout_batch_size,
-            f" per process x {env_world_size()} processes" if env_world_size() > 1 else "", args.num_ppo_epochs, args.num_mini_batches, critic,
-            args.beta, args.kl_estimator, f", adaptive to {args.target_kl}" if args.target_kl else ", fixed",
-            args.gamma, args.lam, args.epsilon, args.cliprange_value, args.vf_coef,
-            self.reward_runner.names if self.reward_runner else "[]", " + reward model" if reward_model else "")
-
-        super().__init__(model=policy, args=args, train_dataset=Dataset.from_list([{"row_index": 0}]),
-                         processing_class=tokenizer, callbacks=callbacks)
-        # Trainer places only the policy; the reference, critic and reward model were built on the CPU. Every
-        # tensor a rollout or an update builds goes to this device too (`_pack`, `generate_rollout`).
-        if self.ref_model is not None:
-            place_frozen(self.ref_model, self.args.device)
-        if self.reward_model is not None and not self._dispatched["reward model"]:
-            self.reward_model.to(self.args.device)
-        if not self._dispatched["critic"]:
-            self.critic.to(self.args.device)
-        install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
-        self._step_metrics: dict[str, list[float]] = defaultdict(list)
+        return policy
 
     # ------------------------------------------------------------------------------ data plumbing
 
-    # Copied from toolkit.core.grpo.GRPOTrainer._prepare_prompts with GRPO->PPO
-    def _prepare_prompts(self, train_dataset: Any, tokenizer: Any, args: Any) -> None:
-        """Validate the prompt rows and render each prompt to token ids once (before any model loads)."""
+    # Copied from toolkit.core.grpo.GRPOTrainer.prepare_prompts with GRPO->PPO
+    def prepare_prompts(self, train_dataset: Any, tokenizer: Any, args: Any) -> None:
+        """Validate the prompt rows and render each prompt to token ids once (before any model loads); sets
+        `rows`, `dataset_format` and `prompt_ids`. A subclass that needs more of each row (GKD's completions)
+        extends it."""
         rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="PPO")
         self.rows, self.dataset_format = rows, prompt_fmt
         self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
@@ -609,12 +593,12 @@ class PPOTrainer(Trainer):
         self.model.eval()
         with self.accelerator.autocast():  # bf16=True: the update's forwards run under the same autocast
             hidden = completion_hidden(self.model, batch)
-            logps = self._to_rows(self.compute_token_logps(self.model, batch, hidden=hidden), mask)
+            logps = tokens_to_rows(self.compute_token_logps(self.model, batch, hidden=hidden), mask)
             ref_ctx = unwrap_peft(self.model).disable_adapter() if self.ref_model is None else contextlib.nullcontext()
             with ref_ctx:
                 ref_model = self.ref_model if self.ref_model is not None else self.model
-                ref_logps = self._to_rows(self.compute_token_logps(ref_model, batch), mask)
-            values = self._to_rows(self.compute_values(batch, hidden=hidden), mask)
+                ref_logps = tokens_to_rows(self.compute_token_logps(ref_model, batch), mask)
+            values = tokens_to_rows(self.compute_values(batch, hidden=hidden), mask)
         self.model.train(was)
         t_fwd = time.perf_counter() - t2
 
@@ -627,7 +611,7 @@ class PPOTrainer(Trainer):
         advantages, returns = self.compute_advantages(rewards, values, mask)
         rollout = PPORollout(
             row_indices=list(row_indices), prompt_ids=prompts, completion_ids=completions, mask=mask, logps=logps,
-            ref_logps=ref_logps, sampler_logps=self._to_rows(torch.cat(sampler).to(device), mask), values=values,
+            ref_logps=ref_logps, sampler_logps=tokens_to_rows(torch.cat(sampler).to(device), mask), values=values,
             rewards=rewards, advantages=advantages, returns=returns, scores=scores, kl=kl, truncated=truncated)
         rollout.metrics = self._rollout_metrics(rollout, t_gen, t_score, t_fwd)
         return rollout
@@ -672,16 +656,24 @@ class PPOTrainer(Trainer):
 
     def compute_token_logps(self, model: nn.Module, batch: dict[str, Any], hidden: torch.Tensor | None = None
                             ) -> torch.Tensor:
-        """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam)."""
-        if not torch.is_grad_enabled():  # scoring: no entropy wanted
-            return completion_logps(model, batch, temperature=self.args.temperature,
-                                    chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head, hidden=hidden)
-        # the update's forward: the logged entropy comes from the same LM-head product (one fewer per micro-batch)
-        logps, self._last_entropy = completion_logps_and_entropy(
-            model, batch, temperature=self.args.temperature, chunk_size=self.args.logps_chunk_size,
-            upcast=self.args.fp32_lm_head, hidden=hidden,
-            keep_for_backward=self.critic_kind == "head")  # a separate or base critic runs a forward before backward
-        return logps
+        """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam: an override's
+        log-probs are what the loss and the rollout read; no entropy comes with them then)."""
+        return self._token_pass(model, batch, hidden).logps
+
+    def forward_tokens(self, model: nn.Module, batch: dict[str, Any], hidden: torch.Tensor | None = None
+                       ) -> TokenLogps:
+        """The completion tokens' log-probs with the entropy of the same forward (`hidden` reuses one). A
+        subclass's `compute_token_logps` is honoured (its log-probs only)."""
+        if type(self).compute_token_logps is not PPOTrainer.compute_token_logps:
+            return TokenLogps(self.compute_token_logps(model, batch, hidden=hidden))
+        return self._token_pass(model, batch, hidden)
+
+    def _token_pass(self, model: nn.Module, batch: dict[str, Any], hidden: torch.Tensor | None) -> TokenLogps:
+        # an update's entropy comes from the same LM-head product (one fewer per micro-batch); a separate or base
+        # critic runs a forward before backward, so the head's activations are kept only for the shared head
+        return completion_token_pass(model, batch, temperature=self.args.temperature,
+                                     chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head,
+                                     hidden=hidden, keep_for_backward=self.critic_kind == "head")
 
     def compute_values(self, batch: dict[str, Any], hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Flat [N] values V(s_t) at the completion tokens; `hidden` is the policy's (used by critic='head')."""
@@ -692,10 +684,16 @@ class PPOTrainer(Trainer):
                 hidden = completion_hidden(self.model, batch)
         return self.critic(hidden=hidden)
 
-    def compute_policy_loss(self, logps, old_logps, advantages, mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token clipped surrogate [b, T] and clip masks (the objectives room's term, per-token advantages)."""
-        return clipped_surrogate_term(PolicyLossInputs(logps, old_logps, advantages, loss_mask=mask),
-                                      self.clip_settings)
+    def compute_policy_loss(self, inputs: PolicyLossInputs, *legacy: torch.Tensor
+                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token policy loss [b, T] and its masks: the registered `loss_type` (`ppo`: the clipped surrogate) on
+        per-token advantages (the wrapper seam).
+
+        Before toolkit 0.2.x this seam took `(logps, old_logps, advantages, mask)`; until 0.3 both forms work, with
+        a ToolkitDeprecationWarning for the old one (as GRPO's seam)."""
+        if legacy:
+            inputs = legacy_policy_loss_inputs(type(self).__name__, inputs, *legacy)
+        return self.policy_loss(inputs, self.loss_settings)
 
     def compute_value_loss(self, values, old_values, returns, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token clipped value loss [b, T] and where the clip won."""
@@ -712,10 +710,11 @@ class PPOTrainer(Trainer):
         mask = inputs["mask"]
         denom = inputs.get("loss_tokens", mask.sum())
         hidden = completion_hidden(model, inputs)
-        self._last_entropy = None  # set by the default compute_token_logps (an override need not)
-        logps = self._to_rows(self.compute_token_logps(model, inputs, hidden=hidden), mask)
-        values = self._to_rows(self.compute_values(inputs, hidden=hidden), mask)
-        pg, info = self.compute_policy_loss(logps, inputs["old_logps"], inputs["advantages"], mask)
+        tokens = self.forward_tokens(model, inputs, hidden=hidden)
+        logps = tokens_to_rows(tokens.logps, mask)
+        values = tokens_to_rows(self.compute_values(inputs, hidden=hidden), mask)
+        pg, info = self._policy_term(PolicyLossInputs(logps, inputs["old_logps"], inputs["advantages"],
+                                                      loss_mask=mask, sampler_logps=inputs.get("sampler_logps")))
         vf, vf_clipped = self.compute_value_loss(values, inputs["old_values"], inputs["returns"], mask)
         pg_sum, vf_sum = (pg * mask).sum(), (vf * mask).sum()
         loss = (pg_sum + self.args.vf_coef * vf_sum) / denom
@@ -727,8 +726,9 @@ class PPOTrainer(Trainer):
             return loss
         with torch.no_grad():
             diff = (logps - inputs["old_logps"]) * mask
-            clipped = (info["clipped_low"] | info["clipped_high"]) & mask
-            entropy = self._last_entropy
+            clipped = ((info["clipped_low"] | info["clipped_high"]) & mask if "clipped_low" in info
+                       else torch.zeros_like(mask))  # a loss without a clip reports none
+            entropy = tokens.entropy
             if entropy is None or entropy.shape[0] != hidden.shape[0]:
                 entropy = completion_entropy(model, hidden, temperature=self.args.temperature,
                                              chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
@@ -746,7 +746,7 @@ class PPOTrainer(Trainer):
         T = int(batch["completion_lengths"].max())
         batch["mask"] = r.mask[rows, :T]
         for key, src in (("old_logps", r.logps), ("old_values", r.values), ("advantages", r.advantages),
-                         ("returns", r.returns)):
+                         ("returns", r.returns), ("sampler_logps", r.sampler_logps)):
             batch[key] = src[rows, :T]
         return batch
 
@@ -898,10 +898,6 @@ class PPOTrainer(Trainer):
         mean_loss = sum(losses) / len(losses) if losses else 0.0
         return TrainOutput(self.state.global_step, mean_loss, {"train_runtime": runtime, "train_loss": mean_loss})
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        super().log(logs, start_time)
-        notify_step_metrics("ppo", self.state.global_step, logs)
-
     # ----------------------------------------------------------------------------- checkpoints
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -921,14 +917,6 @@ class PPOTrainer(Trainer):
                   str(out / CRITIC_FILE))
         write_model_card(self, out)
 
-    # Copied from toolkit.core.sft.SFTTrainer.create_model_card
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
-                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
-        """The card `push_to_hub` uploads (README.md in output_dir); TRL's `dataset_name`, `model_name`, `tags`
-        are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
-        write_model_card(self, self.args.output_dir, model_name=model_name,
-                         dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
-
     def _save_checkpoint_ppo(self) -> None:
         """checkpoint-N with policy, critic, optimizer, scheduler, KL coefficient and trainer state.
 
@@ -947,9 +935,8 @@ class PPOTrainer(Trainer):
         write_atomic(staging / STATE_JSON, json.dumps({"kl_coef": self.kl_controller.value, "global_step": step,
                                                        "critic": self.critic_kind}))
         self.state.save_to_json(str(staging / "trainer_state.json"))
-        folder = commit_checkpoint(staging, self.args.output_dir, step, save_total_limit=self.args.save_total_limit)
-        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-        notify_checkpoint_saved("ppo", step, str(folder))
+        commit_checkpoint(staging, self.args.output_dir, step, save_total_limit=self.args.save_total_limit)
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)  # plugins hear of it
 
     def _load_checkpoint(self, path: str) -> int:
         from safetensors.torch import load_file
@@ -994,12 +981,6 @@ class PPOTrainer(Trainer):
         return int(loop["global_step"])
 
     # ------------------------------------------------------------------------------ helpers
-
-    # Copied from toolkit.core.grpo.GRPOTrainer._to_rows
-    @staticmethod
-    def _to_rows(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Flat per-token values (row-major) -> [B, T] with zeros outside the mask."""
-        return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
 
     def _rollout_metrics(self, r: PPORollout, t_gen: float, t_score: float, t_fwd: float) -> dict[str, float]:
         """The update's rollout statistics over every rank's completions (sums reduced, then divided), so the

@@ -166,6 +166,8 @@ BUILTIN_POLICY_LOSSES: dict[str, PolicyLoss] = {
     "bnpo": _clip_loss("micro_batch_token", "clipped surrogate, token mean per micro-batch (TRL's bnpo)"),
     "dr_grpo": _clip_loss("constant", "clipped surrogate, sum / (completions x max_completion_length) (Dr. GRPO)"),
     "dapo": _clip_loss("token", "clipped surrogate, token mean over the whole optimizer step (DAPO; default)"),
+    "ppo": _clip_loss("token", "PPO's clipped surrogate, token mean (the same term and aggregation as dapo; "
+                               "PPOTrainer's default, where advantages are per token)"),
     "prompt": _clip_loss("prompt", "clipped surrogate, token mean per prompt's group, then over prompts (ScaleRL)"),
     "gspo": PolicyLoss(gspo_term, ClipSettings, "sequence",
                        "GSPO (Zheng et al. 2025): clipped surrogate on the length-normalised sequence ratio, mean "
