@@ -124,7 +124,7 @@ class _WaitForWorker(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == 1:
             deadline = time.time() + 120
-            while not self.trainer._handoff.worker_ready() and time.time() < deadline:
+            while not self.trainer.worker.ready() and time.time() < deadline:
                 time.sleep(0.05)
 
 

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from toolkit import ConfigError, TrainingHealthError
-from toolkit.core import async_grpo as async_grpo_module
+from toolkit.core import worker_handle as worker_handle_module
 from toolkit.core.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from toolkit.core.checkpoint import COMPLETE_MARKER
 from toolkit.core.grpo import GRPOConfig, GRPOTrainer
@@ -68,7 +68,7 @@ def test_max_staleness_zero_reproduces_synchronous_grpo(tmp_path, rounds_per_gen
         torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
     assert logged(t, "async/staleness_max") == [0.0, 0.0, 0.0]
     assert logged(t, "async/rounds_per_generate") == [1.0, 1.0, 1.0]
-    assert t._proc is None  # the worker is stopped when training ends
+    assert t.worker.process is None  # the worker is stopped when training ends
 
 
 def test_several_rounds_in_one_generate_call_stay_within_the_staleness_bound(tmp_path):
@@ -118,7 +118,7 @@ def _kill_worker_when_started(trainer, sig=signal.SIGKILL):
     def run():
         deadline = time.time() + 60
         while time.time() < deadline:
-            proc = trainer._proc
+            proc = trainer.worker.process
             if proc is not None and proc.pid is not None and trainer.state.global_step >= 1:
                 os.kill(proc.pid, sig)
                 return
@@ -230,7 +230,7 @@ def test_a_worker_that_died_holding_the_weights_lock_does_not_hang_the_trainer(t
     t = make(tmp_path, max_staleness=0, max_steps=2)
     t._start_worker()
     t.stop_worker()
-    holder = t._ctx.Process(target=_take_lock_and_die, args=(t._lock,))
+    holder = t.worker.ctx.Process(target=_take_lock_and_die, args=(t.worker.lock,))
     holder.start()
     holder.join(timeout=30)
     starter = threading.Thread(target=t._start_worker, daemon=True)  # must not wait on the dead holder's lock
@@ -238,8 +238,8 @@ def test_a_worker_that_died_holding_the_weights_lock_does_not_hang_the_trainer(t
     starter.join(timeout=20)
     try:
         assert not starter.is_alive(), "the trainer waits forever on a lock its dead worker held"
-        assert t._lock.acquire(timeout=5)
-        t._lock.release()
+        assert t.worker.lock.acquire(timeout=5)
+        t.worker.lock.release()
     finally:
         if not starter.is_alive():
             t.stop_worker()
@@ -264,9 +264,9 @@ from test_async_grpo import make
 from pathlib import Path
 t = make(Path({tmp!r}), max_staleness=1, max_steps=10_000)
 def report():
-    while t._proc is None or t._proc.pid is None:
+    while t.worker.process is None or t.worker.process.pid is None:
         time.sleep(0.05)
-    print(t._proc.pid, flush=True)
+    print(t.worker.process.pid, flush=True)
 threading.Thread(target=report, daemon=True).start()
 t.train()
 """
@@ -331,14 +331,16 @@ def test_the_main_guard_hint_is_given_only_for_a_first_start_that_failed():
     from types import SimpleNamespace
 
     def failure(exitcode, ever_ready, traceback=None):
-        t = AsyncGRPOTrainer.__new__(AsyncGRPOTrainer)
-        t._err_q = queue_module.Queue()
+        from toolkit.core.worker_handle import WorkerHandle
+
+        h = WorkerHandle(threads=1, queue_size=1, start_timeout=60, heartbeat_timeout=60)
+        h.err_q = queue_module.Queue()
         if traceback:
-            t._err_q.put(traceback)
-        t._proc = SimpleNamespace(is_alive=lambda: False, exitcode=exitcode)
-        t._handoff = SimpleNamespace(worker_ready=lambda: False)
-        t._ever_ready = ever_ready
-        return t._worker_failure()
+            h.err_q.put(traceback)
+        h.process = SimpleNamespace(is_alive=lambda: False, exitcode=exitcode)
+        h.handoff = SimpleNamespace(worker_ready=lambda: False)
+        h.ever_ready = ever_ready
+        return h.failure()
 
     assert "__main__" in failure(1, ever_ready=False)
     assert "__main__" not in failure(1, ever_ready=True)
@@ -521,7 +523,7 @@ def test_a_factory_from_a_notebook_is_refused_even_inside_a_partial(tmp_path, mo
             AsyncGRPOTrainer(str(tmp_path / "no-model-here"), [], async_cfg(tmp_path), train_dataset=[{"prompt": "p"}],
                              processing_class=tiny_tokenizer(), environment=factory)
     monkeypatch.setattr(notebook, "__file__", "/tmp/script.py", raising=False)  # a script: spawn runs it again
-    assert async_grpo_module._not_importable_in_worker(Game) is None
+    assert worker_handle_module.not_importable_in_worker(Game) is None
 
 
 def test_an_episode_info_that_does_not_pickle_is_sent_as_text_not_lost(tmp_path, caplog):
@@ -566,7 +568,7 @@ def _wait_for_the_worker_at_step(trainer, step):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == step:
                 deadline = time.time() + 120
-                while not getattr(trainer._handoff, "real", trainer._handoff).worker_ready():
+                while not getattr(trainer.worker.handoff, "real", trainer.worker.handoff).worker_ready():
                     assert time.time() < deadline, "the worker did not become ready within 120 s"
                     time.sleep(0.05)
 
@@ -616,7 +618,7 @@ class _LateSight(AsyncGRPOTrainer):
 
     def _start_worker(self):
         super()._start_worker()
-        real, trainer = self._handoff, self
+        real, trainer = self.worker.handoff, self
 
         class View:
             def __init__(self):
@@ -632,7 +634,7 @@ class _LateSight(AsyncGRPOTrainer):
             def __getattr__(self, name):  # ready_at, next_round: the real ones
                 return getattr(real, name)
 
-        self._handoff = View()
+        self.worker.handoff = View()
 
 
 def test_a_crossed_handoff_discards_the_workers_copies_and_still_equals_synchronous_grpo(tmp_path):
@@ -662,7 +664,7 @@ def test_a_worker_hung_at_start_up_is_reported_while_the_trainer_trains_on(tmp_p
     assert time.time() - started < 90
     assert t.state.global_step < 400
     assert t.state.global_step >= 2  # trained meanwhile, on rounds of its own
-    assert t._proc is None  # stopped (killed) before the error was raised
+    assert t.worker.process is None  # stopped (killed) before the error was raised
 
 
 def test_settings_that_cannot_reach_the_worker_fail_in_the_trainer_naming_why(tmp_path):
@@ -671,7 +673,7 @@ def test_settings_that_cannot_reach_the_worker_fail_in_the_trainer_naming_why(tm
                          processing_class=tiny_tokenizer())
     with pytest.raises(ConfigError, match=r"cannot be sent to its process \(TypeError: cannot pickle '_thread.lock'"):
         t.train()
-    assert t._proc is None
+    assert t.worker.process is None
 
 
 def test_a_worker_killed_during_the_warm_start_is_restarted_and_the_run_still_equals_synchronous_grpo(tmp_path):
@@ -684,9 +686,9 @@ def test_a_worker_killed_during_the_warm_start_is_restarted_and_the_run_still_eq
     class KillAtStep1(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
-                killed.append(t._handoff.worker_ready())
-                t._proc.kill()
-                t._proc.join(timeout=30)
+                killed.append(t.worker.ready())
+                t.worker.process.kill()
+                t.worker.process.join(timeout=30)
 
     t.add_callback(KillAtStep1())
     _wait_for_the_worker_at_step(t, 3)  # the restarted worker takes over from round 3
@@ -719,7 +721,7 @@ def test_generation_in_bfloat16_trains_the_float32_model_with_the_sampler_gap_co
     t.train()
     if trainer == "async-warm":
         assert logged(t, "async/rounds_in_trainer")[-1] >= 1
-        assert getattr(t, "_warm_backend_", None) is None or t._warm  # dropped once the worker took over
+        assert t._warm_copy is None or t._warm  # dropped once the worker took over
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
     gaps = logged(t, "sampler/logp_abs_diff_mean")
     # float32 sampling gives gaps of ~1e-7 here: above 1e-4 means the bfloat16 weights really sampled

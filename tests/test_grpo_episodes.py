@@ -461,7 +461,7 @@ def test_failed_resets_train_as_placeholders_and_async_evaluates_in_process(tmp_
                          processing_class=tok)
     # no worker is started for it: the trainer process evaluates with its own model
     assert heldout_episodes(a, task_rows("calculator", 4, seed=5, max_value=99, kind="prompt_only")) == (0.0, 0.0)
-    assert a._proc is None
+    assert a.worker.process is None
 
 
 @pytest.mark.parametrize("gpu", [False, True])

@@ -10,6 +10,7 @@ first log line. docs/distributed.md says what is global across ranks and what wa
 from __future__ import annotations
 
 __all__ = [
+    "any_rank",
     "env_rank",
     "env_world_size",
     "exit_process",
@@ -29,7 +30,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .errors import ConfigError
 
@@ -203,3 +204,13 @@ def warn_if_sharding_ignored(trainer: object) -> bool:
                    "whole model. docs/distributed.md says what was tested where.",
                    f"fsdp={args.fsdp!r}" if getattr(args, "fsdp", None) else "ACCELERATE_USE_FSDP=true", runs)
     return True
+
+
+def any_rank(accelerator: Any, flag: bool) -> bool:
+    """Whether `flag` holds on any rank (itself in one process); every rank must call it at the same point."""
+    if accelerator.num_processes == 1:
+        return flag
+    import torch
+
+    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(t, reduction="sum").item() > 0)

@@ -1,10 +1,17 @@
 """The async GRPO rollout worker: a spawned process that generates and scores rounds for the trainer.
 
 It runs the very rollout code GRPOTrainer runs (toolkit.core.rollout: the same prompt order, the same
-per-round seed, `generate_and_score`; toolkit.core.rewards.score_completions for scoring), so round r
-in the worker is GRPO's step r. What it adds is the process plumbing: weights read from shared memory
-when their version moves, a bounded queue of scored rounds, a heartbeat, and the traceback sent back
-on failure. The trainer side (staleness, restarts, checkpoints) is toolkit.core.async_grpo.
+per-round seed; toolkit.core.rewards.score_completions for scoring), so round r in the worker is GRPO's
+step r. What it adds is the process plumbing: weights read from shared memory when their version moves,
+a bounded queue of scored rounds, a heartbeat, and the traceback sent back on failure.
+
+- `WorkerSpec` (with `EpisodeSpec` for multi-turn rounds): everything the worker needs, frozen, sent once.
+- `RolloutWorker`: the worker's main loop and its parts (backend and weights, generation, the scoring
+  pipeline, delivery to the queue), one method each.
+- `worker_main`: the process's entry point (heartbeat thread, spec, `RolloutWorker.run`, traceback on failure).
+
+The trainer's side of the process (start, shared memory, queues, liveness, restarts, diagnosis) is
+toolkit.core.worker_handle; staleness, warm start and metrics are toolkit.core.async_grpo.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +37,8 @@ from .generation import TransformersBackend, _generation_dtype
 from .rewards import RewardRunner, score_completions
 from .rollout import RoundSampler, generation_seed
 
-__all__ = ["Handoff", "Progress", "ScoredRound", "round_sampler", "worker_main"]
+__all__ = ["EpisodeSpec", "Handoff", "Progress", "RolloutWorker", "ScoredRound", "WorkerSpec", "round_sampler",
+           "worker_main"]
 
 
 @dataclass
@@ -185,10 +193,57 @@ def picklable_infos(episodes: list[Any]) -> int:
     return replaced
 
 
-def round_sampler(spec: dict[str, Any]) -> RoundSampler:
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """Multi-turn rounds: how the worker builds and runs the trainer's environments."""
+
+    factory: Any                 # the trainer's environment factory (pickled), or None: build `name` from the registry
+    name: str | None             # the registered environment (AsyncGRPOConfig.environment)
+    kwargs: dict[str, Any]       # its environment_kwargs
+    max_turns: int
+    max_tokens: int              # max_episode_tokens
+    concurrency: int             # environment_concurrency
+    step_timeout: float          # environment_step_timeout
+    end_text: str                # the stop token's text (the template delta's turn end)
+    chat_template_kwargs: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything the rollout worker needs besides the weights, sent once through a queue (it can be megabytes: the
+    tokenizer, the rows). Built by AsyncGRPOTrainer from its config; frozen, so the worker cannot drift from it."""
+
+    config: Any                  # the policy's model config (the architecture the worker builds)
+    tokenizer: Any
+    rows: list[dict[str, Any]]   # the dataset's prompt rows (rewards read their columns)
+    prompt_ids: list[list[int]]  # each row's rendered prompt
+    conversational: bool
+    extra_columns: list[str]
+    reward_funcs: list[Any]
+    reward_timeout: float
+    reward_max_failures: int
+    sampling: Any                # SamplingParams
+    num_generations: int
+    per_round: int               # prompts per round on this rank
+    seed: int
+    max_staleness: int
+    start_timeout: float         # worker_start_timeout: also the bound of one opaque vLLM call
+    backend: str                 # transformers | vllm | vllm-server
+    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    pad_token_id: int | None = None
+    max_batch_size: int = 256    # generation_batch_size
+    varlen: bool = False         # the trainer's packed attention (so both sides compute the same numbers)
+    rank: int = 0
+    num_processes: int = 1
+    inflight: bool = False       # inflight_weight_updates
+    scoring_concurrency: int = 1
+    rounds_per_generation: int = 1
+    episodes: EpisodeSpec | None = None
+
+
+def round_sampler(spec: WorkerSpec) -> RoundSampler:
     """The prompts of each round: GRPO's order (the worker's, and the trainer's own during a warm start)."""
-    return RoundSampler(len(spec["rows"]), spec["per_round"], 1, seed=spec["seed"],
-                        num_processes=spec.get("num_processes", 1))
+    return RoundSampler(len(spec.rows), spec.per_round, 1, seed=spec.seed, num_processes=spec.num_processes)
 
 
 def _build_model(config: Any) -> torch.nn.Module:
@@ -221,12 +276,341 @@ def _beat_while_progressing(progress: Progress, heartbeat, stop, parent: int, ev
         time.sleep(every)
 
 
+class RolloutWorker:
+    """The rollout worker's state and main loop (in its own process; see the module docstring).
+
+    `run()` repeats: wait until the weights are recent enough for the next round (version >= round -
+    max_staleness), load them if they moved, generate one or more rounds, and hand them to scoring; scored rounds
+    reach the queue in round order through the delivery thread. Liveness is `progress`'s ticks."""
+
+    def __init__(self, spec: WorkerSpec, *, shared: dict[str, torch.Tensor], version: Any, lock: Any, out_q: Any,
+                 stop: Any, handoff: Handoff, progress: Progress):
+        self.spec, self.shared, self.version, self.lock = spec, shared, version, lock
+        self.out_q, self.stop, self.handoff, self.progress = out_q, stop, handoff, progress
+        self.held = -1  # the version of the weights the backend holds
+        self.runner = RewardRunner(spec.reward_funcs, timeout=spec.reward_timeout,
+                                   max_consecutive_failures=spec.reward_max_failures,
+                                   allow_empty=spec.episodes is not None)
+        self.sampler = round_sampler(spec)
+        # Latency-aware scoring: a round's rewards (an HTTP judge, a sandbox) are awaited on a scoring thread while
+        # the main loop generates the next round; up to `scoring_concurrency` rounds are in flight (being scored, or
+        # scored and waiting for room in the queue). A delivery thread puts them into the queue in round order the
+        # moment each is scored. The staleness gate is unchanged (at max_staleness 0 there is nothing to overlap,
+        # so the updates still equal synchronous GRPO's).
+        self.concurrency = max(1, spec.scoring_concurrency)
+        self.outbox: queue.Queue = queue.Queue()  # (future, delivered) in round order, for the delivery thread
+        self.inflight: deque = deque()            # the same, with the submission time, for the main loop
+        self.delivery_error: list[BaseException] = []
+        self.scoring: deque = deque(maxlen=self.concurrency)  # futures of the last `concurrency` rounds scored
+        self.backend = self._build_backend()
+        self.new_env, self.delta = self._episode_setup() if spec.episodes is not None else (None, None)
+        self.delivery = threading.Thread(target=self._deliver_in_order, name="toolkit-delivery", daemon=True)
+
+    # ------------------------------------------------------------------------------ backend and weights
+
+    def _build_backend(self) -> Any:
+        spec = self.spec
+        if spec.backend != "transformers":
+            # vLLM (in this worker process) or a vLLM server: weights go in through the backend's own sync.
+            from .vllm_backend import VLLMBackend, VLLMServerBackend
+
+            kwargs = dict(spec.backend_kwargs)
+            return (VLLMBackend(kwargs.pop("model_path"), **kwargs) if spec.backend == "vllm"
+                    else VLLMServerBackend(**kwargs))
+        self.model = _build_model(spec.config).eval()
+        gen_dtype = _generation_dtype(spec.backend_kwargs.get("dtype"))
+        if gen_dtype is not None:
+            # generation_backend_kwargs.dtype: this model only generates, so it is cast itself (no second copy);
+            # the published float32 weights convert as they load (load_state_dict copies). Parameters only: buffers
+            # (rotary frequencies) stay float32, as in TransformersBackend's cast copy.
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.is_floating_point():
+                        p.data = p.data.to(gen_dtype)
+        if spec.varlen:
+            from .attention import use_varlen_attention
+
+            use_varlen_attention(self.model)  # the trainer's attention, so both sides compute the same numbers
+        return TransformersBackend(self.model, pad_token_id=spec.pad_token_id, max_batch_size=spec.max_batch_size,
+                                   on_decode_step=self.progress.tick,
+                                   refresh_weights=self.refresh_weights if spec.inflight else None)
+
+    def load_weights(self) -> None:
+        """The published weights into the model or engine (the caller holds the lock)."""
+        if self.spec.backend == "transformers":
+            _load_strict(self.model, self.shared)
+            return
+        # vLLM reports no per-step progress; a weight upload counts as bounded by worker_start_timeout
+        with self.progress.bounded(self.spec.start_timeout):
+            self.backend.load_weights(list(self.shared.items()))
+
+    def refresh_weights(self) -> int | None:
+        """Between decode steps (in-flight updates): newer weights if published and the lock is free now (the trainer
+        is not mid-copy); never waits, so decoding is not held up by a publish."""
+        if self.version.value == self.held or not self.lock.acquire(block=False):
+            return None
+        try:
+            self.load_weights()
+            self.held = self.version.value
+        finally:
+            self.lock.release()
+        self.progress.tick()
+        return self.held
+
+    def _wait_for_weights(self, r: int) -> None:
+        """Until the published weights are recent enough for round r (version >= r - max_staleness)."""
+        while self.version.value < r - self.spec.max_staleness and not self.stop.is_set():
+            self._settle(float("inf"))  # surfaces a scoring failure while waiting
+            if not self._scoring_overdue():
+                # waiting for the trainer is the loop working as designed; but if the trainer waits for a round
+                # whose scoring is stuck, this wait is not progress: go silent, the trainer reports it
+                self.progress.tick()
+            time.sleep(0.002)
+
+    def _sync_weights(self) -> int:
+        """Load the published weights if their version moved; the version now held."""
+        if self.version.value != self.held:
+            with self.lock:
+                self.load_weights()
+                self.held = self.version.value
+            self.progress.tick()
+        if self.spec.backend == "transformers":
+            self.backend.version = self.held
+        return self.held
+
+    # ------------------------------------------------------------------------------ generation
+
+    def _episode_setup(self) -> tuple[Any, Any]:
+        """Multi-turn rounds: the environment factory (the trainer's, pickled, or the registered environment from this
+        process's own registry: entry-point plugins and built-ins) and the template delta for the trainer's
+        tokenizer and stop token."""
+        import functools
+
+        from .environments import TemplateDelta
+        from .plugins import registry
+
+        episodes = self.spec.episodes
+        new_env = episodes.factory
+        if new_env is None:
+            new_env = functools.partial(registry().get("environment", episodes.name, field="environment"),
+                                        **dict(episodes.kwargs))
+        delta = TemplateDelta(self.spec.tokenizer, end_text=episodes.end_text, tools=getattr(new_env(), "tools", None),
+                              chat_template_kwargs=episodes.chat_template_kwargs)
+        return new_env, delta
+
+    def generate_episodes(self, idx: list[int], seed: int) -> tuple[list[Any], float, float]:
+        """G episodes for each of the rows `idx`: (episodes, seconds, seconds waiting for environments)."""
+        from .environments import fresh_environments, group_sampler, run_episodes
+
+        spec, episodes = self.spec, self.spec.episodes
+        G = spec.num_generations
+        rows = [spec.rows[i] for i in idx for _ in range(G)]
+        started = time.perf_counter()
+        sample = group_sampler(self.backend, spec.sampling, seed=seed, n_rows=len(rows), group_size=G)
+        timings: dict[str, float] = {}
+        # decode steps tick (transformers backend), and so does the wait for environments (every ~0.1 s, while the
+        # main loop is in that wait): a main loop stuck anywhere else goes silent
+        eps = run_episodes(fresh_environments(self.new_env, len(rows)), rows, sample, self.delta,
+                           max_turns=episodes.max_turns, max_tokens=episodes.max_tokens,
+                           stop_token_ids=spec.sampling.stop_token_ids, concurrency=episodes.concurrency,
+                           step_timeout=episodes.step_timeout, on_wait=self.progress.tick, timings=timings)
+        return eps, time.perf_counter() - started, timings["environment_s"]
+
+    def _generating(self) -> Any:
+        """The transformers backend ticks every decode step; a vLLM generate call is one opaque call, which counts as
+        bounded by worker_start_timeout (a long reasoning round can exceed heartbeat_timeout)."""
+        if self.spec.backend == "transformers":
+            return contextlib.nullcontext()
+        return self.progress.bounded(self.spec.start_timeout)
+
+    def _episode_rounds(self, rounds: list[int], idxs: list[list[int]], seed: int, held: int, wait_s: float) -> None:
+        """Generate several rounds' episodes in one call; each round goes to delivery already scored (its reward is
+        the environment's)."""
+        G, count = self.spec.num_generations, len(rounds)
+        with self._generating():
+            eps, gen_s, env_s = self.generate_episodes([i for idx in idxs for i in idx], seed)
+        if len(eps) != G * sum(len(idx) for idx in idxs):
+            raise RuntimeError(f"async GRPO worker: {len(eps)} episodes for {count} rounds of "
+                               f"{[len(idx) for idx in idxs]} prompts x {G}")
+        start = 0
+        for q, idx in zip(rounds, idxs):
+            eps_q = eps[start:start + len(idx) * G]
+            start += len(idx) * G
+            done: Future = Future()
+            done.set_result(ScoredRound(round=q, version=held, row_indices=idx, completions=[], rewards_per_func=[],
+                                        failures={}, gen_s=gen_s / count, score_s=0.0, wait_s=wait_s / count,
+                                        tokens=sum(sum(ep.mask) for ep in eps_q), episodes=eps_q,
+                                        infos_replaced=picklable_infos(eps_q), batch_rounds=count,
+                                        environment_s=env_s / count))
+            self._submit(done)
+
+    def _completion_rounds(self, rounds: list[int], idxs: list[list[int]], seed: int, held: int,
+                           wait_s: float) -> None:
+        """Generate several rounds in one call here, then score each on a scoring thread (the two halves of
+        rollout.generate_and_score); each round is charged its share of the batch's generation time."""
+        spec, count = self.spec, len(rounds)
+        with self._generating():
+            t0 = time.perf_counter()
+            groups = self.backend.generate([list(spec.prompt_ids[i]) for idx in idxs for i in idx], spec.sampling,
+                                           n=spec.num_generations, seed=seed)
+            gen_s = time.perf_counter() - t0
+        start = 0
+        for q, idx in zip(rounds, idxs):
+            self._submit(self._score_async(self.score_round, q, idx, groups[start:start + len(idx)], gen_s / count,
+                                           wait_s / count, held, count))
+            start += len(idx)
+
+    # ------------------------------------------------------------------------------ scoring and delivery
+
+    def score_round(self, r: int, idx: list[int], groups: list, gen_s: float, wait_s: float, version: int,
+                    batch_rounds: int = 1) -> ScoredRound:
+        """Round r's completions scored by the reward functions (on a scoring thread)."""
+        spec = self.spec
+        t1 = time.perf_counter()
+        completion_ids = [c.token_ids for g in groups for c in g]
+        outcome, _ = score_completions(self.runner, spec.tokenizer,
+                                       [spec.rows[i] for i in idx for _ in range(spec.num_generations)],
+                                       completion_ids, conversational=spec.conversational,
+                                       extra_columns=spec.extra_columns)
+        return ScoredRound(
+            round=r, version=version, row_indices=idx,
+            token_versions=[[c.versions for c in g] for g in groups] if spec.inflight else None,
+            completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g] for g in groups],
+            rewards_per_func=torch.tensor(outcome.rewards, dtype=torch.float32).tolist(),
+            failures=dict(outcome.failures), gen_s=gen_s, score_s=time.perf_counter() - t1, wait_s=wait_s,
+            tokens=sum(len(i) for i in completion_ids), batch_rounds=batch_rounds)
+
+    def _score_async(self, fn: Any, *args: Any) -> Future:
+        """fn(*args) on its own daemon thread (a pool's threads are joined at exit: a round still waiting for a judge
+        would hold the worker's exit for up to reward_timeout). It starts once the round `concurrency` places before
+        it is scored, so reward functions run on at most `scoring_concurrency` batches at once, also when one
+        generate call made several rounds (rounds_per_generation); delivery stays in order."""
+        fut: Future = Future()
+        after = self.scoring[0] if len(self.scoring) == self.concurrency else None
+        self.scoring.append(fut)
+
+        def run() -> None:
+            try:
+                if after is not None:
+                    wait_futures([after])
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 (raised from the future by the main loop)
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="toolkit-scoring", daemon=True).start()
+        return fut
+
+    def _deliver_in_order(self) -> None:
+        """The delivery thread. No progress ticks here: liveness is the main loop's, which waits on these rounds."""
+        while True:
+            got = self.outbox.get()
+            if got is None:
+                return
+            fut, delivered = got
+            try:
+                item = fut.result()
+            except BaseException:  # noqa: BLE001 (the main loop raises it from the future)
+                delivered.set()
+                return
+            try:
+                while not self.stop.is_set():
+                    try:
+                        self.out_q.put(item, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+            except BaseException as e:  # noqa: BLE001 (a queue that cannot take the round: the main loop raises)
+                self.delivery_error.append(e)
+                delivered.set()
+                return
+            delivered.set()
+
+    def _submit(self, fut: Future) -> None:
+        pair = (fut, threading.Event())
+        self.inflight.append((*pair, time.time()))
+        self.outbox.put(pair)
+
+    def _scoring_overdue(self) -> bool:
+        """A round has been scoring past reward_timeout (+5 s): scoring is stuck, not the trainer slow."""
+        limit = time.time() - self.spec.reward_timeout - 5.0
+        return any(not fut.done() and since < limit for fut, _, since in self.inflight)
+
+    def _settle(self, limit: float) -> None:
+        """Forget delivered rounds and raise a scoring failure; wait while `limit` or more are in flight."""
+        while self.inflight and not self.stop.is_set():
+            fut, delivered, _ = self.inflight[0]
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # the scoring's own error (a reward that failed too often, named)
+            if delivered.is_set():
+                self.inflight.popleft()
+                continue
+            if self.delivery_error:
+                raise RuntimeError("async GRPO worker: a scored round could not be put into the queue") \
+                    from self.delivery_error[0]
+            if not self.delivery.is_alive():
+                raise RuntimeError("async GRPO worker: the delivery thread stopped; no round can reach the trainer")
+            if len(self.inflight) < limit:
+                return
+            if not fut.done():
+                # scoring returns within reward_timeout (RewardRunner abandons slower calls): bounded
+                with self.progress.bounded(self.spec.reward_timeout + 5.0):
+                    wait_futures([fut])
+            else:
+                self.progress.tick()  # scored, waiting for room in the queue: the trainer's pace, by design
+                time.sleep(0.002)
+
+    # ------------------------------------------------------------------------------ the main loop
+
+    def run(self) -> None:
+        """Generate and score rounds until told to stop."""
+        spec = self.spec
+        self.delivery.start()
+        # ready: begin after the last round the trainer generated itself meanwhile (warm start; see Handoff)
+        r, carried_wait, first = self.handoff.worker_starts(), 0.0, True
+        while not self.stop.is_set():
+            self.progress.tick()
+            r = max(r, self.handoff.next_round())  # skip rounds the trainer generated itself meanwhile (several ranks)
+            t_wait = time.perf_counter()
+            self._wait_for_weights(r)
+            if self.stop.is_set():
+                break
+            if self.handoff.next_round() > r:
+                # the trainer claimed this round (and maybe more) while we waited (warm start, several ranks): start
+                # over from its next one, so that no batch generates rounds it has made already
+                carried_wait += time.perf_counter() - t_wait
+                continue
+            held = self._sync_weights()
+            wait_s = time.perf_counter() - t_wait + carried_wait
+            # Several rounds in one generate call (rounds_per_generation): every round the staleness bound admits
+            # with the weights held, up to k. A decode step costs about the same for 8 sequences as for 16 (it reads
+            # every weight either way), so a worker whose trainer waits for it catches up.
+            count = max(1, min(spec.rounds_per_generation, held + spec.max_staleness - r + 1))
+            rounds = list(range(r, r + count))
+            idxs = [self.sampler.round(q, spec.rank) for q in rounds]
+            seed = generation_seed(spec.seed, r, spec.rank)
+            if spec.episodes is not None:
+                self._episode_rounds(rounds, idxs, seed, held, wait_s)
+                self._settle(self.concurrency)
+                carried_wait = 0.0
+            else:
+                self._completion_rounds(rounds, idxs, seed, held, wait_s)
+                t_settle = time.perf_counter()
+                self._settle(self.concurrency)
+                carried_wait = time.perf_counter() - t_settle  # idle: counted in the next round's wait
+            if first:
+                self.progress.bounded_until = 0.0  # start-up is over: from now on only progress counts
+                first = False
+            r += count
+        self.outbox.put(None)
+        self.out_q.cancel_join_thread()  # stopping: rounds nobody will read must not hold the exit
+
+
 def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], version, lock, out_q, err_q, heartbeat,
                 stop, handoff: Handoff) -> None:
     """The rollout worker's process: generate and score rounds until told to stop.
 
-    `boot` is what is needed before anything else (threads, the trainer's pid, the start-up bound); the spec comes
-    through `setup_q` (see AsyncGRPOTrainer._start_worker)."""
+    `boot` is what is needed before anything else (threads, the trainer's pid, the start-up bound); the
+    `WorkerSpec` comes through `setup_q` (see WorkerHandle.start)."""
     try:
         torch.set_num_threads(boot["threads"])
         progress = Progress()
@@ -236,291 +620,8 @@ def worker_main(setup_q, shared: dict[str, torch.Tensor], boot: dict[str, Any], 
         threading.Thread(target=_beat_while_progressing, args=(progress, heartbeat, stop, boot["parent_pid"]),
                          daemon=True).start()
         spec = pickle.loads(setup_q.get(timeout=boot["start_timeout"]))
-        held = [-1]  # the version of the weights the backend holds (a list: refresh_weights updates it)
-        runner = RewardRunner(spec["reward_funcs"], timeout=spec["reward_timeout"],
-                              max_consecutive_failures=spec["reward_max_failures"],
-                              allow_empty=spec.get("episodes") is not None)
-        if spec["backend"] == "transformers":
-            model = _build_model(spec["config"]).eval()
-            gen_dtype = _generation_dtype(spec["backend_kwargs"].get("dtype"))
-            if gen_dtype is not None:
-                # generation_backend_kwargs.dtype: this model only generates, so it is cast itself (no second
-                # copy); the published float32 weights convert as they load (load_state_dict copies). Parameters
-                # only: buffers (rotary frequencies) stay float32, as in TransformersBackend's cast copy.
-                with torch.no_grad():
-                    for p in model.parameters():
-                        if p.is_floating_point():
-                            p.data = p.data.to(gen_dtype)
-            if spec["varlen"]:
-                from .attention import use_varlen_attention
-
-                use_varlen_attention(model)  # the trainer's attention, so both sides compute the same numbers
-            def refresh_weights() -> int | None:
-                """Between decode steps (in-flight updates): newer weights if published and the lock is free now
-                (the trainer is not mid-copy); never waits, so decoding is not held up by a publish."""
-                if version.value == held[0] or not lock.acquire(block=False):
-                    return None
-                try:
-                    load_weights()
-                    held[0] = version.value
-                finally:
-                    lock.release()
-                progress.tick()
-                return held[0]
-
-            backend = TransformersBackend(model, pad_token_id=spec["pad_token_id"],
-                                          max_batch_size=spec["max_batch_size"], on_decode_step=progress.tick,
-                                          refresh_weights=refresh_weights if spec.get("inflight") else None)
-
-            def load_weights():
-                _load_strict(model, shared)
-        else:
-            # vLLM (in this worker process) or a vLLM server: weights go in through the backend's own sync.
-            from .vllm_backend import VLLMBackend, VLLMServerBackend
-
-            kwargs = dict(spec["backend_kwargs"])
-            backend = (VLLMBackend(kwargs.pop("model_path"), **kwargs) if spec["backend"] == "vllm"
-                       else VLLMServerBackend(**kwargs))
-
-            def load_weights():
-                # vLLM reports no per-step progress; a weight upload counts as bounded by worker_start_timeout
-                with progress.bounded(spec["start_timeout"]):
-                    backend.load_weights(list(shared.items()))
-
-        episodes_spec = spec.get("episodes")
-        if episodes_spec is not None:
-            # Multi-turn episodes: the trainer's environment factory (pickled), or the environment by its
-            # registered name (this process builds its own registry: entry-point plugins and built-ins); the
-            # template delta for the trainer's tokenizer and stop token.
-            import functools
-
-            from .environments import TemplateDelta, fresh_environments, group_sampler, run_episodes
-            from .plugins import registry
-
-            new_env = episodes_spec.get("factory")
-            if new_env is None:
-                new_env = functools.partial(registry().get("environment", episodes_spec["name"], field="environment"),
-                                            **dict(episodes_spec["kwargs"]))
-            delta = TemplateDelta(spec["tokenizer"], end_text=episodes_spec["end_text"],
-                                  tools=getattr(new_env(), "tools", None),
-                                  chat_template_kwargs=episodes_spec["chat_template_kwargs"])
-
-            def generate_episodes(idx: list[int], seed: int) -> tuple[list[Any], float, float]:
-                G = spec["num_generations"]
-                rows_ = [rows[i] for i in idx for _ in range(G)]
-                started = time.perf_counter()
-                sample = group_sampler(backend, spec["sampling"], seed=seed, n_rows=len(rows_), group_size=G)
-                timings: dict[str, float] = {}
-                # decode steps tick (transformers backend), and so does the wait for environments (every ~0.1 s,
-                # while the main loop is in that wait): a main loop stuck anywhere else goes silent
-                eps = run_episodes(fresh_environments(new_env, len(rows_)), rows_, sample, delta,
-                                   max_turns=episodes_spec["max_turns"], max_tokens=episodes_spec["max_tokens"],
-                                   stop_token_ids=spec["sampling"].stop_token_ids,
-                                   concurrency=episodes_spec["concurrency"], step_timeout=episodes_spec["step_timeout"],
-                                   on_wait=progress.tick, timings=timings)
-                return eps, time.perf_counter() - started, timings["environment_s"]
-
-        rows = spec["rows"]
-        # With several trainer processes each rank has its own worker, which generates that rank's share of
-        # every round with that rank's seed: the rows and samples synchronous GRPO's rank would draw.
-        rank = spec.get("rank", 0)
-        sampler = round_sampler(spec)
-        # Latency-aware scoring: a round's rewards (an HTTP judge, a sandbox) are awaited on a scoring thread
-        # while this loop generates the next round; up to `scoring_concurrency` rounds are in flight (being
-        # scored, or scored and waiting for room in the queue). A delivery thread puts them into the queue in
-        # round order the moment each is scored. The staleness gate is unchanged (at max_staleness 0 there is
-        # nothing to overlap, so the updates still equal synchronous GRPO's).
-        concurrency = max(1, int(spec.get("scoring_concurrency", 1)))
-        rounds_per_generation = max(1, int(spec.get("rounds_per_generation", 1)))
-        outbox: queue.Queue = queue.Queue()   # (future, delivered) in round order, for the delivery thread
-        inflight: deque = deque()             # the same, with the submission time, for this loop's bookkeeping
-        delivery_error: list[BaseException] = []
-
-        scoring: deque = deque(maxlen=concurrency)  # the futures of the last `concurrency` rounds sent to scoring
-
-        def score_async(fn, *args) -> Future:
-            """fn(*args) on its own daemon thread (a pool's threads are joined at exit: a round still waiting for a
-            judge would hold the worker's exit for up to reward_timeout). It starts once the round `concurrency`
-            places before it is scored, so reward functions run on at most `scoring_concurrency` batches at once,
-            also when one generate call made several rounds (rounds_per_generation); delivery stays in order."""
-            fut: Future = Future()
-            after = scoring[0] if len(scoring) == concurrency else None
-            scoring.append(fut)
-
-            def run() -> None:
-                try:
-                    if after is not None:
-                        wait_futures([after])
-                    fut.set_result(fn(*args))
-                except BaseException as e:  # noqa: BLE001 (raised from the future by the main loop)
-                    fut.set_exception(e)
-
-            threading.Thread(target=run, name="toolkit-scoring", daemon=True).start()
-            return fut
-
-        def deliver_in_order() -> None:
-            # No progress ticks here: liveness is this process's main loop's, which waits on these rounds.
-            while True:
-                got = outbox.get()
-                if got is None:
-                    return
-                fut, delivered = got
-                try:
-                    item = fut.result()
-                except BaseException:  # noqa: BLE001 (the main loop raises it from the future)
-                    delivered.set()
-                    return
-                try:
-                    while not stop.is_set():
-                        try:
-                            out_q.put(item, timeout=0.2)
-                            break
-                        except queue.Full:
-                            continue
-                except BaseException as e:  # noqa: BLE001 (a queue that cannot take the round: the main loop raises)
-                    delivery_error.append(e)
-                    delivered.set()
-                    return
-                delivered.set()
-
-        delivery = threading.Thread(target=deliver_in_order, name="toolkit-delivery", daemon=True)
-        delivery.start()
-
-        def submit(fut: Future) -> None:
-            pair = (fut, threading.Event())
-            inflight.append((*pair, time.time()))
-            outbox.put(pair)
-
-        def scoring_overdue() -> bool:
-            """A round has been scoring past reward_timeout (+5 s): scoring is stuck, not the trainer slow."""
-            limit = time.time() - spec["reward_timeout"] - 5.0
-            return any(not fut.done() and since < limit for fut, _, since in inflight)
-
-        def settle(limit: float) -> None:
-            """Forget delivered rounds and raise a scoring failure; wait while `limit` or more are in flight."""
-            while inflight and not stop.is_set():
-                fut, delivered, _ = inflight[0]
-                if fut.done() and fut.exception() is not None:
-                    raise fut.exception()  # the scoring's own error (a reward that failed too often, named)
-                if delivered.is_set():
-                    inflight.popleft()
-                    continue
-                if delivery_error:
-                    raise RuntimeError("async GRPO worker: a scored round could not be put into the queue") \
-                        from delivery_error[0]
-                if not delivery.is_alive():
-                    raise RuntimeError("async GRPO worker: the delivery thread stopped; no round can reach the trainer")
-                if len(inflight) < limit:
-                    return
-                if not fut.done():
-                    # scoring returns within reward_timeout (RewardRunner abandons slower calls): bounded
-                    with progress.bounded(spec["reward_timeout"] + 5.0):
-                        wait_futures([fut])
-                else:
-                    progress.tick()  # scored, waiting for room in the queue: the trainer's pace, by design
-                    time.sleep(0.002)
-
-        def score_round(r: int, idx: list[int], groups: list, gen_s: float, wait_s: float, version_: int,
-                        batch_rounds: int = 1) -> ScoredRound:
-            t1 = time.perf_counter()
-            G = spec["num_generations"]
-            completion_ids = [c.token_ids for g in groups for c in g]
-            outcome, _ = score_completions(runner, spec["tokenizer"], [rows[i] for i in idx for _ in range(G)],
-                                           completion_ids, conversational=spec["conversational"],
-                                           extra_columns=spec["extra_columns"])
-            return ScoredRound(
-                round=r, version=version_, row_indices=idx,
-                token_versions=[[c.versions for c in g] for g in groups] if spec.get("inflight") else None,
-                completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g] for g in groups],
-                rewards_per_func=torch.tensor(outcome.rewards, dtype=torch.float32).tolist(),
-                failures=dict(outcome.failures), gen_s=gen_s, score_s=time.perf_counter() - t1, wait_s=wait_s,
-                tokens=sum(len(i) for i in completion_ids), batch_rounds=batch_rounds)
-
-        # ready: begin after the last round the trainer generated itself meanwhile (warm start; see Handoff)
-        start_round = handoff.worker_starts()
-        r, carried_wait = start_round, 0.0
-        first = True
-        while not stop.is_set():
-            progress.tick()
-            r = max(r, handoff.next_round())  # skip rounds the trainer generated itself meanwhile (several ranks)
-            t_wait = time.perf_counter()
-            while version.value < r - spec["max_staleness"] and not stop.is_set():
-                settle(float("inf"))  # surfaces a scoring failure while waiting
-                if not scoring_overdue():
-                    # waiting for the trainer is the loop working as designed; but if the trainer waits for a
-                    # round whose scoring is stuck, this wait is not progress: go silent, the trainer reports it
-                    progress.tick()
-                time.sleep(0.002)
-            if stop.is_set():
-                break
-            if handoff.next_round() > r:
-                # the trainer claimed this round (and maybe more) while we waited (warm start, several ranks): start
-                # over from its next one, so that no batch generates rounds it has made already
-                carried_wait += time.perf_counter() - t_wait
-                continue
-            if version.value != held[0]:
-                with lock:
-                    load_weights()
-                    held[0] = version.value
-                progress.tick()
-            local_version = held[0]
-            if spec["backend"] == "transformers":
-                backend.version = local_version
-            wait_s = time.perf_counter() - t_wait + carried_wait
-            # Several rounds in one generate call (rounds_per_generation): every round the staleness bound admits
-            # with the weights held, up to k. A decode step costs about the same for 8 sequences as for 16 (it
-            # reads every weight either way), so a worker whose trainer waits for it catches up.
-            count = max(1, min(rounds_per_generation, local_version + spec["max_staleness"] - r + 1))
-            rounds = list(range(r, r + count))
-            idxs = [sampler.round(q, rank) for q in rounds]
-            seed_ = generation_seed(spec["seed"], r, rank)
-            # The transformers backend ticks every decode step; a vLLM generate call is one opaque call, which
-            # counts as bounded by worker_start_timeout (a long reasoning round can exceed heartbeat_timeout).
-            generating = (progress.bounded(spec["start_timeout"]) if spec["backend"] != "transformers"
-                          else contextlib.nullcontext())
-            if episodes_spec is not None:
-                with generating:
-                    eps, gen_s, env_s = generate_episodes([i for idx in idxs for i in idx], seed_)
-                G = spec["num_generations"]
-                if len(eps) != G * sum(len(idx) for idx in idxs):
-                    raise RuntimeError(f"async GRPO worker: {len(eps)} episodes for {count} rounds of "
-                                       f"{[len(idx) for idx in idxs]} prompts x {G}")
-                start = 0
-                for q, idx in zip(rounds, idxs):
-                    eps_q = eps[start:start + len(idx) * G]
-                    start += len(idx) * G
-                    done: Future = Future()
-                    done.set_result(ScoredRound(round=q, version=local_version, row_indices=idx, completions=[],
-                                                rewards_per_func=[], failures={}, gen_s=gen_s / count, score_s=0.0,
-                                                wait_s=wait_s / count,
-                                                tokens=sum(sum(ep.mask) for ep in eps_q), episodes=eps_q,
-                                                infos_replaced=picklable_infos(eps_q), batch_rounds=count,
-                                                environment_s=env_s / count))
-                    submit(done)
-                settle(concurrency)
-                carried_wait = 0.0
-            else:
-                # generation here, then scoring on a scoring thread (rollout.generate_and_score's two halves)
-                with generating:
-                    t0 = time.perf_counter()
-                    groups = backend.generate([list(spec["prompt_ids"][i]) for idx in idxs for i in idx],
-                                              spec["sampling"], n=spec["num_generations"], seed=seed_)
-                    gen_s = time.perf_counter() - t0
-                start = 0
-                for q, idx in zip(rounds, idxs):
-                    # each round is charged its share of the batch's generation time
-                    submit(score_async(score_round, q, idx, groups[start:start + len(idx)], gen_s / count,
-                                       wait_s / count, local_version, count))
-                    start += len(idx)
-                t_settle = time.perf_counter()
-                settle(concurrency)
-                carried_wait = time.perf_counter() - t_settle  # idle: counted in the next round's wait
-            if first:
-                progress.bounded_until = 0.0  # start-up is over: from now on only progress counts
-                first = False
-            r += count
-        outbox.put(None)
-        out_q.cancel_join_thread()  # stopping: rounds nobody will read must not hold the exit
+        RolloutWorker(spec, shared=shared, version=version, lock=lock, out_q=out_q, stop=stop, handoff=handoff,
+                      progress=progress).run()
     except BaseException:
         err_q.put(traceback.format_exc())
         raise
