@@ -368,8 +368,8 @@ def test_checkpointing_default_follows_the_micro_batch(tmp_path, monkeypatch, gp
 def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="per_device_train_batch_size: counts completions"):
         cfg(tmp_path, per_device_train_batch_size=6)
-    with pytest.raises(ConfigError, match="loss_type: 'ppo'"):
-        cfg(tmp_path, loss_type="ppo")
+    with pytest.raises(ConfigError, match="loss_type: 'ppo_clip'"):
+        cfg(tmp_path, loss_type="ppo_clip")
     with pytest.raises(ConfigError, match="num_generations: must be >= 2"):
         cfg(tmp_path, num_generations=1, per_device_train_batch_size=1)
     with pytest.raises(ConfigError, match="save_steps: with num_iterations=2"):

@@ -138,7 +138,7 @@ def test_environment_ids_do_not_reach_the_loss(tmp_path, settings):
 
 def test_dr_grpo_normalises_by_the_episode_budget(tmp_path):
     t = trainer(tmp_path, loss_type="dr_grpo", max_turns=3, max_completion_length=6)
-    assert t._aggregation_constant(t.args) == 18 and t.objective_settings.aggregation_constant == 18
+    assert t._aggregation_constant(t.args) == 18 and t.resolved_objective().objective_settings.aggregation_constant == 18
 
 
 class Salted(Chatty):

@@ -6,63 +6,72 @@ fields with defaults, hook specs) and `tests/test_api_surface.py` fails on any c
 recorded in the same commit: see docs/contributing.md for the deprecation rules.
 
 Layers (low to high; a module imports only from its own layer or below, checked by import-linter in
-the test suite, see pyproject.toml and docs/architecture.md):
+the test suite, see pyproject.toml and docs/architecture.md, which lists every module):
 
-    numerics, errors                 the numbers every trainer agrees on; exceptions
+    numerics, errors, defaults       the numbers every trainer agrees on; exceptions; light constants
     objectives/                      losses, advantage estimators, their settings and composition
     data, packing, attention,        data layer, packed forwards, generation backends, rewards,
     generation, rewards, models,     model loading, checkpoints, rollouts, hook specs
     checkpoint, rollout, hookspecs,
-    tasks, vllm_backend
+    tasks, vllm_backend, ...
     plugins, builtin_plugin          the registry (built-ins through the same hooks as plugins)
+    model_card
+    lifecycle, rollout_config        what every trainer shares (checkpoints, metrics, card; sampling fields)
     sft, dpo, grpo, ppo, rollout_worker, report
+    worker_handle, async_grpo_config
     async_grpo                       (extends grpo)
-    cli, config, vllm_server         entry points
+    cli, config, vllm_server, pipeline   entry points
+
+Imports are lazy: `import toolkit` loads nothing heavy (the command line's `--help` answers in well under two
+seconds); the first public name used imports the public modules, as an eager import did.
 
 Modules not re-exported here (attention, packing, builtin_plugin, cli, config, report, rollout_worker,
-vllm_server) are internal: importable, with no stability promise. `tasks` and `vllm_backend` are public
+vllm_server, ...) are internal: importable, with no stability promise. `tasks` and `vllm_backend` are public
 but not re-exported (`vllm_backend` would be heavy to import by default).
 """
 
 from __future__ import annotations
 
-from . import attention as _attention  # noqa: F401  (registers the `toolkit_varlen` attention implementation)
-from . import (
-    async_grpo,
-    checkpoint,
-    data,
-    dpo,
-    errors,
-    generation,
-    grpo,
-    hookspecs,
-    models,
-    numerics,
-    objectives,
-    plugins,
-    ppo,
-    rewards,
-    rollout,
-    sft,
-)
+import importlib
+import importlib.util
+from typing import Any
 
 #: The modules whose `__all__` make up `toolkit.core` (and `toolkit`), in layer order.
-PUBLIC_MODULES = (errors, numerics, objectives, data, generation, rewards, models, checkpoint, rollout, hookspecs,
-                  plugins, sft, dpo, grpo, ppo, async_grpo)
+PUBLIC_MODULES = ("errors", "numerics", "objectives", "data", "generation", "rewards", "models", "checkpoint",
+                  "rollout", "hookspecs", "plugins", "sft", "dpo", "grpo", "ppo", "async_grpo")
+
+_public: dict[str, object] | None = None
 
 
 def _collect() -> dict[str, object]:
-    names: dict[str, object] = {}
-    for module in PUBLIC_MODULES:
-        for name in module.__all__:
-            obj = getattr(module, name)
-            if name in names and names[name] is not obj:
-                raise ImportError(f"toolkit.core: '{name}' is exported by two modules as different objects "
-                                  f"(the second is {module.__name__}); rename one.")
-            names[name] = obj
-    return names
+    global _public
+    if _public is None:
+        importlib.import_module(".attention", __name__)  # registers the `toolkit_varlen` attention implementation
+        names: dict[str, object] = {}
+        for module_name in PUBLIC_MODULES:
+            module = importlib.import_module(f".{module_name}", __name__)
+            for name in module.__all__:
+                obj = getattr(module, name)
+                if name in names and names[name] is not obj:
+                    raise ImportError(f"toolkit.core: '{name}' is exported by two modules as different objects "
+                                      f"(the second is {module.__name__}); rename one.")
+                names[name] = obj
+        _public = names
+    return _public
 
 
-_PUBLIC = _collect()
-globals().update(_PUBLIC)
-__all__ = sorted(_PUBLIC)  # noqa: PLE0605 (derived from the modules' __all__)
+def __getattr__(name: str) -> Any:
+    if name == "__all__":
+        return sorted(_collect())
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule: toolkit.core.grpo, .cli, ...
+        return importlib.import_module(f".{name}", __name__)
+    public = _collect()
+    if name in public:
+        return public[name]
+    raise AttributeError(f"module 'toolkit.core' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_collect()))

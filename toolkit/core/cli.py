@@ -48,7 +48,6 @@ from .distributed import (
     warn_if_fewer_processes_than_asked,
 )
 from .errors import ConfigError, ToolkitError
-from .model_card import write_model_card
 
 logger = logging.getLogger("toolkit")
 
@@ -196,6 +195,8 @@ def _publish(trainer: Any, cfg: Any, run: RunArgs, final_dir: Path, summary: dic
     """The card (with the run's results) into final/, then, with push_to_hub, final/ to the repo root, once.
 
     Trainer's own push_to_hub would upload output_dir, which holds final/ as well: the weights twice."""
+    from .model_card import write_model_card
+
     plot = None
     if summary.get("plot") and Path(summary["plot"]).exists():  # the GRPO/PPO report travels with the model
         shutil.copyfile(summary["plot"], final_dir / "report.png")
@@ -340,6 +341,12 @@ def main(argv: list[str] | None = None, extra_commands: dict[str, Any] | None = 
             print(f"error: unknown command '{argv[0]}'; commands: {', '.join(commands)}")
             return 2
         return 0
+    if argv[0] != "pipeline" and ("--help" in argv[1:] or "-h" in argv[1:]):
+        text = _shipped_help(argv[0])
+        if text is not None:  # the run file's keys without importing the trainer (toolkit._dev.cli_help)
+            print(__doc__)
+            print(text)
+            return 0
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     quiet_other_ranks()
@@ -364,7 +371,23 @@ def main(argv: list[str] | None = None, extra_commands: dict[str, Any] | None = 
         leave_process_group()
 
 
+def _shipped_help(command: str) -> str | None:
+    """`toolkit <command> --help`'s listing of run-file keys as shipped in toolkit/cli_help.json (generated from the
+    config classes by toolkit._dev.cli_help and checked against them by the tests), or None for a command without
+    one (it then prints its help the slow way, from the classes)."""
+    path = Path(__file__).resolve().parents[1] / "cli_help.json"
+    try:
+        return json.loads(path.read_text()).get(command)
+    except (OSError, ValueError):
+        return None
+
+
 def _pipeline(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        from . import pipeline
+
+        print(pipeline.__doc__)
+        return 0
     from .pipeline import run_pipeline
 
     stage_commands = {"sft": run_sft, "grpo": run_grpo, "async-grpo": run_async_grpo, "dpo": run_dpo, "ppo": run_ppo}

@@ -34,7 +34,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from .errors import ConfigError
-from .models import DEFAULT_MODEL
+from .defaults import DEFAULT_MODEL
 
 
 @dataclass

@@ -50,9 +50,8 @@ def env_rank() -> int:
 
 def is_main_process() -> bool:
     """Rank 0, the process that prints summaries and writes reports (Trainer saves on its own `should_save`)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group can exist (and --help stays fast)
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return env_rank() == 0
 
@@ -70,9 +69,8 @@ def leave_process_group() -> bool:
     """Destroy this process's default process group if it has one (best effort: the run's result is already
     decided when this is called). Returns whether there was one to leave."""
     global _left_a_group
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group to leave
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
         return False
     _left_a_group = True
     try:

