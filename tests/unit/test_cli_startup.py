@@ -29,7 +29,7 @@ def run(args: list[str], **env: str) -> subprocess.CompletedProcess:
     "import toolkit",
     "import toolkit.cli",
     # the first use of a trainer imports torch, transformers, peft (and with them bitsandbytes): still no noise
-    "from toolkit import SFTTrainer, GRPOTrainer, DPOTrainer, PPOTrainer",
+    pytest.param("from toolkit import SFTTrainer, GRPOTrainer, DPOTrainer, PPOTrainer", marks=pytest.mark.slow),
 ])
 def test_importing_toolkit_writes_nothing_to_stderr(code):
     out = run([sys.executable, "-c", code])

@@ -9,7 +9,7 @@ signatures and options; and HOOKS_VERSION.
     python -m toolkit._dev.api_snapshot            # compare with tests/api_snapshot.json, print the changes
     python -m toolkit._dev.api_snapshot --write    # record the current surface (commit it with a CHANGELOG entry)
 
-tests/test_api_surface.py fails whenever the two differ, so a change to the stable API is always a
+tests/unit/test_api_surface.py fails whenever the two differ, so a change to the stable API is always a
 visible, reviewed change in the same commit (docs/contributing.md: removals and default changes need a
 deprecation cycle first).
 """
@@ -28,7 +28,8 @@ from typing import Any
 
 SNAPSHOT = Path(__file__).resolve().parents[2] / "tests" / "api_snapshot.json"
 EXTRA_PUBLIC_MODULES = ("toolkit.core.tasks", "toolkit.core.vllm_backend", "toolkit.core.environments",
-                        "toolkit.core.sandbox")
+                        "toolkit.core.sandbox", "toolkit.core.lifecycle", "toolkit.core.rollout_config",
+                        "toolkit.core.cli", "toolkit.core.config")
 
 
 def _clean(text: str) -> str:
@@ -108,7 +109,7 @@ def current() -> dict[str, Any]:
     import toolkit.core
     from toolkit.core import hookspecs
 
-    modules = [m.__name__ for m in toolkit.core.PUBLIC_MODULES] + list(EXTRA_PUBLIC_MODULES)
+    modules = [f"toolkit.core.{m}" for m in toolkit.core.PUBLIC_MODULES] + list(EXTRA_PUBLIC_MODULES)
     surface: dict[str, Any] = {"hooks_version": hookspecs.HOOKS_VERSION, "modules": {}, "hookspecs": {}}
     for name in modules:
         module = importlib.import_module(name)

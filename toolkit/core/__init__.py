@@ -2,7 +2,7 @@
 
 The public surface is what the modules below list in their `__all__`, re-exported here (and as
 `toolkit`); nothing else is promised. `tests/api_snapshot.json` records it (names, signatures, config
-fields with defaults, hook specs) and `tests/test_api_surface.py` fails on any change that is not
+fields with defaults, hook specs) and `tests/unit/test_api_surface.py` fails on any change that is not
 recorded in the same commit: see docs/contributing.md for the deprecation rules.
 
 Layers (low to high; a module imports only from its own layer or below, checked by import-linter in

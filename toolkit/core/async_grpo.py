@@ -13,7 +13,7 @@
 
 Every sample carries the version of the weights that generated it. With `max_staleness = 0` the
 worker generates round r only with the weights of step r, so the updates equal synchronous GRPO's
-(tests/test_async_grpo.py checks it); with k > 0 generation of round r+1..r+k overlaps training on
+(tests/trainers/test_async_grpo.py checks it); with k > 0 generation of round r+1..r+k overlaps training on
 round r. Weights reach the worker through shared memory (no copy through a pipe); the worker
 loads them between rounds, and with `inflight_weight_updates` also between decode steps of the round
 in progress (PipelineRL; each token then records the version that sampled it).

@@ -14,7 +14,7 @@ flash-attention derives boundaries from `position_ids` alone (a sequence starts 
 0), so under it the shared layout would let the second completion of a group attend to the first.
 `packed_layout` is the one place that decides: the shared-prompt layout only for `toolkit_varlen`;
 flash-attention gets one copy of the prompt per completion, positions restarting at 0, which is exactly
-the boundaries it derives (tests/test_attention_layouts.py checks this with transformers' own helper).
+the boundaries it derives (tests/unit/test_attention_layouts.py checks this with transformers' own helper).
 
 On the CPU the segments run one sdpa call each (sized and typed for the CPU's kernels, below). On any other
 device that loop is a few kernel launches per segment per layer (a GRPO micro-batch of 8 prompts x 8 completions

@@ -24,7 +24,7 @@ Resume picks the newest folder with the marker. A plain `transformers.Trainer` o
 marker, but a `trainer_state.json`, which Trainer writes after the weights) is accepted with a warning.
 
 `TOOLKIT_FAULT_AT=<point>:<step>` kills the process with SIGKILL at a named point of a checkpoint
-write (`staged`, `marked`, `aside`, `swapped`, `rotating`); the crash tests (tests/test_crash_resume.py) use it
+write (`staged`, `marked`, `aside`, `swapped`, `rotating`); the crash tests (tests/integration/test_crash_resume.py) use it
 to aim kills inside the write. It costs one environment lookup per checkpoint.
 """
 
@@ -306,7 +306,7 @@ def resume_already_finished(trainer: Any, path: str | None) -> Any | None:
     """Resuming from a checkpoint that already reached `max_steps`: load it and train nothing.
 
     transformers' loop checks `max_steps` only after a step, so a run resumed from its own last checkpoint
-    in the middle of an epoch trained one step more than asked (found by tests/test_crash_resume.py: a
+    in the middle of an epoch trained one step more than asked (found by tests/integration/test_crash_resume.py: a
     kill after the final save, then a resume, gave GRPO a step 5 of 4). Returns the TrainOutput to return
     from `train()` in that case, None otherwise.
     """

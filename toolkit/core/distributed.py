@@ -95,7 +95,7 @@ def exit_process(code: int | None = 0) -> NoReturn:
     rank aborts (SIGABRT, "terminate called without an active exception") after a run that finished, and
     torchrun reports the job failed. destroy_process_group does not prevent it while something still holds the
     group (FSDP2's DeviceMesh, kept by DTensor's caches, does): the group's threads are not joined. Seen in CI
-    (core dump of tests/lockstep_worker.py). Any other process, and an interactive one, exits with sys.exit."""
+    (core dump of tests/helpers/lockstep_worker.py). Any other process, and an interactive one, exits with sys.exit."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("exit_process: call it from the main thread (from another thread it cannot end the "
                            "process the way the interpreter's exit does).")

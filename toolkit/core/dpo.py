@@ -16,7 +16,7 @@
    preference loss a plugin registered (toolkit.core.hookspecs).
 
 Follows Rafailov et al. (2023); loss variants cite their papers in `numerics.preference_loss`.
-Loss and reward metrics equal TRL's DPOTrainer on the same batch (tests/test_dpo.py).
+Loss and reward metrics equal TRL's DPOTrainer on the same batch (tests/trainers/test_dpo.py).
 Seams: `compute_sequence_logps`, `compute_reference_logps`, `compute_preference_loss`.
 """
 

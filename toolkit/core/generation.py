@@ -437,7 +437,7 @@ class TransformersBackend:
 
     # Drop finished sequences from the batch and its KV cache as decoding goes on (see _generate_chunk). The
     # tokens are the same either way up to the rounding of batch-size-dependent kernels; False keeps every row to
-    # the end (the comparison in tests/test_generation.py and bench/decode_batch.py).
+    # the end (the comparison in tests/unit/test_generation.py and bench/decode_batch.py).
     _compact_finished_rows: bool = True
 
     def sync_weights(self, model: torch.nn.Module) -> None:

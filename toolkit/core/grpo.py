@@ -819,7 +819,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         completions = [rollout.completion_ids[r] for r in rows]
         # With toolkit_varlen the G completions of a prompt share one copy of it in the row ((G-1) x prompt
         # tokens less forward and backward work) and the start all prompts share (the chat template's system
-        # prompt) is laid out once for the micro-batch: same log-probs and gradients (tests/test_packing.py).
+        # prompt) is laid out once for the micro-batch: same log-probs and gradients (tests/unit/test_packing.py).
         return pack_for_layout(self.packed_layout, prompts, completions, pad_token_id=self.processing_class.pad_token_id)
 
     def _micro_batch(self, rollout: Rollout, rows: Sequence[int], step_counts: dict[str, float]) -> dict[str, Any]:
@@ -864,7 +864,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         n = self.accelerator.num_processes
         # The loss divides by the step's counts over all ranks. DDP then averages the ranks' gradients (a
         # division by n), so each rank divides by global / n: the sum over ranks is divided by the global count,
-        # exactly as one process holding the whole step would (tests/test_multiprocess.py).
+        # exactly as one process holding the whole step would (tests/integration/test_multiprocess.py).
         total = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu() if n > 1 else local
         self._rows_in_loss_all_ranks = int(total[1])  # read by _update_without_signal
         counts = {name: float(max(float(v), 1.0)) / n
@@ -879,7 +879,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         A row out of the loss (its group tied under zero_variance_filter, no reward, a masked truncation) has a
         zero loss mask, so it adds nothing to the gradient, only compute: a third to a half of a step's rows on
         a task the model half-solves. Leaving them out gives the same loss and gradients (the step's counts
-        already count only rows in the loss; tests/test_grpo.py) in less time. The per-token metrics (entropy, kl,
+        already count only rows in the loss; tests/trainers/test_grpo.py) in less time. The per-token metrics (entropy, kl,
         importance_ratio/*, sampler/*, train_tokens_per_s) describe the rows in the forward. A micro-batch with no
         row in the loss keeps its first row (masked; only its sampler gap is logged): every micro-step still runs
         one forward and backward, so the ranks' collectives stay in step (a round with no row in the loss on any
@@ -1121,7 +1121,7 @@ class TrainingHealth:
     # 5 standard errors of a 10-log average (sd of the last 30 step rewards / sqrt(10)), for 5 logs in a row.
     # The best of many noisy averages sits above the true mean, so a fixed 0.10 alone fired on flat curves: at
     # 32 completions per step 44% of flat 80-step runs warned; with this rule 0.5% do (16 completions: 1%),
-    # while a rise to 0.6 and fall to 0.35 is caught in 199 of 200 (simulated; tests/test_grpo.py keeps both).
+    # while a rise to 0.6 and fall to 0.35 is caught in 199 of 200 (simulated; tests/trainers/test_grpo.py keeps both).
     _WINDOW, _SIGMAS, _PERSIST, _SIGMA_WINDOW = 10, 5.0, 5, 30
 
     def _observe_reward(self, step: int, reward: float, entropy: float | None) -> None:
@@ -1151,7 +1151,7 @@ class TrainingHealth:
 
         Calibrated against noise (flat simulated curves at the main job's batch shape stay silent) and on runs built
         to trigger each cause
-        (tests/test_grpo.py): every group tied while the reward is below `solved_reward` (no signal; tied at the
+        (tests/trainers/test_grpo.py): every group tied while the reward is below `solved_reward` (no signal; tied at the
         top means solved); the 10-step average reward clearly below its best (`_observe_reward`; with the entropy
         named when it is under `entropy_floor`: the policy narrowed onto worse answers); truncation; KL.
         """

@@ -261,7 +261,7 @@ def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     leaves the weight as a DTensor shard (a matmul with it fails: "mixed torch.Tensor and DTensor"); the unit
     owning the head is unsharded here (`FSDPModule.unshard()`), so the weight is the unsharded parameter FSDP
     itself computes with, and its gradient is reduce-scattered and the unit resharded after backward like any
-    other (tests/test_multiprocess.py: equal to one process). accelerate's FSDP2 setup keeps the head's unit unsharded
+    other (tests/integration/test_multiprocess.py: equal to one process). accelerate's FSDP2 setup keeps the head's unit unsharded
     after forward, so there this is a no-op. DeepSpeed ZeRO-3 partitions the weight in a way that needs the
     read to happen inside a gathered scope held through backward; it is refused here rather than run wrong.
     """

@@ -2,7 +2,7 @@
 
 Log-probabilities, entropy, masked aggregation and KL estimators live here and nowhere else:
 trainers may copy orchestration code from each other (with a `Copied from` marker), never these.
-Each function has a naive reference in `tests/test_numerics.py`.
+Each function has a naive reference in `tests/unit/test_numerics.py`.
 
 Shapes use N for a flat number of token positions, B for batch, T for sequence length,
 H for hidden size and V for vocabulary size.

@@ -98,7 +98,7 @@ def pack_shared_prompts(prompts: Sequence[Sequence[int]], completions: Sequence[
     as `shared_context` (start, end); each group's span then holds only the rest of its prompt, and its
     prompt and completions attend to the context as well. Saves (groups-1) x context tokens more; PPO,
     whose every completion has its own prompt, has nothing else to share. Same numbers as separate
-    sequences (tests/test_packing.py).
+    sequences (tests/unit/test_packing.py).
     """
     order = [r for g in groups for r in g]
     if sorted(order) != list(range(len(prompts))):

@@ -756,7 +756,7 @@ class PPOTrainer(TrainerLifecycle, Trainer):
         With several processes each rank holds its share of the update's completions; the mini-batches are
         drawn from one permutation of all ranks' completions, each rank trains its rows of each, the loss is
         divided by the mini-batch's token count over all ranks, and the ranks' gradients are summed before the
-        step, so N processes take the steps one process with the whole rollout would (tests/test_multiprocess.py,
+        step, so N processes take the steps one process with the whole rollout would (tests/integration/test_multiprocess.py,
         with one and with two mini-batches). Early stopping reads the global approximate KL, so every rank stops
         at the same mini-batch.
         """

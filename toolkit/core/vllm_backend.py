@@ -562,7 +562,7 @@ def safetensors_stream(weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[lis
     weights as they lie (building one body first cost a full copy: 0.8-2.8 s for 135M fp32 parameters).
     Tied weights (input and output embeddings) go under each name, from the same memory: vLLM's CPU
     engine keeps its own copy of the output head, and with only the embedding sent it stayed stale
-    (tests/test_vllm.py, two trainer processes: the sampler's log-probs drifted 0.14 from the trainer's).
+    (tests/integration/test_vllm.py, two trainer processes: the sampler's log-probs drifted 0.14 from the trainer's).
     """
     header: dict[str, Any] = {}
     views, offset = [], 0

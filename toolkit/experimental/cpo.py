@@ -16,7 +16,7 @@ where z compares the policy's own log-probs of the two answers:
 - The NLL term is the token mean of -log p over every chosen-answer token of the micro-batch (the
   prompt is not in it), as in TRL.
 
-Loss and gradients equal TRL's CPOTrainer on the same batch (tests/test_cpo.py). The losses are
+Loss and gradients equal TRL's CPOTrainer on the same batch (tests/experimental/test_cpo.py). The losses are
 registered as preference losses ("simpo", "cpo_nll") when this module is imported, so DPOTrainer's
 machinery (data validation, packing, chunked log-probs, resume) runs them unchanged.
 """

@@ -13,7 +13,7 @@ distribution and the loss is the generalised Jensen-Shannon divergence between t
 summed over the vocabulary and averaged over the step's completion tokens (all micro-batches and ranks). `lmbda=1, beta=1` is on-policy
 distillation with the full-vocabulary reverse KL (Thinking Machines' "on-policy distillation" estimates the
 same quantity from the sampled token alone). The loss, per token and reduced, and its gradients equal TRL's
-`GKDTrainer.generalized_jsd_loss` and `GKDTrainer.compute_loss` on the same ids (tests/test_gkd.py).
+`GKDTrainer.generalized_jsd_loss` and `GKDTrainer.compute_loss` on the same ids (tests/experimental/test_gkd.py).
 
 Departures from TRL, on purpose: the logits are only formed at completion positions and in chunks of
 `logps_chunk_size` tokens, recomputed in backward (TRL materialises [batch, sequence, vocab] for both models);

@@ -18,7 +18,7 @@ completion) pair around one prompt copy, so the matched and the KL sequences sha
 log-probs, reference handling (a frozen copy, or the PEFT base with adapters off), checkpoints and exact
 resume. Paired preference data (chosen/rejected) is unpaired first (chosen -> desirable, rejected ->
 undesirable), as TRL does. Loss, gradients and metrics equal TRL's KTOTrainer on the same batch
-(tests/test_kto.py).
+(tests/experimental/test_kto.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ sampled ids against the reference model (a frozen copy, or the PEFT base with ad
 
 With `num_generations=2` this is Guo et al. (2024) "Direct Language Model Alignment from Online AI Feedback"
 and TRL's OnlineDPOTrainer: loss, gradients and metrics equal TRL's on the same sampled pairs
-(tests/test_online_dpo.py). Departures, each on purpose:
+(tests/experimental/test_online_dpo.py). Departures, each on purpose:
 
 - Pairs whose completions scored the same carry no preference and leave the loss (`zero_variance_filter`,
   on by default; TRL keeps them with the first completion as "chosen", which trains on a coin flip). Set

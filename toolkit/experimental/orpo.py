@@ -14,7 +14,7 @@ SFT stage). log(1 - p) is computed as log1mexp(log p), stable for p near 0 and n
 resume) with no reference model and one change to the packed forward: the prompt's first token is the
 shared prefix and everything after it is scored, so the prompt tokens' log-probs exist for the NLL while the
 odds use the answer's tokens only. Loss, gradients and metrics equal TRL's ORPOTrainer on the same batch
-(tests/test_orpo.py).
+(tests/experimental/test_orpo.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ output so that the chosen answer scores above the rejected one:
 
 (Bradley-Terry as in Ouyang et al. 2022; the per-pair `margin` column as in Touvron et al. 2023; the
 centring term as in Eisenstein et al. 2023; TRL's RewardTrainer options of the same names, and the
-same loss and metrics on the same batch: tests/test_reward.py.) One step, top to bottom:
+same loss and metrics on the same batch: tests/experimental/test_reward_model.py.) One step, top to bottom:
 
 1. Data, before any model loads: preference rows in every format DPO reads (plain or
    conversational, explicit or implicit prompt, TRL's pre-tokenized pairs) are validated and

