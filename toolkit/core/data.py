@@ -720,22 +720,7 @@ def tokenize_for_sft(
                 ids = ids + [eos]
             mask = [0] * start + [1] * (len(ids) - start) if completion_only_loss else [1] * len(ids)
         else:
-            prompt_text = _render(tokenizer, r["prompt"], add_generation_prompt=True, template_kwargs=template_kwargs,
-                                  row=i)
-            full_text = _render(tokenizer, r["prompt"] + r["completion"], add_generation_prompt=False,
-                                template_kwargs=template_kwargs, row=i)
-            prompt_ids = _ids(tokenizer, prompt_text, special=False)
-            full_ids = _ids(tokenizer, full_text, special=False)
-            if full_text.startswith(prompt_text):
-                ids, start, prefix = _join_prompt_completion(
-                    prompt_ids, full_ids, lambda: _ids(tokenizer, full_text[len(prompt_text):], special=False))
-            else:
-                # Templates that rewrite earlier turns (e.g. drop <think> blocks): the longest common
-                # token prefix is the part the model conditions on.
-                start = 0
-                while start < min(len(prompt_ids), len(full_ids)) and prompt_ids[start] == full_ids[start]:
-                    start += 1
-                ids, prefix = full_ids, False
+            ids, start, prefix = _conversational_prompt_completion(tokenizer, r, template_kwargs, i)
             report.non_prefix_rows += 0 if prefix else 1
             mask = [0] * start + [1] * (len(ids) - start) if completion_only_loss else [1] * len(ids)
         ids, mask = _finish_example(ids, mask, max_length, report, i)
@@ -750,6 +735,26 @@ def tokenize_for_sft(
             "Raise max_length, shorten or drop those rows, or set completion_only_loss/assistant_only_loss to False."
         )
     return out, report
+
+
+def _conversational_prompt_completion(tokenizer: Any, r: dict[str, Any], template_kwargs: Mapping[str, Any] | None,
+                                      i: int) -> tuple[list[int], int, bool]:
+    """A conversational prompt-completion row's ids, where its completion starts, and whether the rendered prompt
+    is a token prefix of the rendered whole."""
+    prompt_text = _render(tokenizer, r["prompt"], add_generation_prompt=True, template_kwargs=template_kwargs, row=i)
+    full_text = _render(tokenizer, r["prompt"] + r["completion"], add_generation_prompt=False,
+                        template_kwargs=template_kwargs, row=i)
+    prompt_ids = _ids(tokenizer, prompt_text, special=False)
+    full_ids = _ids(tokenizer, full_text, special=False)
+    if full_text.startswith(prompt_text):
+        return _join_prompt_completion(prompt_ids, full_ids,
+                                       lambda: _ids(tokenizer, full_text[len(prompt_text):], special=False))
+    # Templates that rewrite earlier turns (e.g. drop <think> blocks): the longest common token prefix is the part
+    # the model conditions on.
+    start = 0
+    while start < min(len(prompt_ids), len(full_ids)) and prompt_ids[start] == full_ids[start]:
+        start += 1
+    return full_ids, start, False
 
 
 def _tokenized_for_sft(rows: list[dict[str, Any]], fmt: DatasetFormat, *, max_length: int | None,

@@ -240,12 +240,6 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
         finally:
             clock[key] += time.perf_counter() - started
 
-    def rendered(messages: list[dict[str, Any]]) -> tuple[list[int] | None, str | None]:
-        try:
-            return delta.after_turn(messages), None
-        except Exception as e:  # messages the chat template refuses (an unknown role, a missing field)
-            return None, f"the chat template refused the environment's messages: {type(e).__name__}: {e}"[:500]
-
     episodes = []
     resets = timed("environment_s", lambda: calls.run([lambda e=env, r=row: delta.prompt_ids(e.reset(r))
                                                         for env, row in zip(envs, rows)]))
@@ -264,48 +258,58 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
         if len(outs) != len(active):
             raise ValueError(f"run_episodes: the sampler returned {len(outs)} completions for {len(active)} contexts")
         for i, out in zip(active, outs):
-            ep = episodes[i]
-            start = len(ep.ids)
-            ep.ids += list(out.token_ids)
-            ep.mask += [1] * len(out.token_ids)
-            ep.logprobs += [float(x) for x in out.logprobs]
-            ep.turns.append((start, len(ep.ids)))
-            ep.truncated = not (out.token_ids and out.token_ids[-1] in stops)
+            _append_sampled(episodes[i], out, stops)
         texts = [decode(list(out.token_ids)) for out in outs]
         answers = timed("environment_s",
                         lambda: calls.run([lambda e=envs[i], t=text: e.step(t) for i, text in zip(active, texts)]))
-        still = []
-        for i, (response, error) in zip(active, answers):
-            ep = episodes[i]
-            ids: list[int] | None = None
-            ends = error is None and (response.done or ep.truncated or turn == max_turns - 1)
-            if error is None and not ends:
-                ids, error = rendered(response.messages)
-            if error is not None:
-                ep.rewards.append(None)
-                ep.infos.append({"env_error": error})
-                ep.finish = "env_error"
-                continue
-            ep.rewards.append(response.reward)
-            ep.infos.append(dict(response.info))
-            if ends:
-                # done; or cut at its token limit (no end of turn to append an answer to); or out of turns
-                ep.finish = "done" if response.done else ("length" if ep.truncated else "max_turns")
-                continue
-            if not delta.closes_turn(ep.ids[-1]):
-                # the turn ended on a stop token the template does not close turns with (an <|endoftext|> where it
-                # closes them with <|im_end|>): its end of turn goes in as an environment id, so the next turn reads
-                # the turn closed as the template closes turns; the sampled stop token stays, as sampled
-                ids = [delta.end_id] + ids
-            ep.ids += ids
-            ep.mask += [0] * len(ids)
-            ep.logprobs += [0.0] * len(ids)
-            still.append(i)
-        active = still
+        active = [i for i, (response, error) in zip(active, answers)
+                  if _append_answer(episodes[i], response, error, delta, last_turn=turn == max_turns - 1)]
     if timings is not None:
         for key, seconds in clock.items():
             timings[key] = timings.get(key, 0.0) + seconds
     return episodes
+
+
+def _append_sampled(ep: Episode, out: Any, stops: set[int]) -> None:
+    """A turn the policy sampled: its ids in the loss (mask 1) with their sampling log-probs."""
+    start = len(ep.ids)
+    ep.ids += list(out.token_ids)
+    ep.mask += [1] * len(out.token_ids)
+    ep.logprobs += [float(x) for x in out.logprobs]
+    ep.turns.append((start, len(ep.ids)))
+    ep.truncated = not (out.token_ids and out.token_ids[-1] in stops)
+
+
+def _append_answer(ep: Episode, response: Any, error: str | None, delta: TemplateDelta, *, last_turn: bool) -> bool:
+    """The environment's answer to the turn just sampled: its reward and info, and unless the episode ends, its
+    messages as context ids (mask 0). Returns whether the episode goes on."""
+    ids: list[int] | None = None
+    ends = error is None and (response.done or ep.truncated or last_turn)
+    if error is None and not ends:
+        try:
+            ids = delta.after_turn(response.messages)
+        except Exception as e:  # messages the chat template refuses (an unknown role, a missing field)
+            error = f"the chat template refused the environment's messages: {type(e).__name__}: {e}"[:500]
+    if error is not None:
+        ep.rewards.append(None)
+        ep.infos.append({"env_error": error})
+        ep.finish = "env_error"
+        return False
+    ep.rewards.append(response.reward)
+    ep.infos.append(dict(response.info))
+    if ends:
+        # done; or cut at its token limit (no end of turn to append an answer to); or out of turns
+        ep.finish = "done" if response.done else ("length" if ep.truncated else "max_turns")
+        return False
+    if not delta.closes_turn(ep.ids[-1]):
+        # the turn ended on a stop token the template does not close turns with (an <|endoftext|> where it closes
+        # them with <|im_end|>): its end of turn goes in as an environment id, so the next turn reads the turn
+        # closed as the template closes turns; the sampled stop token stays, as sampled
+        ids = [delta.end_id] + ids
+    ep.ids += ids
+    ep.mask += [0] * len(ids)
+    ep.logprobs += [0.0] * len(ids)
+    return True
 
 
 class _Calls:

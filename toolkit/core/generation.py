@@ -382,6 +382,27 @@ def _rows_can_be_dropped(cache: Any) -> bool:
     return bool(layers) and all(type(layer) in plain for layer in layers)
 
 
+@dataclass
+class _DecodeState:
+    """One chunk's decoding in progress (TransformersBackend._generate_chunk): rows are the b x n sequences."""
+
+    device: torch.device
+    ids: torch.Tensor            # [b, prompt] the left-padded prompts (the shared start first)
+    mask: torch.Tensor           # [rows, so far] attention mask of the rows still in the batch
+    cache: Any                   # the KV cache of those rows
+    stop: torch.Tensor           # the stop token ids
+    last_pos: torch.Tensor       # [rows] position of each row's last token
+    logits: torch.Tensor         # [rows, vocab] the next token's logits
+    done: torch.Tensor           # [b x n] bool, on the device
+    tokens_out: torch.Tensor     # [b x n, max_tokens] sampled ids (CPU)
+    logps_out: torch.Tensor      # [b x n, max_tokens] their sampling log-probs (CPU)
+    lengths: torch.Tensor        # [b x n] tokens sampled per sequence (CPU)
+    versions_out: torch.Tensor   # [b x n, max_tokens] the weights' version that sampled each token (CPU)
+    rows: torch.Tensor           # indices (into b x n, CPU) of the rows still in the batch
+    lockstep: bool               # several ranks step together (FSDP2)
+    compact: bool                # finished rows are dropped from the batch
+
+
 class TransformersBackend:
     """Batched, KV-cached sampling with the training model itself (so weights never need syncing), or with a copy
     of it in another dtype, refreshed at each call (`dtype`, below).
@@ -486,141 +507,162 @@ class TransformersBackend:
 
     def _generate_chunk(self, model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, n: int,
                         generator: torch.Generator, *, placeholder: bool = False) -> list[list[Completion]]:
-        from transformers import DynamicCache
-
+        """n completions of each prompt: one prefill (the prompts' shared start once), then the decode loop."""
         was_training = model.training
         model.eval()
-        device = next(model.parameters()).device
-        decode_linear = _CpuInferenceLinear if device.type == "cpu" else contextlib.nullcontext
-
-        def forward(**kwargs: Any) -> Any:
-            with decode_linear():
-                return model(**kwargs)
-
         try:
-            b = len(prompts)
-            lockstep = _decodes_in_lockstep(model)
-            # The start all prompts share (a chat template's system prompt) is prefilled once and its cache copied
-            # to every row: prefill is most of a PPO rollout's generation (16 prompts of 45 tokens, 27 of them
-            # shared, against 16 new tokens each). Not under FSDP2, where every rank must run the same forwards.
-            shared = common_start(prompts) if not lockstep and _plain_kv_cache(model) else 0
-            longest = max(len(p) for p in prompts) - shared
-            ids = torch.full((b, shared + longest), self.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((b, shared + longest), dtype=torch.long)
-            ids[:, :shared] = torch.tensor(prompts[0][:shared], dtype=torch.long)
-            mask[:, :shared] = 1
-            for i, p in enumerate(prompts):  # left padding after the shared start: every prompt ends at the last column
-                ids[i, shared + longest - (len(p) - shared):] = torch.tensor(p[shared:], dtype=torch.long)
-                mask[i, shared + longest - (len(p) - shared):] = 1
-            ids, mask = ids.to(device), mask.to(device)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            cache = DynamicCache(config=model.config)
-            if shared:
-                forward(input_ids=ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
-                        logits_to_keep=1, **{_cache_kwarg(model): cache})
-                if self.on_decode_step is not None:
-                    self.on_decode_step()
-                cache.batch_repeat_interleave(b)
-            out = forward(input_ids=ids[:, shared:], attention_mask=mask, position_ids=positions[:, shared:],
-                          use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
-            if self.on_decode_step is not None:
-                self.on_decode_step()
-            # Share each prompt's cache with its n samples: repeat_interleave the batch dimension.
-            if n > 1:
-                cache.batch_repeat_interleave(n)
-            mask = mask.repeat_interleave(n, dim=0)
-            last_pos = positions[:, -1].repeat_interleave(n, dim=0)
-            logits = out.logits[:, -1].repeat_interleave(n, dim=0)
-            total = b * n
-            stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
-            # a placeholder batch (lockstep padding, see generate) is done before it starts: it only keeps the
-            # forwards (and their all-gathers) in step with the other ranks until they finish
-            done = torch.full((total,), placeholder, dtype=torch.bool, device=device)
-            tokens_out = torch.full((total, params.max_tokens), self.pad_token_id, dtype=torch.long)
-            logps_out = torch.zeros((total, params.max_tokens), dtype=torch.float32)
-            lengths = torch.zeros(total, dtype=torch.long)
-            versions_out = torch.zeros((total, params.max_tokens), dtype=torch.long)
-            # The rows still in the batch (indices into the `total` sequences): once a quarter of them have
-            # finished they are dropped from the batch and its KV cache, so the late decode steps of a batch with
-            # a few long completions run on those rows only (each step also copies the cache, in DynamicCache's
-            # concatenation). bench/decode_batch.py measures it. Not under FSDP2 (each rank keeps stepping its
-            # rows in lockstep, see above), and only when every cache layer is a plain key/value one (a recurrent
-            # or convolutional state would keep every row). Each step still draws one uniform per sequence of the
-            # whole batch, finished or not, and samples the rows in the batch with theirs: a sequence's draws do
-            # not depend on when the others finished (its tokens, up to the rounding of a smaller batch's kernels).
-            compact = (not lockstep and self._compact_finished_rows and bool(stop.numel())
-                       and _rows_can_be_dropped(cache))
-            rows = torch.arange(total)
-            rows_dev = rows.to(device)
-            for step in range(params.max_tokens):
-                if lockstep and bool(done.all()):
-                    # this rank is done and only steps along with the others: no draw from the generator (the
-                    # number of steps depends on the other ranks, and the next batch samples from it)
-                    tok = torch.full((len(rows),), self.pad_token_id, dtype=torch.long, device=device)
-                    lp = torch.zeros(len(rows), device=device)
-                else:
-                    u = torch.rand((total, 1), generator=generator, device=generator.device, dtype=torch.float64)
-                    tok, lp = sample_tokens(logits, params, generator,
-                                            uniforms=u if len(rows) == total else u[rows.to(u.device)])
-                was_done = done[rows_dev]
-                tok = torch.where(was_done, torch.full_like(tok, self.pad_token_id), tok)
-                active = ~was_done
-                tokens_out[rows, step] = tok.cpu()
-                logps_out[rows, step] = torch.where(active, lp, torch.zeros_like(lp)).cpu()
-                versions_out[rows, step] = self.version
-                lengths[rows] += active.long().cpu()
-                if stop.numel():
-                    done[rows_dev] = was_done | (active & torch.isin(tok, stop))
-                finished = bool(done.all()) or step == params.max_tokens - 1
-                if lockstep:
-                    finished = _all_ranks_finished(finished, device)
-                if finished:
-                    break
-                # the token just sampled is real for every row that was active at this step
-                mask = torch.cat([mask, active.long()[:, None]], dim=1)
-                last_pos = last_pos + 1
-                if compact:
-                    keep = (~done[rows_dev]).nonzero().squeeze(-1)
-                    if len(rows) - len(keep) >= _DROP_FINISHED_AT * len(rows):
-                        cache.batch_select_indices(keep)
-                        mask, last_pos, tok, active = mask[keep], last_pos[keep], tok[keep], active[keep]
-                        rows, rows_dev = rows[keep.cpu()], rows_dev[keep]
-                new_version = self.refresh_weights() if self.refresh_weights is not None else None
-                if new_version is not None:
-                    # New weights mid-generation: the rows continue under them (partial rollouts, nothing is
-                    # dropped or restarted). The KV cache of the prefix was computed by the old weights, so it is
-                    # rebuilt with the new ones (one prefill of prompt + tokens so far): the next token's log-prob
-                    # is then exactly the new policy's, as the loss's behaviour term assumes. PipelineRL keeps the
-                    # stale cache instead; at 135M on CPU the refill costs about one prefill.
-                    self.version = new_version
-                    if model is not self.model:  # decoding on a cast copy: bring it to the new weights
-                        model = self._generation_model().eval()  # (a rebuilt copy starts in train mode)
-                    prompt_ids = ids.repeat_interleave(n, dim=0)[rows_dev]
-                    sofar = torch.cat([prompt_ids, tokens_out[rows, :step + 1].to(device)], dim=1)
-                    full_pos = (mask.cumsum(-1) - 1).clamp(min=0)
-                    cache = DynamicCache(config=model.config)
-                    out = forward(input_ids=sofar, attention_mask=mask, position_ids=full_pos, use_cache=True,
-                                  logits_to_keep=1, **{_cache_kwarg(model): cache})
-                    last_pos = torch.where(active, full_pos[:, -1], last_pos)
-                else:
-                    out = forward(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                                  use_cache=True, **{_cache_kwarg(model): cache})
-                if self.on_decode_step is not None:
-                    self.on_decode_step()
-                logits = out.logits[:, -1]
+            state = self._prefill(model, prompts, params, n, placeholder)
+            self._decode(model, state, params, n, generator)
         finally:
             model.train(was_training)
+        return self._completions(state, len(prompts), n, params)
+
+    @staticmethod
+    def _forward(model: torch.nn.Module, **kwargs: Any) -> Any:
+        with _CpuInferenceLinear() if next(model.parameters()).device.type == "cpu" else contextlib.nullcontext():
+            return model(**kwargs)
+
+    def _prefill(self, model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, n: int,
+                 placeholder: bool) -> _DecodeState:
+        """The prompts' forward into a fresh KV cache, then each prompt's cache shared by its n samples."""
+        from transformers import DynamicCache
+
+        device = next(model.parameters()).device
+        b = len(prompts)
+        lockstep = _decodes_in_lockstep(model)
+        # The start all prompts share (a chat template's system prompt) is prefilled once and its cache copied to
+        # every row: prefill is most of a PPO rollout's generation (16 prompts of 45 tokens, 27 of them shared,
+        # against 16 new tokens each). Not under FSDP2, where every rank must run the same forwards.
+        shared = common_start(prompts) if not lockstep and _plain_kv_cache(model) else 0
+        longest = max(len(p) for p in prompts) - shared
+        ids = torch.full((b, shared + longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((b, shared + longest), dtype=torch.long)
+        ids[:, :shared] = torch.tensor(prompts[0][:shared], dtype=torch.long)
+        mask[:, :shared] = 1
+        for i, p in enumerate(prompts):  # left padding after the shared start: every prompt ends at the last column
+            ids[i, shared + longest - (len(p) - shared):] = torch.tensor(p[shared:], dtype=torch.long)
+            mask[i, shared + longest - (len(p) - shared):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        if shared:
+            self._forward(model, input_ids=ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
+                          logits_to_keep=1, **{_cache_kwarg(model): cache})
+            if self.on_decode_step is not None:
+                self.on_decode_step()
+            cache.batch_repeat_interleave(b)
+        out = self._forward(model, input_ids=ids[:, shared:], attention_mask=mask, position_ids=positions[:, shared:],
+                            use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+        if self.on_decode_step is not None:
+            self.on_decode_step()
+        # Share each prompt's cache with its n samples: repeat_interleave the batch dimension.
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        total = b * n
+        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
+        # The rows still in the batch (indices into the `total` sequences): once a quarter of them have finished
+        # they are dropped from the batch and its KV cache, so the late decode steps of a batch with a few long
+        # completions run on those rows only (each step also copies the cache, in DynamicCache's concatenation).
+        # bench/decode_batch.py measures it. Not under FSDP2 (each rank keeps stepping its rows in lockstep, see
+        # above), and only when every cache layer is a plain key/value one (a recurrent or convolutional state
+        # would keep every row). Each step still draws one uniform per sequence of the whole batch, finished or
+        # not, and samples the rows in the batch with theirs: a sequence's draws do not depend on when the others
+        # finished (its tokens, up to the rounding of a smaller batch's kernels).
+        compact = not lockstep and self._compact_finished_rows and bool(stop.numel()) and _rows_can_be_dropped(cache)
+        return _DecodeState(
+            device=device, ids=ids, mask=mask.repeat_interleave(n, dim=0), cache=cache, stop=stop,
+            last_pos=positions[:, -1].repeat_interleave(n, dim=0), logits=out.logits[:, -1].repeat_interleave(n, dim=0),
+            # a placeholder batch (lockstep padding, see generate) is done before it starts: it only keeps the
+            # forwards (and their all-gathers) in step with the other ranks until they finish
+            done=torch.full((total,), placeholder, dtype=torch.bool, device=device),
+            tokens_out=torch.full((total, params.max_tokens), self.pad_token_id, dtype=torch.long),
+            logps_out=torch.zeros((total, params.max_tokens), dtype=torch.float32),
+            lengths=torch.zeros(total, dtype=torch.long),
+            versions_out=torch.zeros((total, params.max_tokens), dtype=torch.long),
+            rows=torch.arange(total), lockstep=lockstep, compact=compact)
+
+    def _decode(self, model: torch.nn.Module, st: _DecodeState, params: SamplingParams, n: int,
+                generator: torch.Generator) -> None:
+        """The decode loop: one token per row and step until every row stopped or max_tokens."""
+        total, device = len(st.done), st.device
+        rows_dev = st.rows.to(device)
+        for step in range(params.max_tokens):
+            if st.lockstep and bool(st.done.all()):
+                # this rank is done and only steps along with the others: no draw from the generator (the number of
+                # steps depends on the other ranks, and the next batch samples from it)
+                tok = torch.full((len(st.rows),), self.pad_token_id, dtype=torch.long, device=device)
+                lp = torch.zeros(len(st.rows), device=device)
+            else:
+                u = torch.rand((total, 1), generator=generator, device=generator.device, dtype=torch.float64)
+                tok, lp = sample_tokens(st.logits, params, generator,
+                                        uniforms=u if len(st.rows) == total else u[st.rows.to(u.device)])
+            was_done = st.done[rows_dev]
+            tok = torch.where(was_done, torch.full_like(tok, self.pad_token_id), tok)
+            active = ~was_done
+            st.tokens_out[st.rows, step] = tok.cpu()
+            st.logps_out[st.rows, step] = torch.where(active, lp, torch.zeros_like(lp)).cpu()
+            st.versions_out[st.rows, step] = self.version
+            st.lengths[st.rows] += active.long().cpu()
+            if st.stop.numel():
+                st.done[rows_dev] = was_done | (active & torch.isin(tok, st.stop))
+            finished = bool(st.done.all()) or step == params.max_tokens - 1
+            if st.lockstep:
+                finished = _all_ranks_finished(finished, device)
+            if finished:
+                return
+            # the token just sampled is real for every row that was active at this step
+            st.mask = torch.cat([st.mask, active.long()[:, None]], dim=1)
+            st.last_pos = st.last_pos + 1
+            if st.compact:
+                keep = (~st.done[rows_dev]).nonzero().squeeze(-1)
+                if len(st.rows) - len(keep) >= _DROP_FINISHED_AT * len(st.rows):
+                    st.cache.batch_select_indices(keep)
+                    st.mask, st.last_pos, tok, active = st.mask[keep], st.last_pos[keep], tok[keep], active[keep]
+                    st.rows, rows_dev = st.rows[keep.cpu()], rows_dev[keep]
+            new_version = self.refresh_weights() if self.refresh_weights is not None else None
+            if new_version is not None:
+                model, out = self._refill(model, st, new_version, n, step, rows_dev, active)
+            else:
+                out = self._forward(model, input_ids=tok[:, None], attention_mask=st.mask,
+                                    position_ids=st.last_pos[:, None], use_cache=True,
+                                    **{_cache_kwarg(model): st.cache})
+            if self.on_decode_step is not None:
+                self.on_decode_step()
+            st.logits = out.logits[:, -1]
+
+    def _refill(self, model: torch.nn.Module, st: _DecodeState, new_version: int, n: int, step: int,
+                rows_dev: torch.Tensor, active: torch.Tensor) -> tuple[torch.nn.Module, Any]:
+        """New weights mid-generation: the rows continue under them (partial rollouts, nothing is dropped or
+        restarted). The KV cache of the prefix was computed by the old weights, so it is rebuilt with the new ones
+        (one prefill of prompt + tokens so far): the next token's log-prob is then exactly the new policy's, as the
+        loss's behaviour term assumes. PipelineRL keeps the stale cache instead; at 135M on CPU the refill costs
+        about one prefill."""
+        from transformers import DynamicCache
+
+        self.version = new_version
+        if model is not self.model:  # decoding on a cast copy: bring it to the new weights
+            model = self._generation_model().eval()  # (a rebuilt copy starts in train mode)
+        prompt_ids = st.ids.repeat_interleave(n, dim=0)[rows_dev]
+        sofar = torch.cat([prompt_ids, st.tokens_out[st.rows, :step + 1].to(st.device)], dim=1)
+        full_pos = (st.mask.cumsum(-1) - 1).clamp(min=0)
+        st.cache = DynamicCache(config=model.config)
+        out = self._forward(model, input_ids=sofar, attention_mask=st.mask, position_ids=full_pos, use_cache=True,
+                            logits_to_keep=1, **{_cache_kwarg(model): st.cache})
+        st.last_pos = torch.where(active, full_pos[:, -1], st.last_pos)
+        return model, out
+
+    def _completions(self, st: _DecodeState, b: int, n: int, params: SamplingParams) -> list[list[Completion]]:
         results: list[list[Completion]] = []
         stop_set = set(params.stop_token_ids)
         for i in range(b):
             group = []
             for j in range(n):
                 r = i * n + j
-                k = int(lengths[r])
-                toks = tokens_out[r, :k].tolist()
+                k = int(st.lengths[r])
+                toks = st.tokens_out[r, :k].tolist()
                 reason = "stop" if toks and toks[-1] in stop_set else "length"
-                group.append(Completion(token_ids=toks, logprobs=logps_out[r, :k].tolist(), finish_reason=reason,
-                                        versions=(versions_out[r, :k].tolist() if self.refresh_weights is not None
+                group.append(Completion(token_ids=toks, logprobs=st.logps_out[r, :k].tolist(), finish_reason=reason,
+                                        versions=(st.versions_out[r, :k].tolist() if self.refresh_weights is not None
                                                   else None)))
             results.append(group)
         return results

@@ -275,67 +275,19 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        sources: dict[str, Any] = {}
-        if streamed["train_dataset"]:
-            head, sources["train_dataset"] = _stream_head(train_dataset, "train_dataset")
-            train_rows = normalize_rows(_formatted(head, formatting_func, "train_dataset"))
-        else:
-            train_rows = normalize_rows(_formatted(as_rows(train_dataset), formatting_func, "train_dataset"))
-        self.dataset_format = detect_format(train_rows, tokenized=True)
-        validate(train_rows, self.dataset_format, tokenizer=tokenizer)
-        eval_rows = None
-        if eval_dataset is not None:
-            if streamed["eval_dataset"]:
-                head, sources["eval_dataset"] = _stream_head(eval_dataset, "eval_dataset")
-            else:
-                head = as_rows(eval_dataset)
-            eval_rows = normalize_rows(_formatted(head, formatting_func, "eval_dataset"))
-            eval_fmt = detect_format(eval_rows, tokenized=True)
-            if (eval_fmt.kind, eval_fmt.conversational) != (self.dataset_format.kind, self.dataset_format.conversational):
-                raise ConfigError(f"eval_dataset: it is {eval_fmt.describe()} but train_dataset is "
-                                  f"{self.dataset_format.describe()}; use the same format for both.")
-            validate(eval_rows, eval_fmt, tokenizer=tokenizer)
-        completion_only = args.completion_only_loss
-        if completion_only is None:
-            completion_only = self.dataset_format.kind == "prompt_completion"
-        elif completion_only and self.dataset_format.kind == "tokenized":
-            raise ConfigError("completion_only_loss=True: pre-tokenized rows carry their loss mask in "
-                              "'completion_mask' or 'labels'; leave completion_only_loss unset.")
-        elif completion_only and self.dataset_format.kind != "prompt_completion":
-            raise ConfigError(f"completion_only_loss=True needs prompt-completion data; this dataset is "
-                              f"{self.dataset_format.describe()}. Use assistant_only_loss for 'messages' rows.")
+        train_rows, eval_rows, sources = self._read_rows(train_dataset, eval_dataset, streamed, formatting_func,
+                                                         tokenizer)
+        completion_only = self._completion_only(args)
         # a pre-tokenized dataset's other columns go to a collator of your own, never into our batches
         tok_kwargs = dict(max_length=args.max_length, completion_only_loss=completion_only,
                           assistant_only_loss=args.assistant_only_loss, template_kwargs=args.chat_template_kwargs,
                           keep_extra_columns=data_collator is not None)
-        train_tok, report = tokenize_for_sft(train_rows, self.dataset_format, tokenizer, **tok_kwargs)
-        self.tokenization_report = report
-        logger.info("SFT train data%s: %s: %s", " (the first rows of the stream)" if streamed["train_dataset"] else "",
-                    self.dataset_format.describe(), report.summary(args.max_length))
-        if report.truncated_rows:
-            logger.warning("SFT: %d of %d training rows were truncated to max_length=%s (longest: %d tokens).",
-                           report.truncated_rows, report.rows, args.max_length, report.longest)
-        eval_tok = None
-        if eval_rows is not None:
-            eval_tok, eval_report = tokenize_for_sft(eval_rows, self.dataset_format, tokenizer, **tok_kwargs)
-            logger.info("SFT eval data: %s", eval_report.summary(args.max_length))
+        train_tok, eval_tok, report = self._tokenize(train_rows, eval_rows, tokenizer, tok_kwargs, args,
+                                                     streamed["train_dataset"])
 
         # 2. Model.
-        init_kwargs = dict(model_init_kwargs or {})
-        model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
-        model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
-        varlen_ok = supports_varlen(unwrap_model(model))
-        if (args.packing or args.padding_free) and not varlen_ok:
-            raise ConfigError(
-                f"packing/padding_free: attention implementation '{unwrap_model(model).config._attn_implementation}' "
-                "cannot keep packed examples apart. Load the model with attn_implementation='sdpa' (or "
-                "flash_attention_2 on GPU), or set packing=False, padding_free=False."
-            )
-        packed = args.packing or (args.padding_free if args.padding_free is not None else
-                                  varlen_ok and data_collator is None)
-        self.padding_free = packed
-        if packed:
-            use_varlen_attention(unwrap_model(model))
+        model = self._load_model(model, args, peft_config, model_init_kwargs, data_collator)
+        packed = self.padding_free
 
         # 3. Datasets of token ids (packing groups whole examples into rows of at most max_length).
         if args.packing:
@@ -353,7 +305,7 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         datasets_ = {"train_dataset": Dataset.from_list(train_tok),
                      "eval_dataset": Dataset.from_list(eval_tok) if eval_tok is not None else None}
         for name, source in sources.items():
-            fmt = self.dataset_format if name == "train_dataset" else eval_fmt
+            fmt = self.dataset_format if name == "train_dataset" else self._eval_format
             datasets_[name] = _SFTStream(source, fmt, tokenizer, formatting_func, tok_kwargs, name,
                                          standard_keys=data_collator is not None)
         if sources:
@@ -378,6 +330,81 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         self._window_loss_tokens = 0
         self._window_start = time.perf_counter()
         self._total_tokens = 0
+
+    def _tokenize(self, train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]] | None, tokenizer: Any,
+                  tok_kwargs: dict[str, Any], args: SFTConfig, streamed: bool) -> tuple[list, list | None, Any]:
+        """(train examples, eval examples, the train report), with what was truncated reported."""
+        train_tok, report = tokenize_for_sft(train_rows, self.dataset_format, tokenizer, **tok_kwargs)
+        self.tokenization_report = report
+        logger.info("SFT train data%s: %s: %s", " (the first rows of the stream)" if streamed else "",
+                    self.dataset_format.describe(), report.summary(args.max_length))
+        if report.truncated_rows:
+            logger.warning("SFT: %d of %d training rows were truncated to max_length=%s (longest: %d tokens).",
+                           report.truncated_rows, report.rows, args.max_length, report.longest)
+        eval_tok = None
+        if eval_rows is not None:
+            eval_tok, eval_report = tokenize_for_sft(eval_rows, self.dataset_format, tokenizer, **tok_kwargs)
+            logger.info("SFT eval data: %s", eval_report.summary(args.max_length))
+        return train_tok, eval_tok, report
+
+    def _completion_only(self, args: SFTConfig) -> bool:
+        """completion_only_loss resolved for the detected format (None: on for prompt-completion data)."""
+        completion_only = args.completion_only_loss
+        if completion_only is None:
+            completion_only = self.dataset_format.kind == "prompt_completion"
+        elif completion_only and self.dataset_format.kind == "tokenized":
+            raise ConfigError("completion_only_loss=True: pre-tokenized rows carry their loss mask in "
+                              "'completion_mask' or 'labels'; leave completion_only_loss unset.")
+        elif completion_only and self.dataset_format.kind != "prompt_completion":
+            raise ConfigError(f"completion_only_loss=True needs prompt-completion data; this dataset is "
+                              f"{self.dataset_format.describe()}. Use assistant_only_loss for 'messages' rows.")
+        return completion_only
+
+    def _load_model(self, model: Any, args: SFTConfig, peft_config: Any, model_init_kwargs: dict | None,
+                    data_collator: Any) -> Any:
+        """The model (loaded, PEFT applied) and whether batches are packed (sets `padding_free`)."""
+        init_kwargs = dict(model_init_kwargs or {})
+        model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
+        model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
+        varlen_ok = supports_varlen(unwrap_model(model))
+        if (args.packing or args.padding_free) and not varlen_ok:
+            raise ConfigError(
+                f"packing/padding_free: attention implementation '{unwrap_model(model).config._attn_implementation}' "
+                "cannot keep packed examples apart. Load the model with attn_implementation='sdpa' (or "
+                "flash_attention_2 on GPU), or set packing=False, padding_free=False."
+            )
+        self.padding_free = args.packing or (args.padding_free if args.padding_free is not None else
+                                             varlen_ok and data_collator is None)
+        if self.padding_free:
+            use_varlen_attention(unwrap_model(model))
+        return model
+
+    def _read_rows(self, train_dataset: Any, eval_dataset: Any, streamed: dict[str, bool], formatting_func: Any,
+                   tokenizer: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]:
+        """(train rows, eval rows, the streams to train on) with the format detected and every row validated (of
+        a stream, its first rows); sets `dataset_format`."""
+        sources: dict[str, Any] = {}
+        if streamed["train_dataset"]:
+            head, sources["train_dataset"] = _stream_head(train_dataset, "train_dataset")
+            train_rows = normalize_rows(_formatted(head, formatting_func, "train_dataset"))
+        else:
+            train_rows = normalize_rows(_formatted(as_rows(train_dataset), formatting_func, "train_dataset"))
+        self.dataset_format = detect_format(train_rows, tokenized=True)
+        validate(train_rows, self.dataset_format, tokenizer=tokenizer)
+        eval_rows, self._eval_format = None, None
+        if eval_dataset is not None:
+            if streamed["eval_dataset"]:
+                head, sources["eval_dataset"] = _stream_head(eval_dataset, "eval_dataset")
+            else:
+                head = as_rows(eval_dataset)
+            eval_rows = normalize_rows(_formatted(head, formatting_func, "eval_dataset"))
+            self._eval_format = detect_format(eval_rows, tokenized=True)
+            fmt, train_fmt = self._eval_format, self.dataset_format
+            if (fmt.kind, fmt.conversational) != (train_fmt.kind, train_fmt.conversational):
+                raise ConfigError(f"eval_dataset: it is {self._eval_format.describe()} but train_dataset is "
+                                  f"{self.dataset_format.describe()}; use the same format for both.")
+            validate(eval_rows, self._eval_format, tokenizer=tokenizer)
+        return train_rows, eval_rows, sources
 
     # ---------------------------------------------------------------------------------- seams
 

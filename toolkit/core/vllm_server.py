@@ -58,6 +58,7 @@ import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from .generation import SamplingParams
 
@@ -297,7 +298,15 @@ def _checkpoint_weights(model_path: str) -> list:
 
 
 class _Server(ThreadingHTTPServer):
+    """The HTTP server and what its request handlers read: the engine, the upload path, the token, the limits."""
+
     uploads: _Uploads
+    backend: Any
+    model_path: str
+    expected: bytes              # b"Bearer <token>"
+    instance: str                # this server start: weights versions count from 0 again after a restart
+    max_request_bytes: int
+    max_upload_bytes: int
 
     def server_close(self):
         # refuse the loads no loop will run: their requests answer (an error) instead of waiting for ever (the
@@ -306,134 +315,147 @@ class _Server(ThreadingHTTPServer):
         super().server_close()
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """GET /health, POST /generate and /update_weights, each behind the token (`_Server` holds the settings)."""
+
+    server: _Server
+    # Seconds any one socket read or write may wait: a client that stalls mid-upload is dropped instead of
+    # holding the upload lock (a 500 MB upload moves in well under a second on loopback).
+    timeout = 120
+
+    def log_message(self, fmt, *args):  # route through logging, quietly
+        logger.debug("%s " + fmt, self.address_string(), *args)
+
+    def _send(self, code: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _authorized(self) -> bool:
+        from .vllm_backend import TOKEN_ENV
+
+        given = (self.headers.get("Authorization") or "").encode()
+        if hmac.compare_digest(given, self.server.expected):
+            return True
+        self.close_connection = True
+        self._send(401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' (printed by "
+                                  f"`toolkit vllm-serve` at start; clients read ${TOKEN_ENV})."})
+        return False
+
+    def _body(self, limit: int) -> bytes | None:
+        """The request body, or None after answering 411/413 (nothing over `limit` bytes is read)."""
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            self._send(411, {"error": "a Content-Length header is required."})
+            return None
+        if int(length) > limit:
+            self.close_connection = True
+            self._send(413, {"error": f"body of {int(length)} bytes is over this endpoint's limit of {limit} "
+                                      "bytes (--max_request_mib / --max_upload_gib)."})
+            return None
+        if self._route()[0] != "/update_weights":
+            return self.rfile.read(int(length))
+        # Weights (under uploads.lock): read into the reused buffer that the tensors then view
+        # (parse_safetensors makes no copy).
+        view, got = self.server.uploads.view(int(length)), 0
+        while got < len(view):
+            n = self.rfile.readinto(view[got:])
+            if not n:
+                raise ConnectionError(f"upload ended after {got} of {len(view)} bytes")
+            got += n
+        return view
+
+    def _route(self) -> tuple[str, dict]:
+        parts = urllib.parse.urlsplit(self.path)
+        return parts.path, urllib.parse.parse_qs(parts.query)
+
+    def do_GET(self):
+        if not self._authorized():
+            return
+        srv = self.server
+        if self._route()[0] == "/health":
+            self._send(200, {"status": "ok", "model": srv.model_path, "weights_version": srv.backend.weights_version,
+                             "pid": os.getpid(), "partial_uploads": True, "instance": srv.instance})
+        else:
+            self._send(404, {"error": f"no such endpoint {self.path}; GET /health"})
+
+    def do_POST(self):
+        if not self._authorized():
+            return
+        path, query = self._route()
+        try:
+            if path == "/generate":
+                self._generate()
+            elif path == "/update_weights":
+                self._update_weights(query)
+            else:
+                self._send(404, {"error": f"no such endpoint {self.path}; POST /generate or /update_weights"})
+        except Exception as e:  # the client gets the reason, the server keeps serving
+            logger.exception("request %s failed", self.path)
+            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+
+    def _generate(self) -> None:
+        body = self._body(self.server.max_request_bytes)
+        if body is None:
+            return
+        req = json.loads(body)
+        p = req["params"]
+        params = SamplingParams(**{**p, "stop_token_ids": tuple(p["stop_token_ids"])})
+        groups = self.server.backend.generate(req["prompts"], params, n=int(req.get("n", 1)))
+        self._send(200, {"completions": [[{"token_ids": c.token_ids, "logprobs": c.logprobs,
+                                           "finish_reason": c.finish_reason} for c in g] for g in groups]})
+
+    def _update_weights(self, query: dict) -> None:
+        srv = self.server
+        backend, uploads = srv.backend, srv.uploads
+        partial = query.get("partial") == ["1"]
+        refused, split = None, {}
+        with uploads.lock:
+            started = time.perf_counter()
+            body = self._body(srv.max_upload_bytes)
+            if body is None:
+                return
+            split["read_s"] = round(time.perf_counter() - started, 4)
+            # A partial upload completes the version its client last uploaded; on top of any other (this server
+            # restarted, another client uploaded) it would mix two models: refused, and the client sends all
+            # weights. Checked under the lock, where the version changes.
+            held = f"{srv.instance}:{backend.weights_version}"
+            if partial and query.get("base") != [held]:
+                refused = (409, f"/update_weights: this partial upload completes weights "
+                                f"{(query.get('base') or ['none'])[0]} (server start:version), but the server holds "
+                                f"{held}; upload all weights.")
+            else:
+                try:
+                    split.update(uploads.load(body, partial))
+                except _Malformed as e:
+                    refused = (400, f"/update_weights: {e}")
+            del body  # a view of the buffer: none outlives the upload
+        # answered after the lock is released: a client slow to read its reply holds no one up
+        if refused is not None:
+            self._send(refused[0], {"error": refused[1], "weights_version": backend.weights_version})
+            return
+        self._send(200, {"weights_version": backend.weights_version, "seconds": backend.last_sync_s, **split,
+                         "instance": srv.instance})
+
+
 def make_server(backend, host: str, port: int, model_path: str, *, token: str, max_request_bytes: int = 16 * MIB,
                 max_upload_bytes: int = 64 * 1024 * MIB, uploads: _Uploads | None = None) -> ThreadingHTTPServer:
     """The HTTP server around `backend` (listening once this returns); every request must carry
     `Authorization: Bearer <token>`. `uploads`: the upload path, if already made (serve() warms it up first)."""
-    from .vllm_backend import TOKEN_ENV
-
     if not token:
         raise ValueError("make_server: a token is required (every endpoint checks it).")
-    expected = f"Bearer {token}".encode()
     uploads = uploads if uploads is not None else _Uploads(backend)
     if uploads.backend is not backend:
         raise ValueError("make_server: `uploads` was made for another backend (its loads would go to that engine).")
-    # This server start: weights versions count from 0 again after a restart, so a partial upload names both
-    instance = secrets.token_hex(8)
-
-    class Handler(BaseHTTPRequestHandler):
-        # Seconds any one socket read or write may wait: a client that stalls mid-upload is dropped instead of
-        # holding the upload lock (a 500 MB upload moves in well under a second on loopback).
-        timeout = 120
-        def log_message(self, fmt, *args):  # route through logging, quietly
-            logger.debug("%s " + fmt, self.address_string(), *args)
-
-        def _send(self, code: int, payload: dict) -> None:
-            body = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _authorized(self) -> bool:
-            given = (self.headers.get("Authorization") or "").encode()
-            if hmac.compare_digest(given, expected):
-                return True
-            self.close_connection = True
-            self._send(401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' (printed by "
-                                      f"`toolkit vllm-serve` at start; clients read ${TOKEN_ENV})."})
-            return False
-
-        def _body(self, limit: int) -> bytes | None:
-            """The request body, or None after answering 411/413 (nothing over `limit` bytes is read)."""
-            length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
-                self.close_connection = True
-                self._send(411, {"error": "a Content-Length header is required."})
-                return None
-            if int(length) > limit:
-                self.close_connection = True
-                self._send(413, {"error": f"body of {int(length)} bytes is over this endpoint's limit of {limit} "
-                                          "bytes (--max_request_mib / --max_upload_gib)."})
-                return None
-            if self._route()[0] != "/update_weights":
-                return self.rfile.read(int(length))
-            # Weights (under uploads.lock): read into the reused buffer that the tensors then view
-            # (parse_safetensors makes no copy).
-            view, got = uploads.view(int(length)), 0
-            while got < len(view):
-                n = self.rfile.readinto(view[got:])
-                if not n:
-                    raise ConnectionError(f"upload ended after {got} of {len(view)} bytes")
-                got += n
-            return view
-
-        def do_GET(self):
-            if not self._authorized():
-                return
-            if self._route()[0] == "/health":
-                self._send(200, {"status": "ok", "model": model_path, "weights_version": backend.weights_version,
-                                 "pid": os.getpid(), "partial_uploads": True, "instance": instance})
-            else:
-                self._send(404, {"error": f"no such endpoint {self.path}; GET /health"})
-
-        def _route(self) -> tuple[str, dict]:
-            parts = urllib.parse.urlsplit(self.path)
-            return parts.path, urllib.parse.parse_qs(parts.query)
-
-        def do_POST(self):
-            if not self._authorized():
-                return
-            path, query = self._route()
-            try:
-                if path == "/generate":
-                    body = self._body(max_request_bytes)
-                    if body is None:
-                        return
-                    req = json.loads(body)
-                    p = req["params"]
-                    params = SamplingParams(**{**p, "stop_token_ids": tuple(p["stop_token_ids"])})
-                    groups = backend.generate(req["prompts"], params, n=int(req.get("n", 1)))
-                    self._send(200, {"completions": [[{"token_ids": c.token_ids, "logprobs": c.logprobs,
-                                                       "finish_reason": c.finish_reason} for c in g] for g in groups]})
-                elif path == "/update_weights":
-                    partial = query.get("partial") == ["1"]
-                    refused, split = None, {}
-                    with uploads.lock:
-                        started = time.perf_counter()
-                        body = self._body(max_upload_bytes)
-                        if body is None:
-                            return
-                        split["read_s"] = round(time.perf_counter() - started, 4)
-                        # A partial upload completes the version its client last uploaded; on top of any other
-                        # (this server restarted, another client uploaded) it would mix two models: refused, and
-                        # the client sends all weights. Checked under the lock, where the version changes.
-                        held = f"{instance}:{backend.weights_version}"
-                        if partial and query.get("base") != [held]:
-                            refused = (409, f"/update_weights: this partial upload completes weights "
-                                            f"{(query.get('base') or ['none'])[0]} (server start:version), but the "
-                                            f"server holds {held}; upload all weights.")
-                        else:
-                            try:
-                                split.update(uploads.load(body, partial))
-                            except _Malformed as e:
-                                refused = (400, f"/update_weights: {e}")
-                        del body  # a view of the buffer: none outlives the upload
-                    # answered after the lock is released: a client slow to read its reply holds no one up
-                    if refused is not None:
-                        self._send(refused[0], {"error": refused[1], "weights_version": backend.weights_version})
-                        return
-                    self._send(200, {"weights_version": backend.weights_version, "seconds": backend.last_sync_s,
-                                     **split, "instance": instance})
-                else:
-                    self._send(404, {"error": f"no such endpoint {self.path}; POST /generate or /update_weights"})
-            except Exception as e:  # the client gets the reason, the server keeps serving
-                logger.exception("request %s failed", self.path)
-                self._send(500, {"error": f"{type(e).__name__}: {e}"})
-
-    server = _Server((host, port), Handler)
-    server.uploads = uploads
+    server = _Server((host, port), _Handler)
+    server.uploads, server.backend, server.model_path = uploads, backend, model_path
+    server.expected = f"Bearer {token}".encode()
+    server.instance = secrets.token_hex(8)  # partial uploads name it: versions count from 0 after a restart
+    server.max_request_bytes, server.max_upload_bytes = max_request_bytes, max_upload_bytes
     return server
 
 
