@@ -8,6 +8,8 @@ Rows:
 - online DPO: toolkit.experimental.online_dpo.OnlineDPOTrainer against trl.experimental.online_dpo
   .OnlineDPOTrainer; 8 prompts x 2 completions per step, sigmoid loss, beta 0.1, a frozen reference copy on
   both sides, the same reward function (numeric match on the answer), transformers generation on both sides.
+  Equal work: ours keeps tied pairs in the loss (zero_variance_filter=False, TRL's behaviour: the first
+  completion is "chosen"), so both sides train every pair; ours by default leaves ties out.
 - GKD: toolkit.experimental.gkd.GKDTrainer against trl.experimental.gkd.GKDTrainer; 8 prompts x 1 sample per
   step, lmbda 1 (every step on-policy), beta 0.5; the teacher is a second copy of the same model (what is
   measured is the cost of a step, not what is learnt).
@@ -72,7 +74,7 @@ def worker(kind: str, steps: int) -> dict:
 
         trainer = OnlineDPOTrainer(path, [reward], OnlineDPOConfig(
             **common, per_device_train_batch_size=2 * s["prompts_per_step"], num_generations=2, beta=0.1,
-            max_completion_length=s["max_new_tokens"]), train_dataset=[{"prompt": r["prompt"], "answer": r["answer"]}
+            max_completion_length=s["max_new_tokens"], zero_variance_filter=False), train_dataset=[{"prompt": r["prompt"], "answer": r["answer"]}
                                                                        for r in rows], callbacks=[timer])
     elif kind == "gkd-toolkit":
         from toolkit.experimental.gkd import GKDConfig, GKDTrainer

@@ -64,7 +64,7 @@ BENCHES = [
     Bench("logps_memory", "logps_memory.py", "core", 1, json_flag=False),
     Bench("sft_vs_trl", "sft_vs_trl.py", "core", 9),  # TRL at its defaults; --trl-no-gc adds the other rows
     Bench("dpo_vs_trl", "dpo_vs_trl.py", "core", 7),
-    Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 6),
+    Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 16),
     Bench("ppo_vs_trl", "ppo_vs_trl.py", "core", 5, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
     Bench("decode_batch", "decode_batch.py", "core", 5),
     Bench("grpo_vllm", "grpo_vllm.py", "vllm", 8, python=".venv-vllm",
@@ -390,30 +390,36 @@ def table_rows() -> list[list[str]]:
         if ceiling and o.get("generation_tokens_per_s"):
             frac = (f"decode {o['generation_tokens_per_s'] / ceiling['decode_batch32']['tokens_per_s']:.2f}"
                     if comparable(d) else "- (ceiling measured at another commit or on another CPU kind)")
-        tokens = (f"; generated tokens {o['generated_tokens']} vs {t['generated_tokens']}"
-                  if o.get("generated_tokens") is not None else "")
-        rows.append(["grpo_vs_trl", "GRPO s/step; peak RSS", f"{o['sec_per_step']:.1f}; {o['peak_rss_mb']:.0f} MB",
-                     f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
-                     f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, "
-                     f"{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory{tokens}", frac, _when(d)])
-        b = d["results"].get("toolkit-bf16-generation")
-        if b:
-            rows.append(["grpo_vs_trl", "GRPO s/step; peak RSS, ours generating in bfloat16 (training in float32; "
-                         "TRL has no such setting on its transformers path)",
-                         f"{b['sec_per_step']:.1f}; {b['peak_rss_mb']:.0f} MB",
-                         f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
-                         f"{t['sec_per_step'] / b['sec_per_step']:.2f}x speed, "
-                         f"{b['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory; generated tokens "
-                         f"{b['generated_tokens']} vs {t['generated_tokens']}", "-", _when(d)])
-        m, tb = d["results"].get("toolkit-bf16"), d["results"].get("trl-bf16")
-        if m and tb:
-            rows.append(["grpo_vs_trl", "GRPO s/step; peak RSS, both in bfloat16 mixed precision (bf16=True, TRL's "
-                         "default; ours generating on its bfloat16 copy)",
-                         f"{m['sec_per_step']:.1f}; {m['peak_rss_mb']:.0f} MB",
-                         f"{tb['sec_per_step']:.1f}; {tb['peak_rss_mb']:.0f} MB",
-                         f"{tb['sec_per_step'] / m['sec_per_step']:.2f}x speed, "
-                         f"{m['peak_rss_mb'] / tb['peak_rss_mb']:.2f}x memory; generated tokens "
-                         f"{m['generated_tokens']} vs {tb['generated_tokens']}", "-", _when(d)])
+
+        def spread(kind: str) -> str:
+            """The paired runs' speed-up (TRL/ours): median and range, and the completions each side trained."""
+            r = (d.get("ratios") or {}).get(kind)
+            if not r:
+                return ""
+            sp = r["speed"]
+            return (f" (median of {d.get('repeats', 1)} paired runs, range {1 / sp['max']:.2f}-{1 / sp['min']:.2f}x); "
+                    f"completions trained/step {d['results'][kind].get('rows_trained_per_step', 0):.1f} vs "
+                    f"{d['results'][r['against']].get('rows_trained_per_step', 0):.0f}")
+
+        def row(kind: str, against: str, label: str, frac_: str = "-") -> None:
+            m, tt = d["results"].get(kind), d["results"].get(against)
+            if not (m and tt):
+                return
+            r = (d.get("ratios") or {}).get(kind)
+            speed = 1 / r["speed"]["median"] if r else tt["sec_per_step"] / m["sec_per_step"]
+            memory = r["memory"]["median"] if r else m["peak_rss_mb"] / tt["peak_rss_mb"]
+            rows.append(["grpo_vs_trl", label, f"{m['sec_per_step']:.1f}; {m['peak_rss_mb']:.0f} MB",
+                         f"{tt['sec_per_step']:.1f}; {tt['peak_rss_mb']:.0f} MB",
+                         f"{speed:.2f}x speed, {memory:.2f}x memory{spread(kind)}", frac_, _when(d)])
+
+        equal = " at equal work (every completion trained, every step taken)" if d.get("equal_work") else ""
+        row("toolkit", "trl", f"GRPO s/step; peak RSS{equal}", frac)
+        row("toolkit-filters-on", "trl", "GRPO s/step; peak RSS, ours as shipped (tied groups out of forward and "
+            "backward, steps without signal skipped): not equal work, the filter's effect")
+        row("toolkit-bf16-generation", "trl", "GRPO s/step; peak RSS, ours generating in bfloat16 (training in "
+            "float32; TRL has no such setting on its transformers path)")
+        row("toolkit-bf16", "trl-bf16", "GRPO s/step; peak RSS, both in bfloat16 mixed precision (bf16=True, TRL's "
+            "default; ours generating on its bfloat16 copy)")
     d = _load("ppo_vs_trl")
     if d:
         t = d["results"]["trl"]

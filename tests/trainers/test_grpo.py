@@ -470,3 +470,29 @@ def test_a_flat_noisy_curve_and_a_solved_task_do_not_warn(caplog):
         for step in range(1, 6):  # every group tied at the top: solved, not stuck
             health.observe(step, {"reward": 1.0, "frac_reward_zero_std": 1.0})
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+def test_objective_settings_are_resolved_once_and_again_only_when_a_field_they_read_changes(tmp_path, monkeypatch):
+    """The loss's settings are resolved in one place (resolved_objective): not again at every micro-step, but a
+    callback that schedules epsilon or beta still takes effect at the next step."""
+    import toolkit.core.grpo as grpo_module
+    from transformers import TrainerCallback
+
+    calls = []
+    real = grpo_module.resolve_policy_loss_settings
+    monkeypatch.setattr(grpo_module, "resolve_policy_loss_settings", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    seen = []
+
+    class Schedule(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                args.epsilon_high = 0.5  # a schedule: clip-higher opens at step 2
+            seen.append(trainer.resolved_objective().loss_settings.epsilon_high)
+
+    trainer = make(tmp_path, max_steps=4, gradient_accumulation_steps=2)
+    at_start = len(calls)  # the config's own check and the start-up line's resolution
+    trainer.add_callback(Schedule())
+    trainer.train()
+    assert seen == [0.2, 0.2, 0.5, 0.5]
+    # 4 steps x 2 micro-steps read the settings; they were resolved again once only, when epsilon_high changed
+    assert len(calls) - at_start == 1

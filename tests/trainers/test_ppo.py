@@ -390,3 +390,57 @@ def test_fp16_is_refused_before_any_model_loads(tmp_path):
     args.fp16 = True  # transformers refuses fp16=True on a machine without a GPU; set as a GPU machine would
     with pytest.raises(ConfigError, match="fp16: PPOTrainer does not support fp16"):
         PPOTrainer(tiny_model(), [low_ids], args, train_dataset=prompts(), processing_class=tiny_tokenizer())
+
+
+# ------------------------------------------------------------------------------------------------ the loss registry
+
+
+def test_the_default_loss_is_the_registered_ppo_clip_and_equals_it_by_hand(tmp_path):
+    """loss_type 'ppo' (the registry's clipped surrogate, token mean) is what PPO trains with: its per-token value
+    equals the clipped surrogate written out, for per-token advantages."""
+    from toolkit.core.objectives import PolicyLossInputs
+
+    t = make(tmp_path)
+    assert t.args.loss_type == "ppo" and t.policy_loss.aggregation == "token"
+    g = torch.Generator().manual_seed(0)
+    logps, old = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    adv, mask = torch.randn(3, 5, generator=g), torch.ones(3, 5, dtype=torch.bool)
+    per_token, _ = t.compute_policy_loss(PolicyLossInputs(logps, old, adv, loss_mask=mask))
+    ratio = torch.exp(logps - old)
+    expected = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    torch.testing.assert_close(per_token, expected)
+
+
+def test_a_registered_token_loss_trains_ppo_and_others_are_refused(tmp_path):
+    t = make(tmp_path, loss_type="m2po", loss_kwargs={"threshold": 0.5})  # the registry's, not PPO's own
+    before = snapshot(t.model)
+    t.train()
+    assert changed(before, t.model) and all(math.isfinite(x) for x in logged(t, "loss"))
+    with pytest.raises(ConfigError, match=r"loss_type: 'grpo' averages by 'sequence', and PPO takes a token mean"):
+        cfg(tmp_path, loss_type="grpo")
+    with pytest.raises(ConfigError, match="loss_kwargs"):
+        cfg(tmp_path, loss_type="m2po", loss_kwargs={"threshold": -1.0})
+
+
+class _LegacySeamPPO(PPOTrainer):
+    """A wrapper written against PPO's toolkit 0.1 seam (logps, old_logps, advantages, mask), calling the base the
+    same way."""
+
+    def compute_policy_loss(self, logps, old_logps, advantages, mask):
+        self.legacy_calls = getattr(self, "legacy_calls", 0) + 1
+        return super().compute_policy_loss(logps, old_logps, advantages, mask)
+
+
+def test_a_wrapper_on_ppos_old_policy_loss_seam_still_works_and_warns(tmp_path):
+    from toolkit import ToolkitDeprecationWarning
+
+    with pytest.warns(ToolkitDeprecationWarning, match=r"_LegacySeamPPO.compute_policy_loss\(logps, old_logps"):
+        t = _LegacySeamPPO(tiny_model(), [low_ids], cfg(tmp_path, max_steps=1), train_dataset=prompts(),
+                           processing_class=tiny_tokenizer())
+    reference = make(tmp_path / "new", max_steps=1)
+    reference.train()
+    with pytest.warns(ToolkitDeprecationWarning, match="removed in 0.3"):  # the 0.1-style super() call
+        t.train()
+    assert t.legacy_calls > 0
+    # the same loss either way: the old form is an adapter, not another computation
+    assert logged(t, "loss") == pytest.approx(logged(reference, "loss"), abs=1e-6)
