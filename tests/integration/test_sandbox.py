@@ -266,11 +266,17 @@ def test_strict_mode_names_what_the_kernel_lacks(monkeypatch):
     import toolkit.core.sandbox as sb
 
     monkeypatch.setattr(sb, "sandbox_support", lambda: {"namespaces": False, "landlock_abi": 0, "linux": True,
-                                                         "machine": "x86_64"})
+                                                         "machine": "x86_64", "as_root": False, "root_view": False})
     with pytest.raises(SandboxUnavailable, match="user namespaces.*Landlock.*strict=False"):
         sb.Sandbox()
     relaxed = sb.Sandbox(strict=False)
     assert relaxed.protections["network_namespace"] is False and relaxed.missing
+    # root without CAP_SYS_ADMIN (a container's default): refused, naming what to do instead
+    monkeypatch.setattr(sb, "sandbox_support", lambda: {"namespaces": True, "landlock_abi": 6, "linux": True,
+                                                         "machine": "x86_64", "as_root": True, "root_view": False})
+    with pytest.raises(SandboxUnavailable, match="as root, a mount namespace of its own .*run the trainer as an "
+                                                 "unprivileged user"):
+        sb.Sandbox()
 
 
 @pytest.mark.slow
@@ -330,3 +336,107 @@ def test_the_code_cannot_pose_as_a_broken_sandbox(sandbox):
     result = sandbox.run_python("import sys\nprint('sandbox: setting up the sandbox failed', file=sys.stderr)\n"
                                 "sys.exit(125)")
     assert result.exit_code == 125 and "sandbox:" in result.stderr  # its own failure, not SandboxUnavailable
+
+
+# ------------------------------------------------------------------------------------ who the code runs as
+
+_WHO = """
+import os, time
+print("UID", os.getuid(), os.geteuid(), os.getgid(), os.getgroups())
+for path in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/root/.bash_history", "/etc/passwd"):
+    try:
+        open(path, "rb").read(16)
+        print("READ", path)
+    except OSError as e:
+        print("refused", path, type(e).__name__)
+try:
+    os.setuid(0)
+    print("BECAME ROOT")
+except OSError as e:
+    print("refused setuid", type(e).__name__)
+kids = 0
+try:
+    while kids < 5000:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        kids += 1
+    print("PROCESSES", kids + 1, "no limit")
+except OSError as e:
+    print("PROCESSES", kids + 1, type(e).__name__)
+"""
+
+
+def _check_who(result, limits, *, expect_uid=None):
+    """The corpus's verdicts: not root, root-only files unread, no way back to root, and the process limit held
+    at what the sandbox reports (the code's processes, counted by the code itself)."""
+    assert result.stdout.startswith("UID "), result
+    uid, euid, gid, groups = result.stdout.split("\n")[0].split(" ", 4)[1:]
+    assert uid != "0" and euid != "0" and gid != "0" and groups == "[]", result.stdout
+    if expect_uid is not None:
+        assert int(uid) == expect_uid
+    assert "READ" not in result.stdout and result.stdout.count("refused /") == 5, result.stdout
+    assert "BECAME ROOT" not in result.stdout and "refused setuid" in result.stdout
+    count = int(result.stdout.split("PROCESSES ")[1].split()[0])
+    # the limit counts the processes of the code's uid; under a user namespace the launcher shares it (one less)
+    assert limits.max_processes - 1 <= count <= limits.max_processes, result.stdout
+    assert "no limit" not in result.stdout
+    assert result.protections["max_processes_enforced"] is True
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="checks the trainer-as-root case (CI runs as root)")
+def test_run_by_root_the_code_runs_as_an_unprivileged_uid_with_its_process_limit(sandbox):
+    """Run by root (as most training containers are), the code once read /etc/shadow and a fork bomb reached 4,558
+    processes under max_processes=32 (the kernel exempts uid 0 from RLIMIT_NPROC). Now it runs as an unprivileged
+    uid of its own on a root file system of only what it needs: the machine's root-only files are not there, it
+    cannot become root again, and the process limit holds at exactly what is reported."""
+    assert os.path.exists("/etc/shadow")  # the file the corpus must not read is there to be read
+    first, second = sandbox.run_python(_WHO), sandbox.run_python(_WHO)
+    _check_who(first, LIMITS)
+    assert first.stdout.split()[1] != second.stdout.split()[1]  # a fresh uid per run: limits are not shared
+    assert "unprivileged uid" in first.protections["runs_as"]
+    assert_still_works(sandbox)
+
+
+_AS_USER = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from toolkit.core.sandbox import Sandbox, SandboxLimits
+limits = SandboxLimits(wall_seconds=8, cpu_seconds=4, memory_mb=256, max_processes=32)
+result = Sandbox(limits).run_python({code!r})
+print("RESULT" + json.dumps({{"stdout": result.stdout, "stderr": result.stderr[-2000:],
+                              "protections": result.protections}}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a trainer as another (unprivileged) user")
+def test_run_by_an_unprivileged_user_the_same_corpus_is_contained(tmp_path):
+    """The trainer as an ordinary user (the user-namespace path). The user is a fresh uid with no account
+    (setpriv: nothing is added to the machine), and the interpreter is the system's: a per-user or root-owned
+    Python (pyenv under /root, mode 0700) cannot be reached by such a user."""
+    import json
+    import shutil
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or python is None:
+        pytest.skip("needs setpriv (util-linux) and a system python3 in /usr/bin to run as another user")
+    repo = str(Path(__file__).resolve().parents[2])
+    uid = 1_999_000_000 + os.getpid() % 1000
+    script = _AS_USER.format(repo=repo, code=_WHO)
+    out = subprocess.run([setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", python, "-I", "-c", script],
+                         capture_output=True, text=True, timeout=120, cwd="/tmp",
+                         env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"})
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
+    if line is None and "SandboxUnavailable" in out.stderr:
+        pytest.skip(f"user namespaces are not available to an unprivileged user here: {out.stderr[-300:]}")
+    assert line is not None, out.stderr[-3000:]
+    data = json.loads(line[len("RESULT"):])
+    result = SimpleResult(data["stdout"], data["protections"])
+    _check_who(result, SandboxLimits(max_processes=32), expect_uid=uid)
+    assert f"uid {uid}" in data["protections"]["runs_as"]
+
+
+class SimpleResult:
+    def __init__(self, stdout, protections):
+        self.stdout, self.protections = stdout, protections

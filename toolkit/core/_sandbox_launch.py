@@ -3,11 +3,18 @@
 Runs as `python -I -S _sandbox_launch.py CONFIG_JSON` with nothing imported but the standard library (it must
 not import toolkit, torch or anything from the trainer's environment). In order:
 
-1. new user, network and PID namespaces (unshare): no network interface but a loopback that is down, and no
-   process outside is visible or can be signalled by number;
+1. new namespaces (unshare): network (no interface but a loopback that is down) and PID (no process outside is
+   visible or can be signalled by number), and
+   - run by an unprivileged user: a user namespace, in which that user's uid maps to itself;
+   - run by root: a mount namespace instead, in which the code's whole file system is a new read-only root
+     holding only the interpreter, the system libraries, the loader's files of /etc and four devices, plus the
+     run's own directory (`build_view`): nothing else of the machine (no /etc/shadow, no /root, no home
+     directories, no /proc) exists there;
 2. fork: the child is PID 1 of the new namespace, so when it exits every process the code started dies with it;
    it also dies (PR_SET_PDEATHSIG) when this launcher is killed, which is how a timeout ends the whole tree;
-3. in the child: rlimits (CPU seconds, address space, processes, file size, open files, no core dumps), then
+3. in the child: run by root, it first becomes an unprivileged uid of its own (one per run, no supplementary
+   groups, no capabilities left): root is exempt from RLIMIT_NPROC and reads any file, so the code never runs as
+   root; then rlimits (CPU seconds, address space, processes, file size, open files, no core dumps), then
    Landlock: read and execute only the Python installation and system libraries, read and write only the
    sandbox's temporary directory, no TCP, no signals or abstract sockets outside the sandbox; then exec.
 
@@ -24,6 +31,9 @@ import sys
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 
 # Landlock filesystem rights by ABI version (include/uapi/linux/landlock.h)
@@ -149,10 +159,68 @@ def limit(kind, value):
     resource.setrlimit(kind, (value, value))
 
 
+def mount(source, target, fstype, flags, data=None):
+    enc = (lambda x: None if x is None else x.encode())
+    check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+          f"mount({source} -> {target})")
+
+
+def bind(source, target, *, read_only, devices=False):
+    """`source` (a file or folder of the machine) at `target` in the new root; read-only unless asked."""
+    if os.path.isdir(source):
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        open(target, "a").close()
+    mount(source, target, None, MS_BIND | MS_REC)
+    if read_only:
+        mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | (0 if devices else MS_NODEV))
+
+
+def build_view(cfg):
+    """Run by root, in a new mount namespace: a new root file system of only what the code needs, then
+    pivot_root into it (the old root is detached: no path leads back to it)."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the machine's mounts
+    root = cfg["view_root"]
+    os.mkdir(root, 0o700)
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    bound = []
+    for path in sorted(cfg["read_paths"], key=len):
+        if any(path == b or path.startswith(b.rstrip("/") + "/") for b in bound):
+            continue  # inside a folder already there
+        if os.path.islink(path) and os.path.dirname(path) == "/":  # /bin -> usr/bin on a merged /usr
+            os.symlink(os.readlink(path), root + path)
+            continue
+        bind(path, root + path, read_only=True)
+        bound.append(path)
+    for path in cfg["read_files"] + cfg["rw_files"]:
+        if os.path.exists(path):
+            bind(path, root + path, read_only=True, devices=path.startswith("/dev/"))
+    bind(cfg["workdir"], root + cfg["workdir"], read_only=False)
+    old = root + "/.old-root"
+    os.mkdir(old, 0o700)
+    check(libc.syscall(SYS_PIVOT_ROOT[cfg["machine"]], root.encode(), old.encode()), "pivot_root")
+    os.chdir("/")
+    check(libc.umount2(b"/.old-root", MNT_DETACH), "umount(old root)")
+    os.rmdir("/.old-root")
+    mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)  # the new root itself: read-only
+
+
+def drop_root(uid, gid):
+    """Become `uid`/`gid` (no supplementary groups): all capabilities go with root."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.geteuid() == 0 or os.getegid() == 0 or os.getgroups():
+        fail("could not leave root")
+
+
 def child(cfg):
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
     if os.getppid() != cfg["_launcher_pid"] and not cfg["namespaces"]:
         os._exit(125)  # the launcher died before the death signal was armed
+    if cfg["as_root"]:
+        drop_root(cfg["run_uid"], cfg["run_gid"])
     lim = cfg["limits"]
     cpu = int(lim["cpu_seconds"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL at the hard
@@ -184,7 +252,14 @@ def main():
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
         if os.getppid() != cfg["trainer_pid"]:
             os._exit(125)
-        if cfg["namespaces"]:
+        if cfg["as_root"]:
+            # the run's directory belongs to the uid the code will run as (it was made by root, mode 0700)
+            for folder, dirs, files in os.walk(cfg["workdir"]):
+                for name in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
+                    os.lchown(name, cfg["run_uid"], cfg["run_gid"])
+            check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID), "unshare(mount, net, pid namespaces)")
+            build_view(cfg)
+        elif cfg["namespaces"]:
             uid, gid = os.getuid(), os.getgid()
             check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID), "unshare(user, net, pid namespaces)")
             write("/proc/self/setgroups", "deny")

@@ -4,16 +4,21 @@
     result = Sandbox().run_python("print(sum(range(10)))")
     result.stdout, result.exit_code, result.timed_out       # '45\\n', 0, False
 
-Each run is a fresh process tree (see _sandbox_launch.py for the order of the steps):
+Each run is a fresh process tree (see _sandbox_launch.py for the order of the steps), and the code never runs as
+root: run by root (most training containers), the launcher builds a new read-only root file system of only the
+interpreter, the system libraries, the loader's files of /etc, four devices and the run's directory (in a mount
+namespace of its own), and the code runs there as an unprivileged uid drawn per run, with no capabilities, so
+root-only files are not even there and RLIMIT_NPROC (from which the kernel exempts root) holds; run by an
+unprivileged user, it runs as that user in a user namespace. Then, either way:
 
 - **no network**: its own network namespace, whose only interface (loopback) is down; with Landlock ABI >= 4
   TCP bind/connect are refused as well;
 - **no view of other processes**: its own PID namespace; its first process is PID 1 there, and when it exits or is
   killed every process the code started is killed with it (fork bombs, daemons that called setsid); with Landlock
   ABI >= 6 it cannot signal anything outside the sandbox;
-- **files**: Landlock lets it read and execute only the Python installation and system libraries (not the
-  trainer's working directory, its checkpoints, the home directory or /proc of other processes), and write only
-  inside its own temporary directory, which is removed afterwards;
+- **files**: Landlock lets it read and execute only the Python installation, the system libraries and of /etc
+  only the loader's files (not the trainer's working directory, its checkpoints, the home directory, /etc/passwd
+  or /proc of other processes), and write only inside its own temporary directory, which is removed afterwards;
 - **limits**: CPU seconds, address space, process count, file size and open files (rlimits), a wall-clock timeout
   after which the whole tree is killed, and stdout/stderr truncated to `max_output_bytes` each (a flood of
   output is cut, and the run killed once it is far past the cap).
@@ -25,12 +30,15 @@ before 5.13) `Sandbox()` refuses to run and says which piece and how to enable i
 with what is there and `result.protections` lists what was active.
 
 The sandbox runs nothing in the trainer's process: a hostile snippet can at worst use its own limits.
+`result.protections` says what held for a run, including who the code ran as. What it does not guarantee: it is
+not a VM (a kernel exploit escapes any of this); docs/agents.md lists the threats and what stops each.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import selectors
 import shutil
 import signal
@@ -48,9 +56,14 @@ from .errors import ConfigError
 __all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "sandbox_support"]
 
 _LAUNCHER = str(Path(__file__).with_name("_sandbox_launch.py"))
-_SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc")
-_DEVICES_READ = ("/dev/urandom", "/dev/random", "/dev/zero")
+_SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/ld.so.conf.d")
+# Of /etc only what the dynamic loader and the time module read: not passwd, shadow, sudoers, ssh keys or the
+# machine's configuration
+_FILES_READ = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime", "/dev/urandom", "/dev/random", "/dev/zero")
 _DEVICES_RW = ("/dev/null",)
+# Run by root, the code runs as an unprivileged uid of its own, drawn per run from this range (no account needs to
+# exist for it): root is exempt from RLIMIT_NPROC and may read any file, so the code never runs as root.
+_RUN_UIDS = range(2_000_000_000, 2_100_000_000)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -126,8 +139,26 @@ def sandbox_support() -> dict[str, Any]:
         abi, ns = -1, 0
     import platform
 
+    as_root = hasattr(os, "geteuid") and os.geteuid() == 0
     return {"namespaces": bool(ns), "landlock_abi": max(abi, 0), "linux": sys.platform.startswith("linux"),
-            "machine": platform.machine()}
+            "machine": platform.machine(), "as_root": as_root, "root_view": as_root and _probe_root_view()}
+
+
+def _probe_root_view() -> bool:
+    """Whether this root can build the sandbox's view: a mount, network and PID namespace and a tmpfs mounted in
+    it (a container's root without CAP_SYS_ADMIN cannot)."""
+    probe = ("import ctypes, os, tempfile\n"
+             "libc = ctypes.CDLL(None, use_errno=True)\n"
+             "ok = libc.unshare(0x00020000 | 0x40000000 | 0x20000000) == 0\n"
+             "ok = ok and libc.mount(None, b'/', None, ctypes.c_ulong(16384 | (1 << 18)), None) == 0\n"
+             "d = tempfile.mkdtemp()\n"
+             "ok = ok and libc.mount(b'tmpfs', d.encode(), b'tmpfs', ctypes.c_ulong(0), b'size=64k') == 0\n"
+             "print(int(ok))\n")
+    try:
+        out = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30)
+        return out.stdout.strip() == "1"
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _read_paths() -> list[str]:
@@ -158,6 +189,11 @@ class Sandbox:
             missing.append(f"Landlock ABI >= 3 (found {support['landlock_abi']}; below 3 files outside cannot be "
                            "kept from being truncated): Linux >= 6.2 with `lsm=...,landlock` on the kernel command "
                            "line")
+        if support["as_root"] and not support["root_view"]:
+            missing.append("as root, a mount namespace of its own (CAP_SYS_ADMIN), in which the code runs as an "
+                           "unprivileged uid on a root file system of only the interpreter and system libraries: "
+                           "this root lacks it (a container without CAP_SYS_ADMIN); run the trainer as an "
+                           "unprivileged user instead, with user namespaces allowed")
         if support["machine"] not in ("x86_64", "aarch64"):
             missing.append(f"a seccomp filter for {support['machine']} (Unix sockets and file-metadata calls are "
                            "refused by system-call number, known here for x86_64 and aarch64)")
@@ -165,8 +201,17 @@ class Sandbox:
             raise SandboxUnavailable("the sandbox cannot contain code on this machine; missing: " + "; ".join(missing)
                                      + ". Sandbox(strict=False) runs with the protections that are available.")
         self.missing = missing
+        as_root = support["as_root"]
+        isolated = support["root_view"] if as_root else support["namespaces"]
         self.protections = {
-            "network_namespace": support["namespaces"], "pid_namespace": support["namespaces"],
+            "network_namespace": isolated, "pid_namespace": isolated,
+            # who the code runs as, and so who RLIMIT_NPROC (max_processes) is enforced for: never root
+            "runs_as": "an unprivileged uid of its own (the trainer runs as root)" if as_root else
+                       f"the trainer's uid {os.getuid()} in a user namespace",
+            "max_processes_enforced": isolated or not as_root,
+            "filesystem_view": ("a new read-only root: the interpreter, system libraries, the loader's /etc files, "
+                                "four devices, the run's directory") if as_root else "the machine's, limited by "
+                                                                                       "Landlock",
             "landlock_abi": support["landlock_abi"], "landlock_filesystem": support["landlock_abi"] >= 1,
             "landlock_no_tcp": support["landlock_abi"] >= 4, "landlock_signal_scope": support["landlock_abi"] >= 6,
             "seccomp": support["machine"] in ("x86_64", "aarch64") and support["linux"],
@@ -201,13 +246,15 @@ class Sandbox:
         with open(stdin_path, "wb") as f:
             f.write(stdin.encode("utf-8"))
         status_r, status_w = os.pipe()
+        run_id = random.SystemRandom().choice(_RUN_UIDS)
         cfg = {
             "argv": argv, "workdir": workdir, "limits": asdict(self.limits), "status_fd": status_w,
             "trainer_pid": os.getpid(), "machine": support["machine"],
             "namespaces": support["namespaces"], "landlock": support["landlock_abi"] >= 1,
             "seccomp": bool(self.protections["seccomp"]),
             "landlock_abi": support["landlock_abi"], "read_paths": _read_paths(),
-            "read_files": list(_DEVICES_READ), "rw_files": list(_DEVICES_RW),
+            "read_files": [f for f in _FILES_READ if os.path.exists(f)], "rw_files": list(_DEVICES_RW),
+            "as_root": support["as_root"], "run_uid": run_id, "run_gid": run_id, "view_root": workdir + ".root",
             "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                     "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"},
         }
@@ -234,6 +281,8 @@ class Sandbox:
                 if fd >= 0:
                     os.close(fd)
             os.unlink(stdin_path)
+            if os.path.isdir(cfg["view_root"]):  # the new root's mount point (its mount was the sandbox's own)
+                os.rmdir(cfg["view_root"])
         seconds = time.monotonic() - started
         err_text = err.decode("utf-8", "replace")
         if status:  # written only by the launcher, before the code starts: the code cannot forge it
