@@ -11,7 +11,7 @@ import importlib
 import logging
 from typing import Any
 
-from ._version import __version__
+from ._version import __version__  # noqa: F401  (in __all__, computed lazily)
 
 
 class _DropKnownNoise(logging.Filter):

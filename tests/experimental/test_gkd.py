@@ -274,3 +274,24 @@ def test_fp32_lm_head_holds_inside_a_bf16_autocast_region():
         low = _chunk_jsd(h, w, None, th, tw, None, 0.5, 1.0, False)
     torch.testing.assert_close(upcast, plain, rtol=1e-6, atol=1e-6)
     assert (low - plain).abs() > 1e-4  # without upcast the caller's autocast applies
+
+
+def test_a_teacher_head_too_small_is_refused_from_its_config_before_any_model_loads(tmp_path, monkeypatch):
+    """It was refused only after the student (and the teacher) had loaded; now the configs are read first."""
+    import toolkit.experimental.gkd as gkd
+
+    tok = tiny_tokenizer()
+    small, big = tiny_model(), tiny_model()
+    big.resize_token_embeddings(big.get_output_embeddings().weight.shape[0] + 8)
+    for name, m in (("teacher", small), ("student", big)):
+        m.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the heads were compared")
+
+    monkeypatch.setattr(gkd, "load_model", no_load)
+    monkeypatch.setattr("toolkit.core.grpo.load_model", no_load)
+    with pytest.raises(ConfigError, match=r"teacher_model: its LM head has \d+ rows, the student's \d+"):
+        GKDTrainer(str(tmp_path / "student"), teacher_model=str(tmp_path / "teacher"), args=cfg(tmp_path),
+                   train_dataset=rows(4), processing_class=tok)

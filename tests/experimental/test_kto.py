@@ -181,3 +181,18 @@ def test_errors_name_the_field_before_any_model_loads(tmp_path):
     with pytest.raises(DataError, match="without a 'prompt' column"):
         KTOTrainer("no-such/model", args=cfg(tmp_path), train_dataset=[{"chosen": "a", "rejected": "b"}] * 4,
                    processing_class=tiny_tokenizer())
+
+
+def test_one_label_data_is_named_in_a_warning(tmp_path, caplog):
+    """Every row desirable (or every row undesirable) trained without a word; KTO learns from the two together."""
+    import logging
+
+    rows = [dict(r, label=True) for r in unpaired()]
+    with caplog.at_level(logging.WARNING, logger="toolkit.experimental.kto"):
+        KTOTrainer(tiny_model(), args=cfg(tmp_path), train_dataset=rows, processing_class=tiny_tokenizer())
+    assert "KTO train data: every one of its 16 rows has label=True (desirable)" in caplog.text
+    assert "Add rows with label=False" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="toolkit.experimental.kto"):
+        KTOTrainer(tiny_model(), args=cfg(tmp_path), train_dataset=unpaired(), processing_class=tiny_tokenizer())
+    assert "every one of its" not in caplog.text  # mixed labels: no warning

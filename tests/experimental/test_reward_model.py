@@ -303,3 +303,17 @@ def test_a_reward_model_loaded_by_path_goes_to_this_process_gpu(tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert rewards._default_device() == torch.device("cuda", 1)
+
+
+def test_a_dataset_smaller_than_one_batch_is_named_in_a_warning(tmp_path, classifier_dir, caplog):
+    """A reward model trained on one pair without a word (every step saw the same pair)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="toolkit.core.lifecycle"):
+        RewardTrainer(classifier_dir, cfg(tmp_path), train_dataset=pairs(1), processing_class=tiny_tokenizer())
+    assert ("train_dataset: 1 row(s), fewer than one optimizer step takes (per_device_train_batch_size 4 x "
+            "gradient_accumulation_steps 1 x 1 process(es) = 4): every step trains on the same 1 row(s)") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="toolkit.core.lifecycle"):
+        RewardTrainer(classifier_dir, cfg(tmp_path), train_dataset=pairs(8), processing_class=tiny_tokenizer())
+    assert "fewer than one optimizer step" not in caplog.text

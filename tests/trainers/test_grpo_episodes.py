@@ -280,7 +280,7 @@ def test_slow_failing_and_cut_environments_at_the_episode_level():
     assert [ep.finish for ep in eps] == ["env_error", "env_error", "env_error", "done"]
     assert "environment_step_timeout" in eps[0].infos[-1]["env_error"]
     assert "no such game" in eps[1].infos[-1]["env_error"] and eps[1].ids == []
-    assert "chat template refused" in eps[2].infos[-1]["env_error"]
+    assert "Script.step: a message is" in eps[2].infos[-1]["env_error"]  # checked before the template sees it
     assert eps[3].reward == 1.0 and not eps[3].truncated
 
     class Judge(Script):
@@ -479,3 +479,98 @@ def test_checkpointing_default_counts_episode_tokens(tmp_path, monkeypatch, gpu)
     assert not trainer(tmp_path, max_episode_tokens=500).args.activation_checkpointing  # 4000: under the bound
     # a value the user gave is theirs, episodes or not
     assert not trainer(tmp_path, max_episode_tokens=600, activation_checkpointing=False).args.activation_checkpointing
+
+
+# ------------------------------------------------------------------------------ environments that fail (issue 63)
+
+
+class _Returns:
+    """An environment whose step returns what it is given (a wrong type, a dict content, a long tool result)."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def reset(self, row):
+        return list(row["prompt"]) if "prompt" in row else [{"role": "user", "content": "go"}]
+
+    def step(self, text):
+        return self.answer() if callable(self.answer) else self.answer
+
+
+def _run(env, **kw):
+    from toolkit.core.environments import TemplateDelta, run_episodes
+    from toolkit.core.generation import Completion
+
+    tok = tiny_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    stopped = lambda contexts: [Completion([65, 66, end], [-0.1] * 3, "stop") for _ in contexts]  # noqa: E731
+    return run_episodes([env], [{}], stopped, TemplateDelta(tok), **kw)[0]
+
+
+def test_a_wrong_answer_type_costs_its_episode_and_names_the_environment_method_and_expectation():
+    ep = _run(_Returns("plain text"), max_turns=3)  # used to end the whole run with AttributeError
+    assert ep.finish == "env_error"
+    assert ep.infos[-1]["env_error"] == ("TypeError: _Returns.step returned str 'plain text'; expected "
+                                         "toolkit.core.environments.EnvResponse(messages=[...], reward=..., done=...)")
+    ep = _run(_Returns(EnvResponse(messages=[{"role": "tool", "content": {"temperature": 21}}])), max_turns=3)
+    assert ep.finish == "env_error"  # rendered as a repr by one template, refused by another: refused here, named
+    assert "_Returns.step: a 'tool' message's content is a dict ({'temperature': 21}); chat templates render " \
+           "text: give a string (json.dumps it" in ep.infos[-1]["env_error"]
+
+    class BadReset(_Returns):
+        def reset(self, row):
+            return "What is 2 + 2?"
+
+    ep = _run(BadReset(None), max_turns=3)
+    assert ep.finish == "env_error" and "BadReset.reset returned str 'What is 2 + 2?' as its messages" \
+        in ep.infos[-1]["env_error"]
+
+
+def test_a_tool_result_longer_than_the_episode_budget_is_cut_in_tokens_so_an_answer_still_fits():
+    """The ToolBox cuts a result at 4,000 characters, which alone is longer than a 512-token episode budget: no
+    episode could ever answer after it, and nothing said why. Now the environment's answer is cut in tokens to
+    leave the next turn its room, with a note in the text and a count in the turn's info."""
+    from toolkit.core.environments import ToolBox, ToolCall
+
+    result, _ = ToolBox({"dump": lambda: "log line 42: ok\n" * 400}).run(ToolCall("dump", {}))
+    assert len(result) > 4000  # cut at 4,000 characters, still ~1,500 tokens
+
+    answers = iter([EnvResponse(messages=[{"role": "tool", "content": result}]), EnvResponse(reward=1.0, done=True)])
+    ep = _run(_Returns(lambda: next(answers)), max_turns=3, max_tokens=200, answer_reserve=20)
+    assert ep.finish == "done" and ep.reward == 1.0 and len(ep.turns) == 2  # it answered after the tool
+    assert ep.count("env_tokens_cut") > 1000 and len(ep.ids) <= 200
+    text = tiny_tokenizer().decode(ep.ids)
+    assert "tokens cut: the episode's budget (max_episode_tokens) keeps room for the answer" in text
+    # without a reserve (a direct caller of run_episodes) nothing is cut: the episode ends at its budget as before
+    answers = iter([EnvResponse(messages=[{"role": "tool", "content": result}]), EnvResponse(reward=1.0, done=True)])
+    ep = _run(_Returns(lambda: next(answers)), max_turns=3, max_tokens=200)
+    assert ep.finish == "max_tokens" and ep.count("env_tokens_cut") == 0
+
+
+def test_limits_that_cannot_fit_a_turn_an_answer_and_a_second_turn_are_refused_at_start_up(tmp_path):
+    with pytest.raises(ConfigError, match=r"max_episode_tokens: 40 cannot hold a turn \(max_completion_length=16\), "
+                                          r"one short environment answer \(\d+ tokens with this chat template\) and "
+                                          r"a second turn \(16\).*Raise max_episode_tokens to at least \d+"):
+        trainer(tmp_path, max_episode_tokens=40, max_completion_length=16)
+
+
+def test_an_environment_that_fails_every_episode_stops_the_run_naming_it_and_its_last_error(tmp_path, caplog):
+    """A failing reward stopped the run after 3 failed batches; an environment failing every episode went on for
+    ever with loss 0 and one warning. Now it stops the same way."""
+    from toolkit import TrainingHealthError
+
+    class Broken(Chatty):
+        def step(self, text):
+            raise ConnectionError("the game server refused the connection")
+
+    t = trainer(tmp_path, environment=Broken, max_steps=10, environment_max_consecutive_failures=2)
+    with pytest.raises(TrainingHealthError, match=r"environment 'Broken': every one of the 8 episodes failed in each "
+                                                  r"of the last 2 steps \(environment_max_consecutive_failures=2\).*"
+                                                  r"last error: ConnectionError: the game server refused"):
+        t.train()
+    assert t.state.global_step == 1  # the second failed step stopped it
+    # a run whose environment fails only some episodes goes on
+    ok = trainer(tmp_path / "some", environment=lambda: Chatty(fail_on="3"), max_steps=3,
+                 environment_max_consecutive_failures=1)
+    ok.train()
+    assert ok.state.global_step == 3

@@ -120,3 +120,45 @@ def test_what_would_fail_late_is_refused_up_front(tmp_path):
     with pytest.raises(ConfigError, match=r"overrides may not set \['output_dir'\]"):
         main(["pipeline", "--config", str(tmp_path / "p2.toml"), "--debug"])
     assert not (tmp_path / "out").exists()
+
+
+def test_every_stage_is_checked_before_the_first_trains_and_named_from_one(tmp_path):
+    """The pipeline's docstring promised it; a typo in stage 2's environment_kwargs, a stage-2 dataset of the wrong
+    shape or without the column its reward needs surfaced only after stage 1 had trained. Each now fails first,
+    naming the stage as the log numbers it (from 1)."""
+    from toolkit.core.errors import DataError
+
+    pipeline = files(tmp_path, grpo_extra='environment = "calculator"\nenvironment_kwargs = {max_tool_trns = 2}\n'
+                                          'reward_funcs = []\n')
+    with pytest.raises(ConfigError, match=r"pipeline stage 2 of 2 \(grpo, .*grpo.toml\): environment_kwargs: got an "
+                                          r"unexpected keyword argument 'max_tool_trns'"):
+        main(["pipeline", "--config", str(pipeline), "--debug"])
+    no_answer = tmp_path / "prompts.jsonl"
+    no_answer.write_text("\n".join(json.dumps({"prompt": f"{i}+1="}) for i in range(16)))
+    (tmp_path / "grpo.toml").write_text(GRPO.replace('dataset = "builtin:arithmetic"\n', f'dataset = "{no_answer}"\n', 1))
+    with pytest.raises(DataError, match=r"pipeline stage 2 of 2 .*reward function 'numeric_match' needs the "
+                                        r"column\(s\) \['answer'\], which the dataset does not have"):
+        main(["pipeline", "--config", str(pipeline), "--debug"])
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) for _ in range(4)))
+    (tmp_path / "sft.toml").write_text(SFT.replace('"unused"', f'"{tmp_path / "m"}"').replace(
+        'dataset = "builtin:arithmetic"\n', f'dataset = "{pairs}"\n', 1))
+    with pytest.raises(ConfigError, match=r"pipeline stage 1 of 2 \(sft, .*\): dataset: a sft stage needs "
+                                          r"language_modeling or prompt_completion or tokenized data"):
+        main(["pipeline", "--config", str(pipeline), "--debug"])
+    (tmp_path / "p.toml").write_text('output_dir = "o"\nstages = [{command = "sft", config = "sft.toml"}, '
+                                     '{command = "grpo", config = "missing.toml"}]\n')
+    with pytest.raises(ConfigError, match=r"stage 2: run file 'missing.toml' does not exist"):
+        main(["pipeline", "--config", str(tmp_path / "p.toml"), "--debug"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_reward_needing_a_missing_column_is_refused_before_any_model_loads(tmp_path):
+    from toolkit import GRPOConfig, GRPOTrainer
+    from toolkit.core.errors import DataError
+
+    with pytest.raises(DataError, match=r"train_dataset: reward function 'numeric_match' needs the column\(s\) "
+                                        r"\['answer'\].*its columns: \['prompt'\]"):
+        GRPOTrainer("/nonexistent/model", ["numeric_match"], GRPOConfig(output_dir=str(tmp_path), num_generations=2,
+                                                                       per_device_train_batch_size=2),
+                    train_dataset=[{"prompt": "1+1="}] * 4, processing_class=tiny_tokenizer())

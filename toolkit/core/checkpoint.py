@@ -52,6 +52,7 @@ __all__ = [
     "commit_checkpoint",
     "is_complete",
     "latest_complete_checkpoint",
+    "publish_folder",
     "resolve_resume",
     "resume_already_finished",
     "rotate_checkpoints",
@@ -108,6 +109,23 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def publish_folder(staging: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Move every entry of `staging` (written completely, then flushed) into `target`, each with one rename, then
+    remove `staging`: a reader of `target` sees each file old or new, never half-written (a model saved over the
+    output_dir that also holds the checkpoints, which cannot be renamed as a whole)."""
+    staging, target = Path(staging), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(staging.iterdir()):
+        if entry.is_file():
+            _fsync(entry)
+        dest = target / entry.name
+        if dest.is_dir() and not dest.is_symlink() and entry.is_dir():
+            shutil.rmtree(dest)  # a sub-folder (rare: save_pretrained writes flat) is replaced as a whole
+        os.replace(entry, dest)
+    _fsync(target)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def is_complete(folder: str | os.PathLike) -> bool:

@@ -401,19 +401,42 @@ def _pipeline(argv: list[str]) -> int:
 
         config_cls = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "async-grpo": AsyncGRPOConfig,
                       "ppo": PPOConfig}[command]
-        run, _ = _parse(stage_argv, config_cls)
-        # what else can fail only after earlier stages trained: a missing data file, an unknown reward name
-        for spec in (run.dataset, run.eval_dataset):
-            if spec and Path(spec).suffix in (".json", ".jsonl") and not Path(spec).expanduser().exists():
-                raise ConfigError(f"dataset: '{spec}' (a {command} stage) does not exist.")
-            if spec.startswith("builtin:"):  # drawn now (milliseconds): an impossible size fails before stage 1
-                load_dataset_spec(spec, run, split="train")
+        run, _ = _parse(stage_argv, config_cls)  # the config: every field and the environment and its kwargs
+        # what else can fail only after earlier stages trained: a missing data file, an unknown reward name, data of
+        # the wrong format, a column a reward function needs
         from .plugins import resolve_reward
 
-        for spec in run.reward_funcs:  # RL trains on them; every stage's held-out accuracy reads them
-            resolve_reward(spec)
+        funcs = [resolve_reward(spec) for spec in run.reward_funcs]  # RL trains on them; held-out accuracy reads them
+        kind = {"sft": "prompt_completion", "dpo": "preference"}.get(command, "prompt_only")
+        for spec, split in ((run.dataset, "train"), (run.eval_dataset, "test")):
+            if spec and Path(spec).suffix in (".json", ".jsonl") and not Path(spec).expanduser().exists():
+                raise ConfigError(f"dataset: '{spec}' (a {command} stage) does not exist.")
+            if spec.startswith("builtin:") or Path(spec).suffix in (".json", ".jsonl"):
+                # read now (milliseconds): an impossible size or a wrong format fails before stage 1
+                _check_stage_data(command, load_dataset_spec(spec, run, split=split, kind=kind), funcs,
+                                  run.reward_funcs, train=split == "train")
 
     return run_pipeline(argv, stage_commands, parse_stage)
+
+
+def _check_stage_data(command: str, data: Any, funcs: list[Any], names: list[Any], *, train: bool) -> None:
+    """A pipeline stage's dataset, read and checked as its trainer will (format, rows, reward columns), before any
+    stage trains."""
+    from .data import as_rows, detect_format, normalize_rows, validate
+    from .rewards import check_reward_columns
+
+    rows = normalize_rows(as_rows(data))
+    fmt = detect_format(rows, tokenized=command == "sft")
+    validate(rows, fmt)
+    wanted = {"sft": ("language_modeling", "prompt_completion", "tokenized"),
+              "dpo": ("preference", "tokenized_preference")}.get(command)
+    if wanted is not None and fmt.kind not in wanted and train:
+        raise ConfigError(f"dataset: a {command} stage needs {' or '.join(wanted)} data; this dataset is "
+                          f"{fmt.describe()}.")
+    if wanted is None and "prompt" not in fmt.columns:
+        raise ConfigError(f"dataset: a {command} stage needs a 'prompt' column; this dataset is {fmt.describe()}.")
+    if wanted is None or not train:  # RL trains on the rewards; every stage's held-out accuracy reads them
+        check_reward_columns(funcs, [str(n) for n in names], list(rows[0]), where="dataset")
 
 
 def _plugins(argv: list[str]) -> int:

@@ -168,7 +168,10 @@ def read_toml(path: str | Path, *, what: str = "file") -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"--config: {what} '{path}' does not exist.")
     try:
-        return tomllib.loads(path.read_text())
+        # UTF-8 with or without a byte-order mark (Windows editors add one; TOML itself forbids it)
+        return tomllib.loads(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config: '{path}' is not UTF-8 text ({e}); save it as UTF-8.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config: '{path}' is not valid TOML: {e}") from None
 

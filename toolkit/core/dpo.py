@@ -36,7 +36,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from .attention import packed_layout, supports_varlen, use_varlen_attention
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from .errors import ConfigError, DataError, TrainingHealthError
-from .lifecycle import TrainerLifecycle
+from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -177,6 +177,7 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         if self.ref_model is not None:
             # Trainer places only the policy; the frozen reference was loaded or copied on the CPU
             place_frozen(self.ref_model, self.args.device)
+        warn_if_smaller_than_a_batch(self, len(train_tok))
         self.preference_losses = []  # (name, PreferenceLoss, its settings at start-up, weight)
         self._loss_takes_chosen_logps = "chosen_logps" in inspect.signature(self.compute_preference_loss).parameters
         for name, weight in zip(args.loss_types, args.loss_weight_values):

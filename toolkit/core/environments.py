@@ -38,7 +38,7 @@ __all__ = ["CALCULATOR_SYSTEM_PROMPT", "ENVIRONMENT_PROTOCOL_VERSION", "EnvRespo
            "TOOL_CALL_FORMATS", "TemplateDelta", "ToolBox", "ToolCall", "ToolEnvironment", "calc",
            "GymnasiumEnvironment", "TextArenaEnvironment", "calculator_environment", "calculator_tool_call",
            "episode_metrics", "episode_reward", "fresh_environments", "group_sampler", "parse_tool_calls",
-           "run_episode", "run_episodes"]
+           "run_episode", "run_episodes", "check_messages", "checked_reset", "checked_step"]
 
 
 @dataclass
@@ -195,7 +195,7 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
                  concurrency: int = 32, step_timeout: float | None = None,
                  on_wait: Callable[[], None] | None = None,
                  any_rank: Callable[[bool], bool] | None = None,
-                 timings: dict[str, float] | None = None) -> list[Episode]:
+                 timings: dict[str, float] | None = None, answer_reserve: int | None = None) -> list[Episode]:
     """Run one episode per (environment, row) in lockstep, token-exact as `run_episode`.
 
     Each turn, the contexts of all unfinished episodes go to `sample` together (one batched generate), then their
@@ -220,7 +220,15 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
     template on the reset threads), added to what it holds. In lockstep nothing is sampled while
     environments answer, so "environment_s" is time the sampler's compute stood idle: how much a round waits, and
     so the most that overlapping those waits with other work (async GRPO on the same cores) can win back.
+
+    What an environment returns is checked (`checked_reset`, `checked_step`): a wrong type, or a message whose
+    content is not text, ends that episode as `env_error` naming the environment, the method and what was
+    expected. `answer_reserve` (GRPO passes max_completion_length): an environment's answer is cut in tokens (its
+    messages' contents shortened, with a note saying so) so that at least this many of `max_tokens` are left for
+    the model's next turn; the tokens cut are counted in the turn's info ("env_tokens_cut"). None: never cut.
     """
+    if answer_reserve is None:
+        answer_reserve = -(10**9)  # nothing is cut
     if max_turns < 1:
         raise ConfigError(f"max_turns: must be >= 1, got {max_turns}.")
     if len(envs) != len(rows):
@@ -241,7 +249,7 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
             clock[key] += time.perf_counter() - started
 
     episodes = []
-    resets = timed("environment_s", lambda: calls.run([lambda e=env, r=row: delta.prompt_ids(e.reset(r))
+    resets = timed("environment_s", lambda: calls.run([lambda e=env, r=row: delta.prompt_ids(checked_reset(e, r))
                                                         for env, row in zip(envs, rows)]))
     for (ids, error) in resets:
         # a failed reset leaves no prompt to sample from: an empty episode, out of the loss
@@ -261,9 +269,10 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict[str, Any]], sa
             _append_sampled(episodes[i], out, stops)
         texts = [decode(list(out.token_ids)) for out in outs]
         answers = timed("environment_s",
-                        lambda: calls.run([lambda e=envs[i], t=text: e.step(t) for i, text in zip(active, texts)]))
+                        lambda: calls.run([lambda e=envs[i], t=text: checked_step(e, t) for i, text in zip(active, texts)]))
         active = [i for i, (response, error) in zip(active, answers)
-                  if _append_answer(episodes[i], response, error, delta, last_turn=turn == max_turns - 1)]
+                  if _append_answer(episodes[i], response, error, delta, last_turn=turn == max_turns - 1,
+                                    room=max_tokens - answer_reserve)]
     if timings is not None:
         for key, seconds in clock.items():
             timings[key] = timings.get(key, 0.0) + seconds
@@ -280,14 +289,17 @@ def _append_sampled(ep: Episode, out: Any, stops: set[int]) -> None:
     ep.truncated = not (out.token_ids and out.token_ids[-1] in stops)
 
 
-def _append_answer(ep: Episode, response: Any, error: str | None, delta: TemplateDelta, *, last_turn: bool) -> bool:
+def _append_answer(ep: Episode, response: Any, error: str | None, delta: TemplateDelta, *, last_turn: bool,
+                   room: int) -> bool:
     """The environment's answer to the turn just sampled: its reward and info, and unless the episode ends, its
-    messages as context ids (mask 0). Returns whether the episode goes on."""
+    messages as context ids (mask 0), cut to leave `room` - len(ids) for what follows. Returns whether the
+    episode goes on."""
     ids: list[int] | None = None
     ends = error is None and (response.done or ep.truncated or last_turn)
+    cut = 0
     if error is None and not ends:
         try:
-            ids = delta.after_turn(response.messages)
+            ids, cut = _fit_answer(response.messages, delta, room - len(ep.ids))
         except Exception as e:  # messages the chat template refuses (an unknown role, a missing field)
             error = f"the chat template refused the environment's messages: {type(e).__name__}: {e}"[:500]
     if error is not None:
@@ -296,7 +308,7 @@ def _append_answer(ep: Episode, response: Any, error: str | None, delta: Templat
         ep.finish = "env_error"
         return False
     ep.rewards.append(response.reward)
-    ep.infos.append(dict(response.info))
+    ep.infos.append(dict(response.info) | ({"env_tokens_cut": cut} if cut else {}))
     if ends:
         # done; or cut at its token limit (no end of turn to append an answer to); or out of turns
         ep.finish = "done" if response.done else ("length" if ep.truncated else "max_turns")
@@ -310,6 +322,80 @@ def _append_answer(ep: Episode, response: Any, error: str | None, delta: Templat
     ep.mask += [0] * len(ids)
     ep.logprobs += [0.0] * len(ids)
     return True
+
+
+def _fit_answer(messages: list[dict[str, Any]], delta: TemplateDelta, budget: int) -> tuple[list[int], int]:
+    """The answer's ids, its messages' contents shortened (the longest first, in tokens, with a note) until the ids
+    fit in `budget` tokens; and how many tokens were cut. An answer that cannot fit even cut is left whole: the
+    episode then ends at its token budget, as before."""
+    whole = delta.after_turn(messages)
+    if len(whole) <= budget:
+        return whole, 0
+    tok = delta.tokenizer
+    note = " [... {} tokens cut: the episode's budget (max_episode_tokens) keeps room for the answer]"
+    cut, ids = [dict(m) for m in messages], whole
+    for _ in range(4):  # each pass removes what is still over; the note's own tokens may need a second
+        over = len(ids) - budget
+        texts = [(len(tok(m["content"], add_special_tokens=False)["input_ids"]), k)
+                 for k, m in enumerate(cut) if isinstance(m.get("content"), str) and m["content"]]
+        if over <= 0 or not texts:
+            break
+        length, k = max(texts)
+        content_ids = tok(cut[k]["content"], add_special_tokens=False)["input_ids"]
+        keep = max(0, length - over - len(tok(note.format(length), add_special_tokens=False)["input_ids"]) - 2)
+        cut[k]["content"] = tok.decode(content_ids[:keep]) + note.format(length - keep)
+        ids = delta.after_turn(cut)
+    if len(ids) > budget:
+        return whole, 0
+    return ids, len(whole) - len(ids)
+
+
+def _environment_name(env: Any) -> str:
+    return type(env).__name__
+
+
+def _short(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 (a repr that raises)
+        text = "(no repr)"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_messages(messages: Any, env: Any, method: str) -> None:
+    """Raise a TypeError naming the environment and method when `messages` is not a list of chat messages with text
+    content (a dict as content is rendered as a Python repr by some templates and refused by others)."""
+    where = f"{_environment_name(env)}.{method}"
+    if not isinstance(messages, list):
+        raise TypeError(f"{where} returned {type(messages).__name__} {_short(messages)} as its messages; expected a "
+                        "list of chat messages, e.g. [{'role': 'user', 'content': '...'}]")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TypeError(f"{where}: a message is {_short(m)}; each must be a dict with a 'role' (str) and a "
+                            "'content'")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise TypeError(f"{where}: a {m['role']!r} message's content is a {type(content).__name__} "
+                            f"({_short(content)}); chat templates render text: give a string (json.dumps it for "
+                            "structured data)")
+
+
+def checked_reset(env: Any, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """`env.reset(row)`, its return value checked (`check_messages`)."""
+    messages = env.reset(row)
+    check_messages(messages, env, "reset")
+    return messages
+
+
+def checked_step(env: Any, text: str) -> EnvResponse:
+    """`env.step(text)`, its return value checked: an EnvResponse whose messages are chat messages with text."""
+    response = env.step(text)
+    if not isinstance(response, EnvResponse):
+        raise TypeError(f"{_environment_name(env)}.step returned {type(response).__name__} {_short(response)}; "
+                        "expected toolkit.core.environments.EnvResponse(messages=[...], reward=..., done=...)")
+    if not response.done:
+        check_messages(response.messages, env, "step")
+    return response
 
 
 class _Calls:
@@ -440,6 +526,8 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "episodes/tool_errors_mean": sum(ep.count("tool_errors") for ep in episodes) / n,
         "episodes/sampled_tokens_mean": sum(sum(ep.mask) for ep in episodes) / n,
         "episodes/env_errors": float(sum(ep.finish == "env_error" for ep in episodes)),
+        # environment tokens cut so an answer still fits the episode's budget (answer_reserve), per episode
+        "episodes/env_tokens_cut_mean": sum(ep.count("env_tokens_cut") for ep in episodes) / n,
         **{f"episodes/finish_{k}": sum(ep.finish == k for ep in episodes) / n
            for k in ("done", "max_turns", "max_tokens", "length")},
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "DataError",
+    "HubPushError",
     "ToolkitDeprecationWarning",
     "ToolkitError",
     "TrainingHealthError",
@@ -21,6 +22,10 @@ class ConfigError(ToolkitError, ValueError):
 
 class DataError(ToolkitError, ValueError):
     """A dataset does not have the shape a trainer needs. The message names the column, the row and the fix."""
+
+
+class HubPushError(ToolkitError, RuntimeError):
+    """A push to the Hugging Face Hub failed after the model was saved locally; the message says where it is."""
 
 
 class TrainingHealthError(ToolkitError, RuntimeError):

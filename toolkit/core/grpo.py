@@ -80,7 +80,7 @@ from .objectives import (
 from .objectives.policy import legacy_policy_loss_inputs, policy_term_of
 from .packing import TokenLogps, completion_entropy, completion_token_pass, pack_for_layout
 from .plugins import registry, resolve_reward
-from .rewards import RewardRunner, score_completions, weighted_total
+from .rewards import RewardRunner, check_reward_columns, score_completions, weighted_total
 from .rollout import RoundSampler, generate_and_score, generation_seed
 from .rollout_config import RolloutConfig
 
@@ -147,6 +147,10 @@ class GroupRolloutConfig(RolloutConfig):
     environment_step_timeout: float = field(default=300.0, metadata={
         "help": "Seconds an environment's reset/step may take; past it the episode ends without a reward "
                 "(finish env_error) and the run goes on."})
+    environment_max_consecutive_failures: int = field(default=3, metadata={
+        "help": "Stop the run (naming the environment and its last error) when every episode of this many steps in a "
+                "row failed (its reset or step raised, timed out or returned something that is not an answer), as "
+                "reward_max_consecutive_failures does for reward functions."})
     unfinished_episode_reward: float | None = field(default=0.0, metadata={
         "help": "Reward of an episode that ran out of turns or tokens (or had a turn cut at max_completion_length) "
                 "before the environment gave any reward: 0 counts it as failed, as held-out evaluation does. "
@@ -199,7 +203,12 @@ class GroupRolloutConfig(RolloutConfig):
             raise ConfigError("skip_solved_threshold: not supported with several processes yet (the solved set is "
                               "per rank); leave it None or run one process.")
         if self.environment is not None:
-            registry().get("environment", self.environment, field="environment")
+            make = registry().get("environment", self.environment, field="environment")
+            try:  # here, not when the trainer is built: a pipeline checks every stage's config before any trains
+                inspect.signature(make).bind(**dict(self.environment_kwargs or {}))
+            except TypeError as e:
+                raise ConfigError(f"environment_kwargs: {e} (environment '{self.environment}' takes "
+                                  f"{inspect.signature(make)}).") from None
             self.check_episode_settings()
         elif self.environment_kwargs:
             raise ConfigError("environment_kwargs: set without environment; name the environment (e.g. "
@@ -215,6 +224,9 @@ class GroupRolloutConfig(RolloutConfig):
             raise ConfigError(f"environment_concurrency: must be >= 1, got {self.environment_concurrency}.")
         if not self.environment_step_timeout > 0:
             raise ConfigError(f"environment_step_timeout: must be > 0 seconds, got {self.environment_step_timeout}.")
+        if self.environment_max_consecutive_failures < 1:
+            raise ConfigError(f"environment_max_consecutive_failures: must be >= 1, got "
+                              f"{self.environment_max_consecutive_failures}.")
 
 
 @dataclass
@@ -384,6 +396,8 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.prepare_prompts(train_dataset, tokenizer, args)
+        check_reward_columns(self.reward_runner.funcs, self.reward_runner.names,
+                             ["prompt", *self.dataset_format.extra_columns], where="train_dataset")
         prompts_per_micro = args.per_device_train_batch_size // args.num_generations
         self.prompts_per_round = prompts_per_micro * args.gradient_accumulation_steps
         if len(self.rows) < self.prompts_per_round:
@@ -553,6 +567,19 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         # class or a module-level function, so an environment registered at run time reaches the worker too)
         return functools.partial(make, **kwargs)
 
+    def _check_environment_failures(self, errors: list[str], episodes: int) -> None:
+        """Stop the run when every episode of environment_max_consecutive_failures steps in a row failed: the loss has
+        been 0 since, and a broken environment would otherwise train nothing for ever, quietly."""
+        self._env_failure_run = getattr(self, "_env_failure_run", 0) + 1 if len(errors) == episodes else 0
+        limit = self.args.environment_max_consecutive_failures
+        if self._env_failure_run >= limit:
+            factory = self.environment_factory
+            name = self.args.environment or getattr(getattr(factory, "func", factory), "__name__", repr(factory))
+            raise TrainingHealthError(
+                f"environment '{name}': every one of the {episodes} episodes failed in each of the last {limit} steps "
+                f"(environment_max_consecutive_failures={limit}), so nothing was trained; last error: {errors[-1]}. "
+                "Fix the environment (its reset/step must return chat messages / an EnvResponse and not raise).")
+
     def _episode_delta(self, tokenizer: Any, args: GRPOConfig) -> Any:
         """The template's ids between turns, for this tokenizer, stop token and the environment's tools; checked at
         start-up (a template whose turns do not end with the stop token is refused before training starts)."""
@@ -563,8 +590,19 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             raise ConfigError(f"environment: {type(probe).__name__} has no reset(row) / step(text) methods "
                               "(toolkit.core.environments.Environment).")
         end_text = tokenizer.convert_ids_to_tokens(self.sampling.stop_token_ids[0])
-        return TemplateDelta(tokenizer, end_text=end_text, tools=getattr(probe, "tools", None),
-                             chat_template_kwargs=args.chat_template_kwargs)
+        delta = TemplateDelta(tokenizer, end_text=end_text, tools=getattr(probe, "tools", None),
+                              chat_template_kwargs=args.chat_template_kwargs)
+        # A turn, one environment answer (at the least a short tool result in the template's tool message) and a
+        # second turn must fit max_episode_tokens, or no episode can ever answer after its environment
+        answer = len(delta.after_turn([{"role": "tool", "name": "tool", "content": "x " * 16}]))
+        need = 2 * args.max_completion_length + answer
+        if args.max_turns > 1 and args.max_episode_tokens < need:
+            raise ConfigError(
+                f"max_episode_tokens: {args.max_episode_tokens} cannot hold a turn (max_completion_length="
+                f"{args.max_completion_length}), one short environment answer ({answer} tokens with this chat "
+                f"template) and a second turn ({args.max_completion_length}); no episode could answer after its "
+                f"environment. Raise max_episode_tokens to at least {need}, or lower max_completion_length.")
+        return delta
 
     @property
     def reward_names(self) -> list[str]:
@@ -596,7 +634,8 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
                             max_turns=args.max_turns, max_tokens=args.max_episode_tokens,
                             stop_token_ids=sampling.stop_token_ids, concurrency=args.environment_concurrency,
                             step_timeout=args.environment_step_timeout,
-                            any_rank=lambda flag: any_rank_if_sharded(flag, self.model), timings=timings)
+                            any_rank=lambda flag: any_rank_if_sharded(flag, self.model), timings=timings,
+                            answer_reserve=args.max_completion_length)
 
     @torch.no_grad()
     def generate_episodes(self, row_indices: Sequence[int]) -> Rollout:
@@ -627,11 +666,11 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         from .environments import episode_metrics, episode_reward
 
         G = self.args.num_generations
-        for ep in episodes:
-            if "env_error" in (ep.infos[-1] if ep.infos else {}):
-                self.health.warn(self.state.global_step, "env_error",
-                                   f"an environment failed (episodes without a reward, left out of the loss): "
-                                   f"{ep.infos[-1]['env_error']}")
+        errors = [ep.infos[-1]["env_error"] for ep in episodes if "env_error" in (ep.infos[-1] if ep.infos else {})]
+        if errors:
+            self.health.warn(self.state.global_step, "env_error", f"an environment failed in {len(errors)} of "
+                             f"{len(episodes)} episodes (left out of the loss): {errors[-1]}")
+        self._check_environment_failures(errors, len(episodes))
         for k, ep in enumerate(episodes):
             if not ep.prompt_ids:  # its reset failed: a placeholder row (out of the loss) that packs like any other
                 ep.prompt_ids = list(self.prompt_ids[row_indices[k // G]])

@@ -13,8 +13,10 @@ different (data, loss, rollouts); what must not differ between them lives here:
 - **Step metrics**: `record_metric(name, value)` collects values between two logs (a float or a 0-d tensor,
   read only when the step is logged); `log` averages them (a name ending in `_max` keeps the largest, NaN is
   skipped), calls `on_log_metrics` and tells plugins (`toolkit_on_step_metrics`).
-- **The model card**: `save_model` writes README.md next to the weights, `create_model_card` (which
-  `push_to_hub` calls) writes it into `output_dir`.
+- **Saving**: `save_model` writes the weights and the model card (README.md) into a staging folder, then moves
+  them in file by file; a path that is a file is refused. `push_to_hub` saves before it talks to the network,
+  so a push that fails leaves the model on disk and says where (`HubPushError`); `create_model_card` (which
+  `push_to_hub` calls) writes the card into `output_dir`.
 - **The console**: one compact line per logged step, full dicts in `metrics.jsonl` (toolkit.core.console).
 
 PPO owns its loop and its checkpoints (docs/architecture.md) and uses the metrics, card and console parts.
@@ -22,19 +24,27 @@ PPO owns its loop and its checkpoints (docs/architecture.md) and uses the metric
 
 from __future__ import annotations
 
-__all__ = ["TrainerLifecycle"]
+__all__ = ["TrainerLifecycle", "warn_if_smaller_than_a_batch"]
 
 import logging
 import math
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import CompleteCheckpointCallback, resolve_resume, resume_already_finished, save_trainer_checkpoint
+from .checkpoint import (
+    CompleteCheckpointCallback,
+    publish_folder,
+    resolve_resume,
+    resume_already_finished,
+    save_trainer_checkpoint,
+)
 from .console import install_console
 from .distributed import warn_if_sharding_ignored
+from .errors import ConfigError, HubPushError
 from .model_card import write_model_card
 from .plugins import notify_checkpoint_saved, notify_step_metrics
 
@@ -125,10 +135,43 @@ class TrainerLifecycle:
     # ------------------------------------------------------------------------------ the model card
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights."""
-        super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+        """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights.
+
+        Written into a staging folder beside `output_dir` first, then moved in file by file (each with one rename),
+        so a save killed midway leaves the earlier files, not half-written ones. A path that is a file is refused."""
+        target = Path(output_dir or self.args.output_dir)
+        if target.exists() and not target.is_dir():
+            raise ConfigError(f"save_model: '{target}' is a file; a model is saved as a folder of files (weights, "
+                              "config, tokenizer, card). Give a folder path, e.g. 'outputs/my-model'.")
+        if getattr(self, "_saved_for_push", False) and _internal_call:
+            return  # push_to_hub saved it a moment ago, before talking to the network
+        staging = target.parent / f".{target.name}.saving"
+        if self.args.should_save and staging.exists():
+            shutil.rmtree(staging)  # left by a save that was killed
+        super().save_model(str(staging), _internal_call=True)  # type: ignore[misc]  (every rank: FSDP gathers)
         if self.args.should_save:
-            write_model_card(self, output_dir or self.args.output_dir)
+            write_model_card(self, staging)
+            publish_folder(staging, target)
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, **kwargs: Any) -> Any:
+        """Trainer's push, with the trained model saved into output_dir *before* anything talks to the network
+        (Trainer creates the Hub repo first): a push that fails (no network, no token, a refused repo) leaves the
+        model on disk, and the error says where it is."""
+        self.save_model(_internal_call=True)
+        self._saved_for_push = True
+        try:
+            return super().push_to_hub(commit_message=commit_message, blocking=blocking,  # type: ignore[misc]
+                                       token=token, revision=revision, **kwargs)
+        except Exception as e:
+            where = Path(self.args.output_dir).resolve()
+            raise HubPushError(f"push_to_hub: the push failed ({type(e).__name__}: {e}). The trained model is saved "
+                               f"in {where} (weights, tokenizer, model card): push that folder when the Hub is "
+                               f"reachable (`hf upload <repo-id> {where}`) or call push_to_hub() again.") from e
+        finally:
+            self._saved_for_push = False
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
                           tags: str | list[str] | None = None, **kwargs: Any) -> None:
@@ -136,3 +179,18 @@ class TrainerLifecycle:
         are accepted, and transformers' `dataset` as a synonym of `dataset_name`."""
         write_model_card(self, self.args.output_dir, model_name=model_name,
                          dataset_name=dataset_name if dataset_name is not None else kwargs.get("dataset"), tags=tags)
+
+
+def warn_if_smaller_than_a_batch(trainer: Any, rows: int, *, what: str = "train_dataset") -> bool:
+    """Warn when `rows` examples do not fill one optimizer step (per-device batch x accumulation x processes):
+    every step then repeats the same few examples, which is rarely what was meant (a 1-row file, a filter that
+    left one row). Returns whether it warned."""
+    args = trainer.args
+    step = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
+    if rows >= step:
+        return False
+    logger.warning("%s: %d row(s), fewer than one optimizer step takes (per_device_train_batch_size %d x "
+                   "gradient_accumulation_steps %d x %d process(es) = %d): every step trains on the same %d row(s). "
+                   "Add data, or lower the batch size.", what, rows, args.per_device_train_batch_size,
+                   args.gradient_accumulation_steps, max(args.world_size, 1), step, rows)
+    return True

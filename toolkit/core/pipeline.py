@@ -27,7 +27,7 @@ from typing import Any
 
 from .config import load_run_file, read_toml
 from .distributed import env_rank
-from .errors import ConfigError
+from .errors import ConfigError, ToolkitError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def load_pipeline(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
         raise ConfigError(f"pipeline '{path}': stages must be a non-empty list of {{command = ..., config = ...}}.")
     checked = []
     for i, stage in enumerate(stages):
-        where = f"pipeline '{path}', stage {i}"
+        where = f"pipeline '{path}', stage {i + 1}"
         if not isinstance(stage, dict):
             raise ConfigError(f"{where}: expected {{command = ..., config = ...}}, got {stage!r}.")
         extra = sorted(set(stage) - {"command", "config", "overrides"})
@@ -130,7 +130,11 @@ def run_pipeline(argv: list[str], commands: dict[str, Any], parse_stage: Any) ->
     out, stages = load_pipeline(argv[argv.index("--config") + 1])
     root = Path(out).expanduser()
     for i, stage in enumerate(stages):  # all stages checked before the first trains
-        parse_stage(stage["command"], _argv(stage, root / f"{i}-{stage['command']}", "checked" if i else None))
+        try:
+            parse_stage(stage["command"], _argv(stage, root / f"{i}-{stage['command']}", "checked" if i else None))
+        except ToolkitError as e:  # which stage (numbered from 1, as the log numbers them) and its run file
+            raise type(e)(f"pipeline stage {i + 1} of {len(stages)} ({stage['command']}, {stage['config']}): "
+                          f"{e}") from e
     main_process = env_rank() == 0
     started = time.perf_counter()
     results, model = [], None

@@ -88,7 +88,7 @@ from .packing import (
     pack_for_layout,
 )
 from .plugins import registry, resolve_reward
-from .rewards import RewardRunner, score_completions
+from .rewards import RewardRunner, check_reward_columns, score_completions
 from .rollout import generation_seed, order_seed
 from .rollout_config import RolloutConfig
 
@@ -348,6 +348,9 @@ class PPOTrainer(TrainerLifecycle, Trainer):
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.prepare_prompts(train_dataset, tokenizer, args)
+        if self.reward_runner is not None:
+            check_reward_columns(self.reward_runner.funcs, self.reward_runner.names,
+                                 ["prompt", *self.dataset_format.extra_columns], where="train_dataset")
         rows = self.rows
         if len(rows) < args.rollout_batch_size * env_world_size():
             on = f" x {env_world_size()} processes" if env_world_size() > 1 else ""

@@ -37,6 +37,8 @@ from .errors import ConfigError, TrainingHealthError
 
 __all__ = [
     "HTTPJudge",
+    "check_reward_columns",
+    "required_columns",
     "RewardFunction",
     "RewardModelReward",
     "RewardOutcome",
@@ -381,6 +383,34 @@ class HTTPJudge:
 
     def __repr__(self) -> str:
         return f"HTTPJudge({self.url!r})"
+
+
+def required_columns(fn: Any) -> list[str]:
+    """The dataset columns reward function `fn` cannot run without: its parameters after (prompts, completions,
+    completion_ids) that have no default (`answer` for numeric_match). A function taking only **kwargs needs none
+    it names; one whose signature cannot be read is assumed to need none."""
+    import inspect
+
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    named = [q for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)]
+    return [q.name for q in named[3:] if q.default is q.empty]
+
+
+def check_reward_columns(funcs: Sequence[Any], names: Sequence[str], columns: Sequence[str], *, where: str) -> None:
+    """A DataError before any model loads when a reward function needs a column the dataset lacks (it would fail on
+    every batch; the run would stop at its third step, after the model had loaded and sampled)."""
+    from .errors import DataError
+
+    for fn, name in zip(funcs, names):
+        missing = [c for c in required_columns(fn) if c not in columns]
+        if missing:
+            raise DataError(f"{where}: reward function '{name}' needs the column(s) {missing}, which the dataset does "
+                            f"not have (its columns: {sorted(columns)}). Add them (e.g. an 'answer' column for "
+                            "numeric_match), or give the function a default or **kwargs.")
 
 
 def score_completions(runner: RewardRunner, tokenizer: Any, rows: Sequence[dict[str, Any]],

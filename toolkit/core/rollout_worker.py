@@ -413,7 +413,8 @@ class RolloutWorker:
         eps = run_episodes(fresh_environments(self.new_env, len(rows)), rows, sample, self.delta,
                            max_turns=episodes.max_turns, max_tokens=episodes.max_tokens,
                            stop_token_ids=spec.sampling.stop_token_ids, concurrency=episodes.concurrency,
-                           step_timeout=episodes.step_timeout, on_wait=self.progress.tick, timings=timings)
+                           step_timeout=episodes.step_timeout, on_wait=self.progress.tick, timings=timings,
+                           answer_reserve=spec.sampling.max_tokens)
         return eps, time.perf_counter() - started, timings["environment_s"]
 
     def _generating(self) -> Any:

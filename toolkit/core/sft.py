@@ -50,7 +50,7 @@ from .data import (
     validate,
 )
 from .errors import ConfigError, DataError, TrainingHealthError
-from .lifecycle import TrainerLifecycle
+from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -322,6 +322,8 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         )
         super().__init__(model=model, args=args, data_collator=collator, **datasets_, processing_class=tokenizer,
                          callbacks=callbacks, optimizers=optimizers, **kwargs)
+        if "train_dataset" not in sources:  # (a stream's length is unknown)
+            warn_if_smaller_than_a_batch(self, len(datasets_["train_dataset"]))
         # Our compute_loss divides by the token count of the whole accumulated step (num_items_in_batch),
         # so Trainer must count the tokens and must not divide by the accumulation steps again.
         self.model_accepts_loss_kwargs = True

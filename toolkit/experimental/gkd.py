@@ -45,7 +45,15 @@ from toolkit.core.data import DatasetFormat, tokenize_for_sft
 from toolkit.core.errors import ConfigError, DataError
 from toolkit.core.generation import Completion
 from toolkit.core.grpo import GroupRolloutConfig, GRPOTrainer, Rollout
-from toolkit.core.models import DEFAULT_MODEL, load_model, load_tokenizer, output_head, place_frozen, unwrap_model
+from toolkit.core.models import (
+    DEFAULT_MODEL,
+    load_model,
+    load_tokenizer,
+    output_head,
+    place_frozen,
+    resolve_model_path,
+    unwrap_model,
+)
 from toolkit.core.numerics import upcast_region
 from toolkit.core.packing import completion_hidden
 from toolkit.core.rollout import generation_seed
@@ -158,21 +166,17 @@ class GKDTrainer(GRPOTrainer):
                 raise ConfigError(f"teacher_model: the teacher's tokenizer ({teacher_model}) differs from the "
                                   "student's; GKD compares next-token distributions over one vocabulary. Use a "
                                   "teacher of the same tokenizer family.")
+            # the heads, from the models' configs: a teacher whose head is too small is refused before the student
+            # (or the teacher) loads, not after
+            _compared_vocab(_head_rows(model), _head_rows(teacher_model), len(tokenizer))
         super().__init__(model, reward_funcs, args, train_dataset=train_dataset, processing_class=tokenizer, **kwargs)
         if isinstance(teacher_model, str):
             teacher_model = load_model(teacher_model, dtype=args.model_dtype)
         # Trainer places only the student; the teacher goes to the same device
         self.teacher_model = place_frozen(teacher_model.eval().requires_grad_(False), self.args.device)
-        s_vocab = output_head(self.model)[0].shape[0]
-        t_vocab = output_head(self.teacher_model)[0].shape[0]
-        # Families pad their heads to different sizes (a 0.5B and a 7B model of one family); the tokenizer's
-        # entries are what both distributions are compared over, so unequal heads are cut to len(tokenizer).
-        self._vocab = None if s_vocab == t_vocab else len(tokenizer)
-        if self._vocab is not None and (self._vocab > t_vocab or s_vocab > t_vocab):
-            # a student head larger than the teacher's can sample ids the teacher has no row for
-            raise ConfigError(f"teacher_model: its LM head has {t_vocab} rows, the student's {s_vocab}, the tokenizer "
-                              f"{self._vocab} entries; GKD needs the teacher's head to cover the tokenizer and the "
-                              "student's head.")
+        # the loaded heads (also for models given as objects); None: equal heads, compared whole
+        self._vocab = _compared_vocab(output_head(self.model)[0].shape[0],
+                                      output_head(self.teacher_model)[0].shape[0], len(tokenizer))
         if self.padding_free and supports_varlen(self.teacher_model):
             use_varlen_attention(self.teacher_model)
         # the teacher reads the student's packed rows, so the layout is one both attention implementations run
@@ -297,6 +301,35 @@ class GKDTrainer(GRPOTrainer):
         self.health.check_finite(self.state.global_step, loss=loss)
         self.record_metric("jsd_per_token", total.detach() / keep.sum().clamp(min=1))
         return (loss, {}) if return_outputs else loss
+
+
+def _head_rows(model: Any) -> int | None:
+    """The LM head's rows of a model given by name or path, from its config (no weights loaded), or of a model
+    object; None when they cannot be told."""
+    if not isinstance(model, str):
+        return output_head(model)[0].shape[0]
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(model))
+    except Exception:  # noqa: BLE001 (no config to read here: the check after loading still runs)
+        return None
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "vocab_size", None)
+
+
+def _compared_vocab(student: int | None, teacher: int | None, tokenizer: int) -> int | None:
+    """How many vocabulary entries the divergence compares: None (the whole heads) when they are equal, else the
+    tokenizer's entries. Families pad their heads to different sizes (a 0.5B and a 7B model of one family), so
+    unequal heads are cut to len(tokenizer); a teacher head that cannot cover the tokenizer and the student's head
+    (the student could sample ids the teacher has no row for) is refused."""
+    if student is None or teacher is None or student == teacher:
+        return None
+    if tokenizer > teacher or student > teacher:
+        raise ConfigError(f"teacher_model: its LM head has {teacher} rows, the student's {student}, the tokenizer "
+                          f"{tokenizer} entries; GKD needs the teacher's head to cover the tokenizer and the "
+                          "student's head. Use a teacher of the same family with a head at least as large.")
+    return tokenizer
 
 
 def run_gkd_command(argv: list[str]) -> int:

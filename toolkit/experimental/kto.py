@@ -167,6 +167,13 @@ class KTOTrainer(DPOTrainer):
         if report.truncated_rows:
             logger.warning("KTO: %d of %d %s rows were truncated to max_length=%s (longest %d tokens).",
                            report.truncated_rows, report.rows, split, args.max_length, report.longest)
+        if split == "train" and desirable in (0, len(rows)):
+            # KTO's loss weighs each example against a reference point learnt from the mismatched pairs; with one
+            # label only, it never sees the other side of the value function: it trains, but not as KTO means
+            logger.warning("KTO train data: every one of its %d rows has label=%s (%s); KTO learns from desirable "
+                           "and undesirable examples together. Add rows with label=%s, or train with SFT (all "
+                           "desirable) instead.", len(rows), bool(desirable), "desirable" if desirable else
+                           "undesirable", not desirable)
         if split == "train" and 0 < desirable < len(rows):
             # the KTO paper's advice: weight so that desirable_weight x n_D / (undesirable_weight x n_U) is in [1, 4/3]
             ratio = args.desirable_weight * desirable / (args.undesirable_weight * (len(rows) - desirable))

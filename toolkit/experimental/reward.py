@@ -44,7 +44,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments, set_seed
 
 from toolkit.core.data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from toolkit.core.errors import ConfigError, DataError, TrainingHealthError
-from toolkit.core.lifecycle import TrainerLifecycle
+from toolkit.core.lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from toolkit.core.models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
@@ -195,6 +195,7 @@ class RewardTrainer(TrainerLifecycle, Trainer):
                          eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
         self.loss_is_scaled_for_ga = False  # a mean over the micro-batch's pairs; Trainer divides by accumulation
+        warn_if_smaller_than_a_batch(self, len(train_tok))
 
     # ----------------------------------------------------------------------------------- data
 
