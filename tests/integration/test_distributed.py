@@ -48,7 +48,7 @@ def test_multi_process_launches_are_checked_before_loading_anything(tmp_path, mo
     server_cfg = AsyncGRPOConfig(num_generations=2, generation_backend="vllm-server", **common)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    rows = [{"prompt": f"a{i}"} for i in range(6)]
+    rows = [{"prompt": f"a{i}", "answer": str(i)} for i in range(6)]
     with pytest.raises(ConfigError, match=r"train_dataset: 6 prompts, fewer than one update needs "
                                           r"\(rollout_batch_size=4 x 2 processes\)"):
         PPOTrainer("does-not-matter/never-loaded", ["numeric_match"], ppo_cfg, train_dataset=rows,

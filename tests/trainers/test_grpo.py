@@ -150,14 +150,26 @@ def test_failing_reward_is_counted_logged_once_and_does_not_stop_the_run(tmp_pat
 
 
 def test_a_reward_that_fails_every_batch_stops_the_run_naming_it_its_error_and_the_columns(tmp_path):
+    def broken(prompts, completions, completion_ids, **kw):  # reads a column the dataset does not have
+        return [float(a) for a in kw["answr"]]
+
+    t = make(tmp_path, rewards=(length_reward, broken), max_steps=5)
+    with pytest.raises(TrainingHealthError, match=r"reward function 'broken' failed on 3 batches in a row \(last: "
+                                                   r"KeyError: .*answr.*\).*columns \['answer'\]"):
+        t.train()
+    assert t.state.global_step == 2  # stopped at the third batch, not after training on without it
+
+
+def test_a_reward_whose_signature_needs_a_missing_column_is_refused_before_any_model_loads(tmp_path):
+    from toolkit import DataError
+
     def misspelt(prompts, completions, completion_ids, answr, **kw):  # the dataset's column is 'answer'
         return [1.0] * len(completions)
 
-    t = make(tmp_path, rewards=(length_reward, misspelt), max_steps=5)
-    with pytest.raises(TrainingHealthError, match=r"reward function 'misspelt' failed on 3 batches in a row \(last: "
-                                                   r"TypeError: .*answr.*\).*columns \['answer'\]"):
-        t.train()
-    assert t.state.global_step == 2  # stopped at the third batch, not after training on without it
+    with pytest.raises(DataError, match=r"reward function 'misspelt' needs the column\(s\) \['answr'\], which the "
+                                        r"dataset does not have \(its columns: \['answer', 'prompt'\]\)"):
+        GRPOTrainer("/nonexistent/model", [length_reward, misspelt], cfg(tmp_path), train_dataset=prompts(),
+                    processing_class=tiny_tokenizer())
 
 
 def test_async_rewards_run_concurrently_and_time_out(tmp_path):
