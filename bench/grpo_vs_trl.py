@@ -1,6 +1,6 @@
 """Benchmark: our GRPOTrainer against TRL's GRPOTrainer (its default transformers generation), at equal work.
 
-    python bench/grpo_vs_trl.py                  # 3 repetitions, about 15 minutes on 2 CPU cores
+    python bench/grpo_vs_trl.py                  # 3 repetitions, about 18 minutes on 2 CPU cores
     python bench/grpo_vs_trl.py --repeats 5      # more repetitions
     python bench/grpo_vs_trl.py --steps 6        # more steps per run, less noise
 
@@ -9,6 +9,13 @@ groups whose rewards all tie out of forward and backward (`zero_variance_filter`
 skips the optimizer step of a round with no row in the loss (`skip_steps_without_signal`); TRL trains every row
 and always steps. Every `toolkit*` run here turns both off; the rows each side trained per step are in the results.
 The defaults' effect is its own row, `toolkit-filters-on` (ours as shipped), never the headline.
+
+Activation checkpointing is each side's default in the headline: TRL's GRPOConfig turns it on
+(gradient_checkpointing=True, the forward computed again in backward to hold fewer activations); ours leaves it off
+for micro-batches this short, where recomputing costs more time than it saves memory (see
+`models.apply_cpu_training_defaults` and GRPOConfig). That is a setting trading time for memory, not rows trained, so it stays at each
+side's default; `toolkit-checkpointing` is ours at equal work *with* checkpointing on, TRL's setting, so the
+comparison at the same setting is in the table too.
 
 Repetitions: the kinds run in turn (A B C ... A B C ...), each run in its own process; the tables give the median
 over repetitions with the min-max range, and the ratio ours/TRL per repetition (paired runs, one after the other,
@@ -48,7 +55,7 @@ from _common import bench_args, provenance, run_each, step_timer  # noqa: E402
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
 # every completion through forward and backward, every optimizer step taken: what TRL does (see the docstring)
 EQUAL_WORK = dict(zero_variance_filter=False, skip_steps_without_signal=False)
-KINDS = ("toolkit", "trl", "toolkit-filters-on", "toolkit-bf16-generation", "toolkit-bf16", "trl-bf16")
+KINDS = ("toolkit", "trl", "toolkit-checkpointing", "toolkit-filters-on", "toolkit-bf16-generation", "toolkit-bf16", "trl-bf16")
 
 
 def worker(kind: str, steps: int) -> dict:
@@ -77,6 +84,8 @@ def worker(kind: str, steps: int) -> dict:
             extra.update(EQUAL_WORK)
         if kind == "toolkit-bf16":
             extra.update(bf16=True, use_cpu=True)
+        if kind == "toolkit-checkpointing":
+            extra.update(gradient_checkpointing=True)  # TRL's GRPOConfig default
         trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common, **extra), train_dataset=rows,
                               callbacks=[timer])
     else:
@@ -177,7 +186,7 @@ def main() -> None:
           f"step, max {s['max_completion_length']} new tokens, {args.steps} steps per run (first excluded from "
           f"timing), {repeats} repetitions; equal work (every completion trained, every step taken on both sides)")
     ratios = {}
-    for ours, theirs in (("toolkit", "trl"), ("toolkit-filters-on", "trl"), ("toolkit-bf16-generation", "trl"),
+    for ours, theirs in (("toolkit", "trl"), ("toolkit-checkpointing", "trl"), ("toolkit-filters-on", "trl"), ("toolkit-bf16-generation", "trl"),
                          ("toolkit-bf16", "trl-bf16")):
         ratios[ours] = {"speed": _ratios(runs[ours], runs[theirs], "sec_per_step"),
                         "memory": _ratios(runs[ours], runs[theirs], "peak_rss_mb"), "against": theirs}
@@ -187,6 +196,10 @@ def main() -> None:
                   f"| ours: training s/step | {o['train_s_per_step']:.1f} | | |"]
     _table("Equal work, both in float32 (the headline)", o, t, ratios["toolkit"]["speed"],
            ratios["toolkit"]["memory"], args.steps, extra)
+    c = results["toolkit-checkpointing"]
+    _table("Equal work with activation checkpointing on both sides (TRL's default; ours recomputes each layer's "
+           "forward in backward too)", c, t, ratios["toolkit-checkpointing"]["speed"],
+           ratios["toolkit-checkpointing"]["memory"], args.steps, [])
     f = results["toolkit-filters-on"]
     _table("Ours as shipped: tied groups left out of forward and backward, steps without signal skipped (not equal "
            "work: the filter's effect)", f, t, ratios["toolkit-filters-on"]["speed"],

@@ -15,7 +15,9 @@ Rows:
   measured is the cost of a step, not what is learnt).
 
 Same generated +/- prompts (chat format), max 32 new tokens, temperature 0.9, optimizer and learning rate; TRL at
-its defaults otherwise. The sampled completions differ between the two sides (different samplers), so each
+its defaults otherwise, activation checkpointing included: TRL's configs turn it on, ours leave it off for
+micro-batches this short (recomputing costs more time than it saves memory here); the table says which side
+recomputed. The sampled completions differ between the two sides (different samplers), so each
 row also records the completion tokens each side generated per step: a step that sampled fewer tokens is
 cheaper for that reason alone. Each trainer runs in its own process (peak RSS is per process). Printed:
 seconds per step over the steps after the first, peak RSS, tokens generated per step, and ours/TRL.
@@ -122,7 +124,9 @@ def worker(kind: str, steps: int) -> dict:
         generated = seen
     ends = timer.ends
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"kind": kind, "sec_per_step": (ends[-1] - ends[0]) / max(len(ends) - 1, 1),
+    a = trainer.args
+    checkpointing = bool(getattr(a, "activation_checkpointing", None) or getattr(a, "gradient_checkpointing", None))
+    return {"kind": kind, "activation_checkpointing": checkpointing, "sec_per_step": (ends[-1] - ends[0]) / max(len(ends) - 1, 1),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "first_loss": losses[0],
             "generated_tokens_per_step": sum(generated[1:]) / max(len(generated) - 1, 1) if generated else None}
 
@@ -139,14 +143,15 @@ def main() -> None:
     print(f"\nSmolLM2-135M-Instruct, {s['prompts_per_step']} prompts per step, up to {s['max_new_tokens']} new tokens, "
           f"{args.steps} steps (first excluded from timing and token counts)")
     print("| trainer | ours s/step | TRL s/step | speed ratio (ours/TRL) | ours peak RSS MB | TRL peak RSS MB | "
-          "memory ratio (ours/TRL) | generated tokens/step ours | TRL |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "memory ratio (ours/TRL) | generated tokens/step ours | TRL | activation checkpointing ours | TRL |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in ("online_dpo", "gkd"):
         o, t = results[f"{name}-toolkit"], results[f"{name}-trl"]
         print(f"| {name} | {o['sec_per_step']:.1f} | {t['sec_per_step']:.1f} | "
               f"{o['sec_per_step'] / t['sec_per_step']:.2f} | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | "
               f"{o['peak_rss_mb'] / t['peak_rss_mb']:.2f} | {o['generated_tokens_per_step']} | "
-              f"{t['generated_tokens_per_step']} |")
+              f"{t['generated_tokens_per_step']} | {o.get('activation_checkpointing')} | "
+              f"{t.get('activation_checkpointing')} |")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(args.json, "w") as f:

@@ -64,7 +64,7 @@ BENCHES = [
     Bench("logps_memory", "logps_memory.py", "core", 1, json_flag=False),
     Bench("sft_vs_trl", "sft_vs_trl.py", "core", 9),  # TRL at its defaults; --trl-no-gc adds the other rows
     Bench("dpo_vs_trl", "dpo_vs_trl.py", "core", 7),
-    Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 16),
+    Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 19),
     Bench("ppo_vs_trl", "ppo_vs_trl.py", "core", 5, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
     Bench("decode_batch", "decode_batch.py", "core", 5),
     Bench("grpo_vllm", "grpo_vllm.py", "vllm", 8, python=".venv-vllm",
@@ -330,6 +330,15 @@ def _cpu(prov: dict) -> str:
         kind, ", CPU without AVX2")
 
 
+def _recomputes(ours: dict, theirs: dict) -> str:
+    """Which side recomputed activations in backward (each at its own default), where the results say."""
+    if "activation_checkpointing" not in ours:
+        return ""
+    said = {True: "on", False: "off"}
+    return (f"; activation checkpointing {said[bool(ours['activation_checkpointing'])]} vs "
+            f"{said[bool(theirs.get('activation_checkpointing'))]}")
+
+
 def _f(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -414,6 +423,8 @@ def table_rows() -> list[list[str]]:
 
         equal = " at equal work (every completion trained, every step taken)" if d.get("equal_work") else ""
         row("toolkit", "trl", f"GRPO s/step; peak RSS{equal}", frac)
+        row("toolkit-checkpointing", "trl", "GRPO s/step; peak RSS at equal work, activation checkpointing on both "
+            "sides (TRL's default)")
         row("toolkit-filters-on", "trl", "GRPO s/step; peak RSS, ours as shipped (tied groups out of forward and "
             "backward, steps without signal skipped): not equal work, the filter's effect")
         row("toolkit-bf16-generation", "trl", "GRPO s/step; peak RSS, ours generating in bfloat16 (training in "
@@ -484,7 +495,7 @@ def table_rows() -> list[list[str]]:
                              f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
                              f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x "
                              f"memory; generated tokens/step {_f(o.get('generated_tokens_per_step'), 0)} vs "
-                             f"{_f(t.get('generated_tokens_per_step'), 0)}", "-", _when(d)])
+                             f"{_f(t.get('generated_tokens_per_step'), 0)}{_recomputes(o, t)}", "-", _when(d)])
     d = _load("multiprocess")
     if d:
         by = {(r["kind"], r["world"]): r for r in d["results"]}

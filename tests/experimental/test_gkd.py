@@ -244,6 +244,12 @@ def test_heads_padded_to_other_sizes_are_compared_over_the_tokenizer(tmp_path):
     with pytest.raises(ConfigError, match="teacher's head to cover"):
         GKDTrainer(student, teacher_model=teacher(), args=cfg(tmp_path / "s"), train_dataset=rows(4),
                    processing_class=tok)
+    # and a tokenizer with more entries than the student's head has rows
+    from toolkit.experimental.gkd import _compared_vocab
+
+    with pytest.raises(ConfigError, match="the student's to cover the tokenizer"):
+        _compared_vocab(student=100, teacher=120, tokenizer=110)
+    assert _compared_vocab(student=100, teacher=120, tokenizer=90) == 90
 
 
 def test_place_frozen_leaves_a_dispatched_model_where_it_is():

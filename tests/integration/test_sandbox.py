@@ -125,6 +125,16 @@ def test_daemon_that_left_the_session_dies_with_the_run(sandbox):
     assert sandboxed_processes() == []
 
 
+@pytest.mark.slow
+def test_the_first_process_leaving_the_session_still_dies_at_the_timeout(sandbox):
+    # the code's own first process leaves the launcher's process group, so killing that group does not reach it:
+    # the death signal tied to the launcher must (as root it has to be armed again after the uid changes)
+    result = sandbox.run_python("import os, time\nos.setsid()\ntime.sleep(3600)")
+    assert result.timed_out, result
+    assert result.seconds < LIMITS.wall_seconds + KILL_SLACK
+    assert sandboxed_processes() == []
+
+
 def test_memory_bomb_fails_inside_and_the_caller_is_unaffected(sandbox):
     result = sandbox.run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n")
     assert not result.ok

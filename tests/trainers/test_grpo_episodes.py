@@ -564,8 +564,8 @@ def test_an_environment_that_fails_every_episode_stops_the_run_naming_it_and_its
             raise ConnectionError("the game server refused the connection")
 
     t = trainer(tmp_path, environment=Broken, max_steps=10, environment_max_consecutive_failures=2)
-    with pytest.raises(TrainingHealthError, match=r"environment 'Broken': every one of the 8 episodes failed in each "
-                                                  r"of the last 2 steps \(environment_max_consecutive_failures=2\).*"
+    with pytest.raises(TrainingHealthError, match=r"environment 'Broken': every episode failed \(this rank's 8, and "
+                                                  r"every other rank's\) in each of the last 2 steps \(environment_max_consecutive_failures=2\).*"
                                                   r"last error: ConnectionError: the game server refused"):
         t.train()
     assert t.state.global_step == 1  # the second failed step stopped it

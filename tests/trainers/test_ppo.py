@@ -420,6 +420,9 @@ def test_a_registered_token_loss_trains_ppo_and_others_are_refused(tmp_path):
         cfg(tmp_path, loss_type="grpo")
     with pytest.raises(ConfigError, match="loss_kwargs"):
         cfg(tmp_path, loss_type="m2po", loss_kwargs={"threshold": -1.0})
+    # PPO keeps no sampler versions: the interpolated proximal policy would silently equal the exact one
+    with pytest.raises(ConfigError, match="loss_kwargs.proximal: 'loglinear'.*use proximal='exact'"):
+        cfg(tmp_path, loss_type="decoupled_ppo", loss_kwargs={"proximal": "loglinear"})
 
 
 class _LegacySeamPPO(PPOTrainer):

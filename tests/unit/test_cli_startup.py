@@ -65,6 +65,7 @@ def test_the_shipped_help_matches_the_config_classes():
     assert json.loads(cli_help.HELP_FILE.read_text()) == now
 
 
+@pytest.mark.slow
 def test_the_lazy_package_exposes_the_same_public_names():
     code = ("import toolkit, toolkit.core as c; import importlib; "
             "names = {n for m in c.PUBLIC_MODULES for n in importlib.import_module('toolkit.core.' + m).__all__}; "

@@ -36,7 +36,7 @@ def test_a_push_without_network_leaves_the_trained_model_on_disk_and_says_where(
     trained = {k: v for k, v in t.model.state_dict().items()}
     assert saved and all(torch.equal(saved[k], trained[k]) for k in saved)  # the trained weights, not the start
     assert (out / "README.md").exists() and (out / "tokenizer_config.json").exists()
-    assert not any(p.name.endswith(".saving") for p in tmp_path.iterdir())  # no staging folder left behind
+    assert not (out / ".toolkit-saving").exists()  # no staging folder left behind
 
 
 def test_saving_into_a_path_that_is_a_file_is_a_config_error(tmp_path):

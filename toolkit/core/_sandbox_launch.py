@@ -215,12 +215,26 @@ def drop_root(uid, gid):
         fail("could not leave root")
 
 
-def child(cfg):
+def launcher_gone(alive_fd):
+    """Whether the launcher has exited: it holds the write end of this pipe open for its whole life, so the read
+    end turns readable (end of file) only once it is gone. (In a PID namespace getppid() says nothing: 0.)"""
+    import select
+
+    return bool(select.select([alive_fd], [], [], 0)[0])
+
+
+def child(cfg, alive_fd):
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
-    if os.getppid() != cfg["_launcher_pid"] and not cfg["namespaces"]:
+    if launcher_gone(alive_fd):
         os._exit(125)  # the launcher died before the death signal was armed
     if cfg["as_root"]:
         drop_root(cfg["run_uid"], cfg["run_gid"])
+        # changing the uid cleared the death signal (the kernel resets it on a change of credentials): armed again,
+        # or code that leaves the launcher's process group (setsid) would outlive a timeout that kills the launcher
+        check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+        if launcher_gone(alive_fd):
+            os._exit(125)
+    os.close(alive_fd)
     lim = cfg["limits"]
     cpu = int(lim["cpu_seconds"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL at the hard
@@ -247,7 +261,6 @@ def main():
     try:
         cfg = json.loads(sys.argv[1])
         STATUS_FD = cfg.get("status_fd")
-        cfg["_launcher_pid"] = os.getpid()
         # die with the trainer: a trainer killed mid-run must not leave the tree running
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
         if os.getppid() != cfg["trainer_pid"]:
@@ -267,12 +280,15 @@ def main():
             write("/proc/self/gid_map", f"{gid} {gid} 1")
     except Exception as e:  # a sandbox that cannot be set up is the sandbox's failure, never the code's
         fail(f"setting up the sandbox failed: {e!r}")
+    alive_r, alive_w = os.pipe()  # the launcher keeps alive_w open until it exits (see launcher_gone)
     pid = os.fork()
     if pid == 0:
         try:
-            child(cfg)
+            os.close(alive_w)
+            child(cfg, alive_r)
         except BaseException as e:  # never return into the launcher's code in the child
             fail(f"setting up the sandbox failed: {e!r}")
+    os.close(alive_r)
     while True:
         try:
             _, status = os.waitpid(pid, 0)

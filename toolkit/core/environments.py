@@ -299,7 +299,9 @@ def _append_answer(ep: Episode, response: Any, error: str | None, delta: Templat
     cut = 0
     if error is None and not ends:
         try:
-            ids, cut = _fit_answer(response.messages, delta, room - len(ep.ids))
+            # (one id less where the end of turn goes in first, below)
+            ids, cut = _fit_answer(response.messages, delta,
+                                   room - len(ep.ids) - (0 if delta.closes_turn(ep.ids[-1]) else 1))
         except Exception as e:  # messages the chat template refuses (an unknown role, a missing field)
             error = f"the chat template refused the environment's messages: {type(e).__name__}: {e}"[:500]
     if error is not None:
@@ -325,26 +327,31 @@ def _append_answer(ep: Episode, response: Any, error: str | None, delta: Templat
 
 
 def _fit_answer(messages: list[dict[str, Any]], delta: TemplateDelta, budget: int) -> tuple[list[int], int]:
-    """The answer's ids, its messages' contents shortened (the longest first, in tokens, with a note) until the ids
-    fit in `budget` tokens; and how many tokens were cut. An answer that cannot fit even cut is left whole: the
-    episode then ends at its token budget, as before."""
+    """The answer's ids, its longest message content shortened (in tokens, from its original text, with a note)
+    until the ids fit in `budget` tokens; and how many tokens were cut. An answer that cannot fit even cut is left
+    whole: the episode then ends at its token budget, as before."""
     whole = delta.after_turn(messages)
     if len(whole) <= budget:
         return whole, 0
     tok = delta.tokenizer
+    texts = [(len(tok(m["content"], add_special_tokens=False)["input_ids"]), k)
+             for k, m in enumerate(messages) if isinstance(m.get("content"), str) and m["content"]]
+    if not texts:
+        return whole, 0
+    _, k = max(texts)
+    original = tok(messages[k]["content"], add_special_tokens=False)["input_ids"]
     note = " [... {} tokens cut: the episode's budget (max_episode_tokens) keeps room for the answer]"
-    cut, ids = [dict(m) for m in messages], whole
-    for _ in range(4):  # each pass removes what is still over; the note's own tokens may need a second
+    keep, ids, cut = len(original), whole, [dict(m) for m in messages]
+    for _ in range(4):  # each pass cuts the original text shorter by what is still over (the note's tokens too)
         over = len(ids) - budget
-        texts = [(len(tok(m["content"], add_special_tokens=False)["input_ids"]), k)
-                 for k, m in enumerate(cut) if isinstance(m.get("content"), str) and m["content"]]
-        if over <= 0 or not texts:
+        if over <= 0:
             break
-        length, k = max(texts)
-        content_ids = tok(cut[k]["content"], add_special_tokens=False)["input_ids"]
-        keep = max(0, length - over - len(tok(note.format(length), add_special_tokens=False)["input_ids"]) - 2)
-        cut[k]["content"] = tok.decode(content_ids[:keep]) + note.format(length - keep)
+        keep = max(0, keep - over - (2 if keep < len(original) else
+                                     len(tok(note.format(len(original)), add_special_tokens=False)["input_ids"]) + 2))
+        cut[k]["content"] = tok.decode(original[:keep]) + note.format(len(original) - keep)
         ids = delta.after_turn(cut)
+        if keep == 0:
+            break
     if len(ids) > budget:
         return whole, 0
     return ids, len(whole) - len(ids)

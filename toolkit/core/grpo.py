@@ -52,7 +52,7 @@ from transformers import PreTrainedModel, Trainer
 from .attention import packed_layout, supports_varlen, use_varlen_attention
 from .checkpoint import write_atomic
 from .data import prompt_rows, tokenize_prompts
-from .distributed import env_world_size
+from .distributed import any_rank, env_world_size
 from .errors import ConfigError, TrainingHealthError
 from .generation import Completion, GenerationBackend, SamplingParams
 from .lifecycle import TrainerLifecycle
@@ -570,13 +570,16 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
     def _check_environment_failures(self, errors: list[str], episodes: int) -> None:
         """Stop the run when every episode of environment_max_consecutive_failures steps in a row failed: the loss has
         been 0 since, and a broken environment would otherwise train nothing for ever, quietly."""
-        self._env_failure_run = getattr(self, "_env_failure_run", 0) + 1 if len(errors) == episodes else 0
+        # every rank's episodes failed (all ranks decide together: one rank's few episodes must not stop the run)
+        all_failed = not any_rank(self.accelerator, len(errors) < episodes)
+        self._env_failure_run = getattr(self, "_env_failure_run", 0) + 1 if all_failed else 0
         limit = self.args.environment_max_consecutive_failures
         if self._env_failure_run >= limit:
             factory = self.environment_factory
             name = self.args.environment or getattr(getattr(factory, "func", factory), "__name__", repr(factory))
             raise TrainingHealthError(
-                f"environment '{name}': every one of the {episodes} episodes failed in each of the last {limit} steps "
+                f"environment '{name}': every episode failed (this rank's {episodes}, and every other rank's) in each of "
+                f"the last {limit} steps "
                 f"(environment_max_consecutive_failures={limit}), so nothing was trained; last error: {errors[-1]}. "
                 "Fix the environment (its reset/step must return chat messages / an EnvResponse and not raise).")
 
@@ -594,7 +597,15 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
                               chat_template_kwargs=args.chat_template_kwargs)
         # A turn, one environment answer (at the least a short tool result in the template's tool message) and a
         # second turn must fit max_episode_tokens, or no episode can ever answer after its environment
-        answer = len(delta.after_turn([{"role": "tool", "name": "tool", "content": "x " * 16}]))
+        answer = None
+        for role in ("tool", "user"):  # a template without a tool role answers in user turns
+            try:
+                answer = len(delta.after_turn([{"role": role, "name": "tool", "content": "x " * 16}]))
+                break
+            except Exception:  # noqa: BLE001 (a template that refuses the role: try the next)
+                continue
+        if answer is None:
+            return delta
         need = 2 * args.max_completion_length + answer
         if args.max_turns > 1 and args.max_episode_tokens < need:
             raise ConfigError(

@@ -50,6 +50,9 @@ from .plugins import notify_checkpoint_saved, notify_step_metrics
 
 logger = logging.getLogger(__name__)
 
+#: the folder inside a save's target where the files are written before they are moved into place
+STAGING = ".toolkit-saving"
+
 
 class TrainerLifecycle:
     """Mixin for toolkit's trainers: atomic checkpoints and resume, averaged step metrics, the model card.
@@ -137,23 +140,35 @@ class TrainerLifecycle:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Trainer's save, plus the model card (README.md: base model, method, settings) next to the weights.
 
-        Written into a staging folder beside `output_dir` first, then moved in file by file (each with one rename),
-        so a save killed midway leaves the earlier files, not half-written ones. A path that is a file is refused."""
+        Written into a staging folder inside the target first (the same file system, whatever is mounted where),
+        then moved in file by file (each with one rename), so a save killed midway leaves the earlier files, not
+        half-written ones. A path that is a file is refused."""
+        target = self._save_target(output_dir, _internal_call)
+        if target is None:
+            return
+        staging = target / STAGING
+        if self.args.should_save and staging.exists():
+            shutil.rmtree(staging)  # left by a save that was killed
+        self.accelerator.wait_for_everyone()  # every rank writes into a clean staging folder (FSDP, ZeRO-3 shards)
+        super().save_model(str(staging), _internal_call=True)  # type: ignore[misc]
+        self.accelerator.wait_for_everyone()  # every rank's files are in before they are moved
+        if self.args.should_save:
+            write_model_card(self, staging)
+            publish_folder(staging, target)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_target(self, output_dir: str | None, internal_call: bool) -> Path | None:
+        """The folder a save goes to (None: push_to_hub saved there a moment ago); a path that is a file is
+        refused before anything is written."""
         target = Path(output_dir or self.args.output_dir)
         if target.exists() and not target.is_dir():
             raise ConfigError(f"save_model: '{target}' is a file; a model is saved as a folder of files (weights, "
                               "config, tokenizer, card). Give a folder path, e.g. 'outputs/my-model'.")
-        if getattr(self, "_saved_for_push", False) and _internal_call:
-            return  # push_to_hub saved it a moment ago, before talking to the network
-        staging = target.parent / f".{target.name}.saving"
-        if self.args.should_save and staging.exists():
-            shutil.rmtree(staging)  # left by a save that was killed
-        super().save_model(str(staging), _internal_call=True)  # type: ignore[misc]  (every rank: FSDP gathers)
-        if self.args.should_save:
-            write_model_card(self, staging)
-            publish_folder(staging, target)
-        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        if getattr(self, "_saved_for_push", False) and internal_call:
+            return None
+        return target
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, **kwargs: Any) -> Any:

@@ -38,6 +38,7 @@ import json
 import warnings
 import logging
 import math
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -52,11 +53,11 @@ from transformers import PreTrainedModel, Trainer
 from transformers.trainer_utils import TrainOutput
 
 from .attention import packed_layout, supports_varlen, use_varlen_attention
-from .checkpoint import begin_checkpoint, commit_checkpoint, resolve_resume, write_atomic
+from .checkpoint import begin_checkpoint, commit_checkpoint, publish_folder, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
 from .distributed import env_world_size, refuse_sharding
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
-from .lifecycle import TrainerLifecycle
+from .lifecycle import STAGING, TrainerLifecycle
 from .model_card import write_model_card
 from .models import (
     DEFAULT_MODEL,
@@ -227,7 +228,11 @@ class PPOConfig(RolloutConfig):
             raise ConfigError(f"loss_type: '{self.loss_type}' averages by '{loss.aggregation}', and PPO takes a token "
                               "mean over each mini-batch (its advantages are per token); use 'ppo' or a loss that "
                               "averages over tokens (`toolkit plugins` lists them with their aggregation).")
-        resolve_policy_loss_settings(loss, self, name=self.loss_type)  # checks epsilon and loss_kwargs
+        settings = resolve_policy_loss_settings(loss, self, name=self.loss_type)  # checks epsilon and loss_kwargs
+        if getattr(settings, "proximal", None) == "loglinear":
+            raise ConfigError(f"loss_kwargs.proximal: 'loglinear' interpolates the proximal policy by the version that "
+                              f"sampled each token, which PPO (one rollout per update, sampled by the current weights) "
+                              f"does not track; use proximal='exact' with loss_type '{self.loss_type}'.")
         if self.cliprange_value <= 0:
             raise ConfigError(f"cliprange_value: must be > 0, got {self.cliprange_value}.")
         if self.beta < 0:
@@ -904,21 +909,26 @@ class PPOTrainer(TrainerLifecycle, Trainer):
     # ----------------------------------------------------------------------------- checkpoints
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The policy (a loadable transformers model or adapter) plus the critic's weights in `critic.safetensors`.
+        """The policy (a loadable transformers model or adapter) plus the critic's weights in `critic.safetensors`,
+        written into a staging folder and moved in file by file as every trainer's save is (TrainerLifecycle).
 
         Only the main process writes (`should_save`), as Trainer.save_model does.
         """
-        if not self.args.should_save:
+        target = self._save_target(output_dir, _internal_call)
+        if target is None or not self.args.should_save:
             return
         from safetensors.torch import save_file
 
-        out = Path(output_dir or self.args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out)
-        self.processing_class.save_pretrained(out)
+        staging = target / STAGING
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        self.model.save_pretrained(staging)
+        self.processing_class.save_pretrained(staging)
         save_file({k: v.detach().contiguous() for k, v in self.critic.state_dict().items()},
-                  str(out / CRITIC_FILE))
-        write_model_card(self, out)
+                  str(staging / CRITIC_FILE))
+        write_model_card(self, staging)
+        publish_folder(staging, target)
 
     def _save_checkpoint_ppo(self) -> None:
         """checkpoint-N with policy, critic, optimizer, scheduler, KL coefficient and trainer state.

@@ -153,6 +153,8 @@ def _probe_root_view() -> bool:
              "ok = ok and libc.mount(None, b'/', None, ctypes.c_ulong(16384 | (1 << 18)), None) == 0\n"
              "d = tempfile.mkdtemp()\n"
              "ok = ok and libc.mount(b'tmpfs', d.encode(), b'tmpfs', ctypes.c_ulong(0), b'size=64k') == 0\n"
+             "libc.umount2(d.encode(), 2)\n"
+             "os.rmdir(d)\n"
              "print(int(ok))\n")
     try:
         out = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30)
@@ -181,7 +183,8 @@ class Sandbox:
         missing = []
         if not support["linux"]:
             missing.append("Linux (namespaces and Landlock are Linux kernel features)")
-        if not support["namespaces"]:
+        root_view = support["as_root"] and support["root_view"]  # run by root: mount namespace, no user namespace
+        if not support["namespaces"] and not root_view:
             missing.append("unprivileged user namespaces (no network/PID isolation): enable them with "
                            "`sysctl kernel.unprivileged_userns_clone=1` (Debian) or "
                            "`sysctl user.max_user_namespaces=15000`, or allow them in the container's seccomp profile")
@@ -201,17 +204,21 @@ class Sandbox:
             raise SandboxUnavailable("the sandbox cannot contain code on this machine; missing: " + "; ".join(missing)
                                      + ". Sandbox(strict=False) runs with the protections that are available.")
         self.missing = missing
-        as_root = support["as_root"]
-        isolated = support["root_view"] if as_root else support["namespaces"]
+        # the path each run takes: root's own view (the code as an unprivileged uid), or a user namespace, or (only
+        # with strict=False, when neither is available) none
+        self.mode = "root_view" if root_view else "user_namespace" if support["namespaces"] else "none"
+        isolated = self.mode != "none"
         self.protections = {
             "network_namespace": isolated, "pid_namespace": isolated,
-            # who the code runs as, and so who RLIMIT_NPROC (max_processes) is enforced for: never root
-            "runs_as": "an unprivileged uid of its own (the trainer runs as root)" if as_root else
-                       f"the trainer's uid {os.getuid()} in a user namespace",
-            "max_processes_enforced": isolated or not as_root,
+            # who the code runs as, and so who RLIMIT_NPROC (max_processes) is enforced for
+            "runs_as": {"root_view": "an unprivileged uid of its own (the trainer runs as root)",
+                        "user_namespace": f"the trainer's uid {os.getuid()} in a user namespace",
+                        "none": f"the trainer's uid {os.getuid()}, without namespaces"}[self.mode],
+            # root is exempt from RLIMIT_NPROC: without the view a root trainer's code would run as root
+            "max_processes_enforced": self.mode != "none" or not support["as_root"],
             "filesystem_view": ("a new read-only root: the interpreter, system libraries, the loader's /etc files, "
-                                "four devices, the run's directory") if as_root else "the machine's, limited by "
-                                                                                       "Landlock",
+                                "four devices, the run's directory") if root_view else "the machine's, limited by "
+                                                                                     "Landlock",
             "landlock_abi": support["landlock_abi"], "landlock_filesystem": support["landlock_abi"] >= 1,
             "landlock_no_tcp": support["landlock_abi"] >= 4, "landlock_signal_scope": support["landlock_abi"] >= 6,
             "seccomp": support["machine"] in ("x86_64", "aarch64") and support["linux"],
@@ -250,11 +257,11 @@ class Sandbox:
         cfg = {
             "argv": argv, "workdir": workdir, "limits": asdict(self.limits), "status_fd": status_w,
             "trainer_pid": os.getpid(), "machine": support["machine"],
-            "namespaces": support["namespaces"], "landlock": support["landlock_abi"] >= 1,
+            "namespaces": self.mode == "user_namespace", "landlock": support["landlock_abi"] >= 1,
             "seccomp": bool(self.protections["seccomp"]),
             "landlock_abi": support["landlock_abi"], "read_paths": _read_paths(),
             "read_files": [f for f in _FILES_READ if os.path.exists(f)], "rw_files": list(_DEVICES_RW),
-            "as_root": support["as_root"], "run_uid": run_id, "run_gid": run_id, "view_root": workdir + ".root",
+            "as_root": self.mode == "root_view", "run_uid": run_id, "run_gid": run_id, "view_root": workdir + ".root",
             "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                     "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"},
         }

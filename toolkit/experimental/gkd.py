@@ -325,10 +325,11 @@ def _compared_vocab(student: int | None, teacher: int | None, tokenizer: int) ->
     (the student could sample ids the teacher has no row for) is refused."""
     if student is None or teacher is None or student == teacher:
         return None
-    if tokenizer > teacher or student > teacher:
+    if tokenizer > teacher or student > teacher or tokenizer > student:
         raise ConfigError(f"teacher_model: its LM head has {teacher} rows, the student's {student}, the tokenizer "
                           f"{tokenizer} entries; GKD needs the teacher's head to cover the tokenizer and the "
-                          "student's head. Use a teacher of the same family with a head at least as large.")
+                          "student's head, and the student's to cover the tokenizer. Use a teacher of the same family "
+                          "with a head at least as large.")
     return tokenizer
 
 
