@@ -241,6 +241,11 @@ def run(case: str, out: Path, world: int) -> dict:
         params.update({f"critic.{k}": v.detach().clone() for k, v in trainer.critic.named_parameters()})
     if trainer.is_world_process_zero():
         torch.save(params, out / "params.pt")
+    saved = None
+    if case in ("sft", "dpo", "ppo"):  # every rank calls save_model (FSDP gathers), rank 0 writes, all wait
+        trainer.save_model(str(out / "saved"))
+        if trainer.is_world_process_zero():
+            saved = sorted(p.name for p in (out / "saved").iterdir())
     if hasattr(trainer, "rounds_seen"):
         (out / f"rounds_rank{trainer.accelerator.process_index}.json").write_text(json.dumps(trainer.rounds_seen))
     here = [h["async/rounds_in_trainer"] for h in trainer.state.log_history if "async/rounds_in_trainer" in h]
@@ -251,7 +256,7 @@ def run(case: str, out: Path, world: int) -> dict:
         padded = int(t.item())
     return {"losses": losses, "world_size": trainer.args.world_size, "rounds_in_trainer": here[-1] if here else None,
             "turns": [h["episodes/turns_mean"] for h in trainer.state.log_history if "episodes/turns_mean" in h],
-            "padded_calls": padded,
+            "padded_calls": padded, "saved": saved,
             "sharded": type(trainer.model).__name__.startswith("FSDP")}
 
 

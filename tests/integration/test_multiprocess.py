@@ -46,6 +46,15 @@ def _two_ranks_against_one(tmp_path, cases, port, **extra_env):
         # logged losses are rounded to 6 decimals: values 1e-9 apart can round 1e-6 apart, hence abs=2e-6 (the
         # parameters below are compared unrounded)
         assert r2[case]["losses"] == pytest.approx(r1[case]["losses"], rel=1e-5, abs=2e-6), case
+        if r2[case]["saved"] is not None:  # save_model on every rank: staged, moved in, nothing left half-way
+            assert {"config.json", "README.md"} <= set(r2[case]["saved"]), (case, r2[case]["saved"])
+            assert ".toolkit-saving" not in r2[case]["saved"] and r2[case]["saved"] == r1[case]["saved"], case
+            # the weights written (gathered whole under FSDP2, tied ones once) are the one-process run's
+            from safetensors.torch import load_file
+            w1, w2 = (load_file(str(d / case / "saved" / "model.safetensors")) for d in (one, two))
+            assert w1.keys() == w2.keys(), case
+            for k in w1:
+                torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-5, msg=f"{case} saved: {k}")
         p1, p2 = torch.load(one / case / "params.pt"), torch.load(two / case / "params.pt")
         for k in p1:
             torch.testing.assert_close(p1[k], p2[k], rtol=1e-5, atol=1e-5, msg=f"{case}: {k}")

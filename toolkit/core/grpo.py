@@ -536,6 +536,18 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             self._objective_cache = (key, resolved)
         return self._objective_cache[1]
 
+    # Kept as attributes because plugins and wrappers read them (plugins/toolkit-cispo does); they now follow the
+    # config (a callback that schedules epsilon sees the new value) instead of freezing at construction.
+    @property
+    def loss_settings(self) -> Any:
+        """The policy loss's settings dataclass, resolved from the current config."""
+        return self.resolved_objective().loss_settings
+
+    @property
+    def objective_settings(self) -> PolicyObjectiveSettings:
+        """`policy_objective`'s settings (KL, correction, aggregation), resolved from the current config."""
+        return self.resolved_objective().objective_settings
+
     def _aggregation_constant(self, args: GRPOConfig) -> int:
         """Dr. GRPO's constant normaliser: the most sampled tokens a sample can hold (an episode's: every turn at
         max_completion_length)."""

@@ -150,7 +150,16 @@ class TrainerLifecycle:
         if self.args.should_save and staging.exists():
             shutil.rmtree(staging)  # left by a save that was killed
         self.accelerator.wait_for_everyone()  # every rank writes into a clean staging folder (FSDP, ZeRO-3 shards)
-        super().save_model(str(staging), _internal_call=True)  # type: ignore[misc]
+        if any(type(p).__name__ == "DTensor" or hasattr(p, "full_tensor") for p in self.model.parameters()):
+            # Sharded weights (FSDP2): Trainer asks accelerate for the full state dict only when accelerate's state
+            # says FSDP2, and otherwise hands save_pretrained DTensors whose storage it reads on rank 0 alone (a
+            # collective one rank enters: a hang). Deciding by the weights themselves, the shards are gathered here
+            # on every rank, kept on rank 0 only, and rank 0 writes plain tensors.
+            state_dict = full_state_dict(self.model, keep=self.args.should_save)
+            if self.args.should_save:
+                self._save(str(staging), state_dict=state_dict)  # type: ignore[attr-defined]
+        else:
+            super().save_model(str(staging), _internal_call=True)  # type: ignore[misc]
         self.accelerator.wait_for_everyone()  # every rank's files are in before they are moved
         if self.args.should_save:
             write_model_card(self, staging)
@@ -209,3 +218,19 @@ def warn_if_smaller_than_a_batch(trainer: Any, rows: int, *, what: str = "train_
                    "Add data, or lower the batch size.", what, rows, args.per_device_train_batch_size,
                    args.gradient_accumulation_steps, max(args.world_size, 1), step, rows)
     return True
+
+
+def full_state_dict(model: torch.nn.Module, *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state dict with every sharded weight (a DTensor: FSDP2) gathered whole, on the CPU. A collective,
+    so every rank calls it; only a rank with `keep` holds the result (one weight at a time is whole on the others),
+    so host memory is one model on the writing rank, not one per rank. Weights tied in the model (one parameter
+    under two names) stay one tensor, so save_pretrained still sees them as tied and writes the weight once."""
+    gathered: dict[int, torch.Tensor | None] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: a tied weight is one object
+        if id(value) not in gathered:  # each weight gathered once on every rank, or the collectives fall out of step
+            whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+            gathered[id(value)] = whole.detach().cpu() if keep else None
+        if keep:
+            out[name] = gathered[id(value)]  # type: ignore[assignment]
+    return out
