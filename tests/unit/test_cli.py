@@ -443,3 +443,55 @@ stages = [{{command = "sft", config = "{tmp_path / 'sft.toml'}"}},
     assert main(["pipeline", "--config", str(tmp_path / "p.toml")]) == 2
     assert "cannot draw 500 distinct builtin:multiplication problems with task_max_value=20" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_attn_implementation_is_a_run_file_key_checked_before_the_model_loads(monkeypatch):
+    """A GPU user picks the kernel from the run file; a name transformers does not know, or flash-attention where it
+    cannot run, is refused naming the key and the fix before any weight loads."""
+    import torch
+
+    from toolkit.core.config import RunArgs
+
+    assert RunArgs().model_init_kwargs() == {}  # unset: transformers' choice, nothing passed
+    assert RunArgs(attn_implementation="eager").model_init_kwargs() == {"attn_implementation": "eager"}
+    assert RunArgs(attn_implementation="kernels-community/flash-attn").attn_implementation  # a kernels-hub name
+    with pytest.raises(ConfigError, match="attn_implementation: unknown kernel 'flash'.*'flash_attention_2'"):
+        build_configs({"attn_implementation": "flash"}, SFTConfig)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="'flash_attention_2' runs on CUDA GPUs only.*Use 'sdpa'"):
+        RunArgs(attn_implementation="flash_attention_2").model_init_kwargs()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ConfigError, match="needs the 'flash_attn' package.*pip install flash-attn"):
+        RunArgs(attn_implementation="flash_attention_2").model_init_kwargs()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if installed
+
+    class FP32:
+        model_dtype, bf16, fp16 = "float32", False, False
+
+    with pytest.raises(ConfigError, match="float32 without mixed precision. Set model_dtype = 'bfloat16'"):
+        RunArgs(attn_implementation="flash_attention_2").model_init_kwargs(FP32())
+
+    class BF16(FP32):
+        bf16 = True
+
+    assert RunArgs(attn_implementation="flash_attention_2").model_init_kwargs(BF16()) == {
+        "attn_implementation": "flash_attention_2"}
+    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
+    run = RunArgs(attn_implementation="sdpa", load_in_4bit=True, lora_r=8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run.model_init_kwargs()["attn_implementation"] == "sdpa"  # kept beside QLoRA's settings
+
+
+def test_the_cli_loads_the_model_with_the_kernel_the_run_file_names(tmp_path):
+    from toolkit.core.config import RunArgs
+    from toolkit.core.models import load_model
+    from toolkit.testing import tiny_model
+
+    folder = tmp_path / "m"
+    tiny_model().save_pretrained(folder)
+    model = load_model(str(folder), **RunArgs(attn_implementation="eager").model_init_kwargs())
+    assert model.config._attn_implementation == "eager"

@@ -21,6 +21,7 @@ __all__ = [
 
 import dataclasses
 import difflib
+import re
 import sys
 import typing
 from collections.abc import Sequence
@@ -69,6 +70,10 @@ class RunArgs:
                 "trains on them; every trainer's held-out accuracy uses them."})
     eval_every: int = field(default=0, metadata={
         "help": "RL with eval_dataset: held-out greedy accuracy every this many steps (0 = before/after only)."})
+    attn_implementation: str = field(default="", metadata={
+        "help": "Attention kernel the model loads with: '' (transformers' choice: sdpa), 'sdpa', 'eager', "
+                "'flash_attention_2', 'flash_attention_3' (CUDA, with the flash-attn package), 'flex_attention', or "
+                "a kernels-hub name 'org/repo'. Packed rows stay apart with each (docs/distributed.md)."})
 
     def __post_init__(self):
         if self.load_in_4bit and self.lora_r <= 0:
@@ -86,6 +91,11 @@ class RunArgs:
             raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}.")
         if not str(self.model).strip():
             raise ConfigError(f"model: empty; use '{DEFAULT_MODEL}' (the embedded model), a local folder or a Hub id.")
+        impl = str(self.attn_implementation).strip()
+        if impl and impl not in _ATTENTION_KERNELS and not re.fullmatch(r"[^\s/]+/\S+", impl):
+            raise ConfigError(f"attn_implementation: unknown kernel '{impl}'. Use one of "
+                              f"{', '.join(repr(k) for k in _ATTENTION_KERNELS)}, a kernels-hub name 'org/repo', or "
+                              "leave it empty for transformers' choice.")
 
     def peft_config(self) -> Any:
         """The LoRA adapter config these settings describe (peft's LoraConfig), or None for full fine-tuning."""
@@ -100,12 +110,20 @@ class RunArgs:
         """Keyword arguments for loading the model: 4-bit NF4 quantization for QLoRA (`load_in_4bit`), else none.
 
         On a GPU (unless `trainer_config.use_cpu`) the model loads on this process's own GPU (LOCAL_RANK) and
-        computes in bfloat16 where the GPU has it; on the CPU in float32."""
-        if not self.load_in_4bit:
-            return {}
+        computes in bfloat16 where the GPU has it; on the CPU in float32. `attn_implementation`, when set, is
+        passed on; a flash-attention kernel is refused here, before the model loads, where it cannot run."""
         import os
 
         import torch
+
+        kwargs: dict[str, Any] = {}
+        impl = str(self.attn_implementation).strip()
+        if impl:
+            _check_flash_attention(impl, trainer_config, on_gpu=torch.cuda.is_available()
+                                   and not getattr(trainer_config, "use_cpu", False))
+            kwargs["attn_implementation"] = impl
+        if not self.load_in_4bit:
+            return kwargs
         from transformers import BitsAndBytesConfig
 
         if torch.cuda.is_available() and not getattr(trainer_config, "use_cpu", False):
@@ -114,9 +132,38 @@ class RunArgs:
             compute = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         else:
             device_map, compute = "cpu", torch.float32
-        return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                          bnb_4bit_compute_dtype=compute),
+        return {**kwargs, "quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                                    bnb_4bit_compute_dtype=compute),
                 "device_map": device_map}
+
+
+# transformers' own names (a kernels-hub 'org/repo' is accepted besides)
+_ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+_FLASH_PACKAGES = {"flash_attention_2": ("flash_attn", "pip install flash-attn --no-build-isolation"),
+                   "flash_attention_3": ("flash_attn_interface", "build flash-attention's hopper/ package")}
+
+
+def _check_flash_attention(impl: str, trainer_config: Any, *, on_gpu: bool) -> None:
+    """A flash-attention kernel runs on CUDA only, in 16 bits, and needs its package: say so before the model loads
+    (transformers would fail at load with an import message, or at the first forward)."""
+    if impl not in _FLASH_PACKAGES:
+        return
+    import importlib.util
+
+    if not on_gpu:
+        raise ConfigError(f"attn_implementation: '{impl}' runs on CUDA GPUs only, and this run trains on the CPU "
+                          "(no GPU, or use_cpu=true). Use 'sdpa' here.")
+    package, install = _FLASH_PACKAGES[impl]
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"attn_implementation: '{impl}' needs the '{package}' package, which is not installed "
+                          f"({install}); or use 'sdpa'.")
+    dtype = getattr(trainer_config, "model_dtype", None)
+    mixed = getattr(trainer_config, "bf16", False) or getattr(trainer_config, "fp16", False)
+    if dtype == "float32" and not mixed:
+        # flash-attention takes bfloat16/float16 only; under autocast the projections hand it 16-bit tensors
+        raise ConfigError(f"attn_implementation: '{impl}' computes in bfloat16 or float16, and this run's model is "
+                          "float32 without mixed precision. Set model_dtype = 'bfloat16' (or bf16 = true), or use "
+                          "'sdpa'.")
 
 
 ALIASES = {"lr": "learning_rate", "bs": "per_device_train_batch_size", "batch_size": "per_device_train_batch_size",
