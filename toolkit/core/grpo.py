@@ -66,7 +66,7 @@ from .models import (
     prepare_model,
     unwrap_model,
 )
-from .numerics import SCALE_REWARDS, tokens_to_rows
+from .numerics import SCALE_REWARDS, masked_mean, tokens_to_rows
 from .objectives import (
     AdvantageInputs,
     PolicyLossInputs,
@@ -1003,8 +1003,11 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         out = policy_objective(loss_inputs, self._policy_term, aggregation=self.loss_aggregation,
                                settings=self.resolved_objective().objective_settings,
                                corrects_behaviour=self.policy_loss.corrects_behaviour)
-        self.health.check_finite(self.state.global_step, loss=out.loss, logps=tokens.logps,
-                                 advantages=inputs["advantages"])
+        finite = dict(loss=out.loss, logps=tokens.logps, advantages=inputs["advantages"])
+        if model.training:  # read after backward is queued (training_step): no host sync before it
+            self.health.defer_finite_check(self.state.global_step, **finite)
+        else:
+            self.health.check_finite(self.state.global_step, **finite)
         self._record_loss_metrics(loss_inputs, out, tokens, present)
         return (out.loss, {"logps": tokens.logps.detach()}) if return_outputs else out.loss
 
@@ -1029,6 +1032,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             loss = self._forward_without_update(model, micro)
         else:
             loss = super().training_step(model, micro, num_items_in_batch=None)
+        self.health.raise_if_not_finite()  # the loss's NaN/inf check, before any optimizer step
         self.record_metric("update_skipped", float(self._skip_update))
         self.record_metric("time/train_s", time.perf_counter() - t)
         self.record_metric("train_tokens_per_s", float(micro["input_ids"].numel()) / max(time.perf_counter() - t, 1e-9))
@@ -1108,50 +1112,65 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
 
     def _record_loss_metrics(self, inputs: PolicyLossInputs, out: PolicyLossOutput, tokens: TokenLogps,
                              present: torch.Tensor) -> None:
-        """The loss's metrics for this micro-batch, kept as tensors until the step is logged."""
+        """The loss's metrics for this micro-batch, kept as tensors until the step is logged.
+
+        No host sync here (nothing is read, nothing indexed by a mask: a boolean index is a sync on a GPU): a metric
+        with nothing to describe is NaN, which the log skips, as not recording it did."""
         record = self.record_metric
         info, tis, kl, mask, lm = out.info, out.importance_weights, out.kl, inputs.completion_mask, inputs.loss_mask
+        nan = torch.full((), float("nan"), device=mask.device)
+
+        def where_any(m: torch.Tensor, value: torch.Tensor | float, empty: torch.Tensor | float) -> torch.Tensor:
+            value = torch.as_tensor(value, dtype=torch.float32, device=m.device)
+            return torch.where(m.any(), value, torch.as_tensor(empty, dtype=torch.float32, device=m.device))
+
+        def masked_max(v: torch.Tensor, m: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+            return sign * torch.where(m, sign * v.float(), torch.full_like(v, float("-inf"), dtype=torch.float32)).max()
+
         # How far the sampler's log-probs are from the trainer's for the same tokens (engine numerics, stale
         # weights): the quantity importance_sampling_cap corrects, logged every step (the masked stand-in row of a
         # micro-batch with nothing to train is a real sample, so it still measures this).
-        gap = (inputs.old_logps - inputs.sampler_logps).abs()[mask]
-        if gap.numel():
-            record("sampler/logp_abs_diff_mean", gap.mean())
-            record("sampler/logp_abs_diff_max", gap.max())
-        if not bool(lm.any()):  # the rest describes the training signal: nothing here was trained
-            return
+        gap = (inputs.old_logps - inputs.sampler_logps).abs()
+        record("sampler/logp_abs_diff_mean", where_any(mask, masked_mean(gap, mask), nan))
+        record("sampler/logp_abs_diff_max", where_any(mask, masked_max(gap, mask), nan))
+        # the rest describes the training signal: NaN (skipped) where nothing here was trained
+
+        def signal(value: torch.Tensor | float) -> torch.Tensor:
+            return where_any(lm, value, nan)
+
         denom = lm.sum().clamp(min=1)
         if "clipped_low" in info:
-            record("clip_ratio/low_mean", (info["clipped_low"] & lm).sum() / denom)
-            record("clip_ratio/high_mean", (info["clipped_high"] & lm).sum() / denom)
-            record("clip_ratio/region_mean", ((info["clipped_low"] | info["clipped_high"]) & lm).sum() / denom)
+            record("clip_ratio/low_mean", signal((info["clipped_low"] & lm).sum() / denom))
+            record("clip_ratio/high_mean", signal((info["clipped_high"] & lm).sum() / denom))
+            record("clip_ratio/region_mean", signal(((info["clipped_low"] | info["clipped_high"]) & lm).sum() / denom))
         for name, value in info.items():  # a loss's own diagnostics: masks as a share, weights as a mean
             if name in ("ratio", "clipped_low", "clipped_high") or value.shape != lm.shape:
                 continue
             if value.dtype == torch.bool:
-                record(f"loss/{name}_frac", (value & lm).sum() / denom)
+                record(f"loss/{name}_frac", signal((value & lm).sum() / denom))
             else:
-                record(f"loss/{name}_mean", value.detach()[lm].float().mean())
+                record(f"loss/{name}_mean", signal(masked_mean(value.detach().float(), lm)))
         if out.off_policy_mask is not None:  # share of the completions in the loss that the mask left out
-            kept = out.off_policy_mask.squeeze(-1)[lm.any(-1)]
-            record("off_policy_mask/masked_frac", 1.0 - kept.float().mean() if kept.numel() else 0.0)
+            rows = lm.any(-1)
+            kept = masked_mean(out.off_policy_mask.squeeze(-1).float(), rows)
+            record("off_policy_mask/masked_frac", signal(where_any(rows, 1.0 - kept, 0.0)))
         if tis is not None:
-            sel = tis[mask]
+            tis = tis.detach()
             if self.args.importance_sampling_mode == "mask":
-                record("importance_ratio/masked_frac", (sel == 0).float().mean() if sel.numel() else 0.0)
-            record("importance_ratio/mean", sel.mean() if sel.numel() else 1.0)
-            record("importance_ratio/min", sel.min() if sel.numel() else 1.0)
-            record("importance_ratio/max_max", sel.max() if sel.numel() else 1.0)
+                record("importance_ratio/masked_frac", signal(where_any(mask, masked_mean((tis == 0).float(), mask), 0.0)))
+            record("importance_ratio/mean", signal(where_any(mask, masked_mean(tis.float(), mask), 1.0)))
+            record("importance_ratio/min", signal(where_any(mask, masked_max(tis, mask, -1.0), 1.0)))
+            record("importance_ratio/max_max", signal(where_any(mask, masked_max(tis, mask), 1.0)))
         if kl is not None:
-            record("kl", (kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+            record("kl", signal((kl.detach() * mask).sum() / mask.sum().clamp(min=1)))
         entropy = tokens.entropy
         if entropy is None and tokens.hidden is not None:
             # a forward without autograd (a step without signal) computes no entropy with its log-probs
             entropy = completion_entropy(self.model, tokens.hidden, temperature=self.args.temperature,
                                          chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
         if entropy is not None and entropy.shape[0] == tokens.logps.shape[0]:
-            entropy = entropy[inputs.completion_mask[present]]  # on sampled tokens
-            record("entropy", entropy.mean() if entropy.numel() else 0.0)
+            per_row = tokens_to_rows(entropy.detach().float(), present)  # on sampled tokens
+            record("entropy", signal(where_any(mask, masked_mean(per_row, mask), 0.0)))
 
 
 class TrainingHealth:
@@ -1173,11 +1192,28 @@ class TrainingHealth:
             logger.warning("step %d: %s", step, message)
 
     def check_finite(self, step: int, **tensors: torch.Tensor) -> None:
+        """Stop the run now if a tensor holds NaN or inf (one host sync per tensor)."""
         for name, t in tensors.items():
             if not torch.isfinite(t).all():
                 raise TrainingHealthError(
                     f"GRPO step {step}: '{name}' holds NaN or inf ({int((~torch.isfinite(t)).sum())} values). "
                     "Lower the learning rate, check the reward functions for inf, or lower importance_sampling_cap.")
+
+    def defer_finite_check(self, step: int, **tensors: torch.Tensor) -> None:
+        """As check_finite, read later by raise_if_not_finite: on a GPU reading a flag waits for every kernel
+        queued before it, so the loss path queues its backward first and the check costs no stall of its own."""
+        self._pending_finite = getattr(self, "_pending_finite", [])
+        self._pending_finite.append((step, {name: t.detach() for name, t in tensors.items()}))
+
+    def raise_if_not_finite(self) -> None:
+        """Run the deferred checks (one host sync for all of them), then forget them."""
+        pending, self._pending_finite = getattr(self, "_pending_finite", []), []
+        if not pending:
+            return
+        flags = torch.stack([torch.isfinite(t).all() for _, ts in pending for t in ts.values()])
+        if not bool(flags.all()):
+            for step, ts in pending:
+                self.check_finite(step, **ts)
 
     # A drop counts when the 10-log average reward is below its best by more than reward_drop_warn and more than
     # 5 standard errors of a 10-log average (sd of the last 30 step rewards / sqrt(10)), for 5 logs in a row.
