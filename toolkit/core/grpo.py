@@ -66,7 +66,7 @@ from .models import (
     prepare_model,
     unwrap_model,
 )
-from .numerics import SCALE_REWARDS, masked_mean, tokens_to_rows
+from .numerics import SCALE_REWARDS, tokens_to_rows
 from .objectives import (
     AdvantageInputs,
     PolicyLossInputs,
@@ -1004,7 +1004,9 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
                                settings=self.resolved_objective().objective_settings,
                                corrects_behaviour=self.policy_loss.corrects_behaviour)
         finite = dict(loss=out.loss, logps=tokens.logps, advantages=inputs["advantages"])
-        if model.training:  # read after backward is queued (training_step): no host sync before it
+        # read after backward is queued (training_step): no host sync before it. Not under DeepSpeed, whose backward
+        # also steps the optimizer at the end of an accumulation: there the check stays before backward.
+        if model.training and not getattr(self, "is_deepspeed_enabled", False):
             self.health.defer_finite_check(self.state.global_step, **finite)
         else:
             self.health.check_finite(self.state.global_step, **finite)
@@ -1123,6 +1125,10 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         def where_any(m: torch.Tensor, value: torch.Tensor | float, empty: torch.Tensor | float) -> torch.Tensor:
             value = torch.as_tensor(value, dtype=torch.float32, device=m.device)
             return torch.where(m.any(), value, torch.as_tensor(empty, dtype=torch.float32, device=m.device))
+
+        def masked_mean(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            # where, not a product: a NaN/inf outside the mask (padding) must not reach the mean, as with indexing
+            return torch.where(m, v, torch.zeros((), dtype=v.dtype, device=v.device)).sum() / m.sum().clamp(min=1)
 
         def masked_max(v: torch.Tensor, m: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
             return sign * torch.where(m, sign * v.float(), torch.full_like(v, float("-inf"), dtype=torch.float32)).max()
