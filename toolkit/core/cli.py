@@ -8,6 +8,7 @@
     toolkit pipeline --config examples/arithmetic_pipeline.toml   # stages in sequence (e.g. SFT, then GRPO)
     toolkit sft --help                      # every key, with its help text (likewise grpo)
     toolkit model-path                      # where the embedded SmolLM2 checkpoint is cached
+    toolkit estimate --model <path or id> --trainer grpo --seq_len 4096 --gpu_gib 24   # peak GPU memory of a step
     toolkit vllm-serve --model <folder>     # a vLLM engine over HTTP for generation_backend = "vllm-server"
     toolkit plugins                         # losses, estimators, rewards, backends by name, and their packages
     toolkit <command> ... --debug           # show the traceback of an error (otherwise one line, exit 1 or 2)
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None, extra_commands: dict[str, Any] | None = 
         logging.getLogger(noisy).setLevel(logging.WARNING)
     commands = {"sft": run_sft, "grpo": run_grpo, "async-grpo": run_async_grpo, "dpo": run_dpo, "ppo": run_ppo,
                 "pipeline": _pipeline,
-                "model-path": _model_path, "plugins": _plugins, "vllm-serve": _vllm_serve, **(extra_commands or {})}
+                "model-path": _model_path, "estimate": _estimate, "plugins": _plugins, "vllm-serve": _vllm_serve, **(extra_commands or {})}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):
@@ -463,6 +464,54 @@ def _vllm_serve(argv: list[str]) -> int:
 
     require_vllm()
     return serve(argv)
+
+
+def _estimate(argv: list[str]) -> int:
+    """`toolkit estimate`: the memory model's peak for one training step (toolkit.core.memory), nothing allocated."""
+    import argparse
+
+    from .memory import TRAINERS, estimate_step_memory
+    from .models import embedded_model_path
+
+    ap = argparse.ArgumentParser(prog="toolkit estimate", description=(
+        "Peak tensor memory of one steady-state training step (weights, gradients, optimizer state, activations, KV "
+        "cache), computed by running the step on fake tensors: nothing is allocated, so any model size can be "
+        "asked. Within a few percent of the measured peak on the embedded model (tests/trainers/"
+        "test_memory_model.py); a GPU needs ~10%% more for kernel workspaces and fragmentation."))
+    ap.add_argument("--model", default=None, help="a model folder or Hub id (its config.json only); default the "
+                                                  "embedded SmolLM2-135M")
+    ap.add_argument("--trainer", choices=TRAINERS, default="sft")
+    ap.add_argument("--batch_size", type=int, default=8, help="rows per micro-batch (DPO: pairs; GRPO: completions)")
+    ap.add_argument("--seq_len", type=int, default=1024, help="SFT: tokens per example")
+    ap.add_argument("--prompt_len", type=int, default=128, help="DPO/GRPO/PPO: prompt tokens")
+    ap.add_argument("--completion_len", type=int, default=512, help="DPO/GRPO/PPO: completion tokens")
+    ap.add_argument("--num_generations", type=int, default=8, help="GRPO: completions per prompt")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="weights and optimizer state (float32 with --bf16: mixed precision)")
+    ap.add_argument("--no_bf16", action="store_true", help="no bf16 autocast (float32 compute)")
+    ap.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains the full model")
+    ap.add_argument("--activation_checkpointing", action="store_true")
+    ap.add_argument("--reference_model", choices=("auto", "yes", "no"), default="auto",
+                    help="a frozen reference copy (auto: DPO and PPO yes, GRPO no, i.e. beta = 0)")
+    ap.add_argument("--gpu_gib", type=float, default=None, help="say whether the step fits a card of this size")
+    a = ap.parse_args(argv)
+    model = a.model or str(embedded_model_path())
+    ref = None if a.reference_model == "auto" else a.reference_model == "yes"
+    est = estimate_step_memory(model, a.trainer, batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,
+                               completion_len=a.completion_len, num_generations=a.num_generations, dtype=a.dtype,
+                               bf16=not a.no_bf16, lora_r=a.lora_r, activation_checkpointing=a.activation_checkpointing,
+                               reference_model=ref)
+    d = est.details
+    print(f"{a.trainer} on {model}: {d['tokens_per_micro_batch']} tokens per micro-batch, {d['dtype']} weights"
+          f"{' + bf16 autocast' if d['bf16'] and d['dtype'] == 'float32' else ''}, "
+          f"{'LoRA r=' + str(d['lora_r']) if d['lora_r'] else 'full fine-tuning'}, activation checkpointing "
+          f"{'on' if d['activation_checkpointing'] else 'off'}, {d['frozen_copies']} frozen model(s) beside")
+    print(est.table())
+    if a.gpu_gib is not None:
+        need = est.peak * 1.1 / 2**30
+        print(f"{'fits' if need <= a.gpu_gib else 'does not fit'} a {a.gpu_gib:g} GiB card (the peak + 10% for "
+              f"kernel workspaces and fragmentation: {need:.1f} GiB)")
+    return 0
 
 
 def _model_path(argv: list[str]) -> int:

@@ -1,0 +1,122 @@
+"""Tensor memory: the dispatch-level tally, the allocator's peak on CPU, and the memory model's bookkeeping.
+
+The memory model against real trainers' measured peaks is tests/trainers/test_memory_model.py (real model).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.core.memory import PeakAllocatorMemory, TensorMemoryTally, estimate_step_memory
+from toolkit.testing import tiny_model
+
+MB = 2**20
+
+
+def test_tally_counts_a_storage_once_and_frees_it_with_its_last_view():
+    with TensorMemoryTally(count_existing=False) as tally:
+        a = torch.empty(4 * MB, dtype=torch.uint8)
+        view = a[MB:]
+        assert tally.current_bytes == 4 * MB  # the view shares a's storage
+        del a
+        assert tally.current_bytes == 4 * MB  # still viewed
+        b = torch.empty(2 * MB, dtype=torch.uint8)
+        del view
+        assert tally.current_bytes == 2 * MB
+        del b
+    assert tally.peak_bytes == 6 * MB and tally.current_bytes == 0
+
+
+def test_tally_counts_the_tensors_alive_at_entry():
+    weights = torch.empty(3 * MB, dtype=torch.uint8)
+    with TensorMemoryTally() as tally:
+        tmp = torch.empty(MB, dtype=torch.uint8)
+        del tmp
+    assert tally.start_bytes >= 3 * MB
+    assert tally.peak_bytes - tally.start_bytes == MB
+    del weights
+
+
+def test_allocator_peak_sees_a_temporary_freed_before_the_region_ends():
+    keep = torch.empty(8 * MB, dtype=torch.uint8)
+    with PeakAllocatorMemory() as meter:
+        tmp = torch.empty(16 * MB, dtype=torch.uint8)
+        del tmp
+        small = torch.empty(MB, dtype=torch.uint8)
+    assert meter.start_bytes >= 8 * MB
+    # the 16 MB temporary is the peak even though it died inside the region (RSS could not tell this)
+    assert 16 * MB <= meter.peak_bytes - meter.start_bytes < 17 * MB + MB // 2
+    del keep, small
+
+
+def test_allocator_peak_matches_the_tally_on_a_training_step():
+    """Two independent counts of the same step: the allocator's running total and the dispatch-level tally."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    x = torch.randn(512, 256)
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with PeakAllocatorMemory() as meter:
+        step()
+    with TensorMemoryTally() as tally:
+        step()
+    measured, tallied = meter.peak_bytes - meter.start_bytes, tally.peak_bytes - tally.start_bytes
+    assert measured > 2 * MB
+    assert abs(measured - tallied) / measured < 0.05, (measured, tallied)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return tiny_model(vocab_size=384, hidden_size=64, num_layers=2).config
+
+
+def test_estimate_books_weights_gradients_and_adam_state_exactly(config):
+    est = estimate_step_memory(config, "sft", batch_size=2, seq_len=64, bf16=False)
+    model = tiny_model(vocab_size=384, hidden_size=64, num_layers=2)
+    n = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # the rotary frequencies
+    assert est.weights == 4 * n + buffers
+    assert est.gradients == 4 * n
+    tensors = len(list(model.parameters()))
+    # exp_avg and exp_avg_sq per parameter, and each parameter's step counter (a scalar tensor)
+    assert 2 * 4 * n <= est.optimizer <= 2 * 4 * n + 8 * tensors
+    assert est.peak >= est.weights + est.gradients + est.optimizer
+    assert est.kv_cache == 0
+
+
+def test_estimate_follows_the_settings_that_change_memory(config):
+    base = estimate_step_memory(config, "sft", batch_size=4, seq_len=256)
+    longer = estimate_step_memory(config, "sft", batch_size=4, seq_len=512)
+    ckpt = estimate_step_memory(config, "sft", batch_size=4, seq_len=512, activation_checkpointing=True)
+    lora = estimate_step_memory(config, "sft", batch_size=4, seq_len=256, lora_r=4)
+    assert longer.activations > 1.5 * base.activations
+    assert ckpt.activations < longer.activations
+    assert lora.gradients < base.gradients / 5 and lora.optimizer < base.optimizer / 5
+    dpo = estimate_step_memory(config, "dpo", batch_size=2, prompt_len=32, completion_len=64)
+    dpo_lora = estimate_step_memory(config, "dpo", batch_size=2, prompt_len=32, completion_len=64, lora_r=4)
+    assert dpo.details["frozen_copies"] == 1 and dpo.weights == 2 * base.weights  # the reference copy
+    assert dpo_lora.details["frozen_copies"] == 0  # the base with adapters off is the reference
+
+
+def test_estimate_counts_generation_kv_cache_for_grpo(config):
+    est = estimate_step_memory(config, "grpo", batch_size=8, num_generations=4, prompt_len=16, completion_len=48)
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert est.kv_cache == 2 * layers * kv_heads * head_dim * 8 * (16 + 48) * 2  # bf16 compute
+    assert est.details["tokens_per_micro_batch"] == 2 * 16 + 8 * 48  # each prompt once (shared-prompt layout)
+
+
+def test_estimate_refuses_bad_settings_by_name(config):
+    with pytest.raises(ValueError, match="trainer: 'kto'"):
+        estimate_step_memory(config, "kto")
+    with pytest.raises(ValueError, match="seq_len: must be >= 1"):
+        estimate_step_memory(config, "sft", seq_len=0)
+    with pytest.raises(ValueError, match="one must divide the other"):
+        estimate_step_memory(config, "grpo", batch_size=6, num_generations=4)
