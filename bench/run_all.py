@@ -67,6 +67,8 @@ BENCHES = [
     Bench("grpo_vs_trl", "grpo_vs_trl.py", "core", 19),
     Bench("ppo_vs_trl", "ppo_vs_trl.py", "core", 5, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
     Bench("decode_batch", "decode_batch.py", "core", 5),
+    # peak tensor memory (allocator-level, what a GPU's max_memory_allocated reports), ours vs TRL, bf16, equal work
+    Bench("memory_vs_trl", "memory_vs_trl.py", "core", 30, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
     Bench("grpo_vllm", "grpo_vllm.py", "vllm", 8, python=".venv-vllm",
           needs=[(".venv-vllm/bin/python", "bash scripts/setup-vllm.sh")], inputs=("scripts/setup-vllm.sh",)),
     Bench("multiprocess", "multi_process.py", "long", 8, args=["--steps", "3"]),
@@ -392,6 +394,16 @@ def table_rows() -> list[list[str]]:
                      f"{t['sec_per_step']:.1f}; {t['peak_rss_mb']:.0f} MB",
                      f"{t['sec_per_step'] / o['sec_per_step']:.2f}x speed, {o['peak_rss_mb'] / t['peak_rss_mb']:.2f}x memory",
                      frac, _when(d)])
+    d = _load("memory_vs_trl")
+    if d:
+        for key, r in d["ratios"].items():
+            kind, model = key.split(":")
+            base = kind.removesuffix("-checkpointing")
+            o, t = d["results"][f"{kind}:toolkit:{model}"], d["results"][f"{base}:trl:{model}"]
+            rows.append(["memory_vs_trl", f"{kind} peak tensor memory, bf16, {model}; step s",
+                         f"{o['peak_mib']:.0f} MiB; {o['step3_s']:.1f}", f"{t['peak_mib']:.0f} MiB; {t['step3_s']:.1f}",
+                         f"{r['memory']:.2f}x memory (target <= {d['targets'][kind]}), {r['speedup']:.2f}x speed",
+                         "-", _when(d)])
     d = _load("grpo_vs_trl")
     if d:
         o, t = d["results"]["toolkit"], d["results"]["trl"]

@@ -120,3 +120,68 @@ def test_estimate_refuses_bad_settings_by_name(config):
         estimate_step_memory(config, "sft", seq_len=0)
     with pytest.raises(ValueError, match="one must divide the other"):
         estimate_step_memory(config, "grpo", batch_size=6, num_generations=4)
+
+
+# ---------------------------------------------------------------------------------------- GPU defaults (on CPU)
+# No GPU here: the choices are pure functions of a described card (GpuInfo), tested with cards described by hand.
+
+def _card(capability=(9, 0), bf16=True, free_gib=70.0):
+    from toolkit.core.models import GpuInfo
+
+    return GpuInfo(name="H100", capability=capability, bf16=bf16, total_bytes=80 * 2**30,
+                   free_bytes=int(free_gib * 2**30))
+
+
+def _args(**kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"bf16": None, "fp16": False, "tf32": None, "use_cpu": False, **kw})
+
+
+def test_gpu_defaults_choose_bf16_and_tf32_where_the_card_has_them():
+    from toolkit.core.models import apply_gpu_defaults
+
+    args = _args()
+    chosen = apply_gpu_defaults(args, _card())
+    assert args.bf16 is True and args.tf32 is True
+    assert chosen == ["bf16 mixed precision (autocast over float32 weights)", "TF32 matmuls"]
+    old = _args()
+    chosen = apply_gpu_defaults(old, _card(capability=(7, 0), bf16=False))  # a V100: neither
+    assert old.bf16 is False and old.tf32 is None and "has no bf16" in chosen[0]
+
+
+def test_gpu_defaults_leave_a_users_settings_and_the_cpu_alone():
+    from toolkit.core.models import apply_gpu_defaults
+
+    mine = _args(bf16=False, tf32=False)
+    assert apply_gpu_defaults(mine, _card()) == [] and mine.bf16 is False and mine.tf32 is False
+    cpu = _args()
+    assert apply_gpu_defaults(cpu, None) == [] and cpu.bf16 is False and cpu.tf32 is None
+    forced = _args(use_cpu=True)
+    assert apply_gpu_defaults(forced, _card()) == [] and forced.bf16 is False
+
+
+def test_cpu_configs_keep_their_defaults():
+    from toolkit import GRPOConfig, SFTConfig
+
+    for cfg in (SFTConfig(output_dir="/tmp/x", report_to="none"), GRPOConfig(output_dir="/tmp/x", report_to="none")):
+        assert cfg.bf16 is False and not cfg.tf32
+
+
+def test_checkpointing_follows_the_memory_model_against_the_card():
+    from toolkit.core.models import choose_checkpointing_by_memory
+
+    model = tiny_model(vocab_size=384, hidden_size=64, num_layers=2)
+    shape = dict(batch_size=4, seq_len=512)
+    roomy = _args(bf16=True, activation_checkpointing=False, gradient_checkpointing=False,
+                  _checkpointing_by_memory=True)
+    line = choose_checkpointing_by_memory(roomy, model, "sft", _card(free_gib=70), **shape)
+    assert roomy.activation_checkpointing is False and "off" in line and "fits" in line
+    tight = _args(bf16=True, activation_checkpointing=False, gradient_checkpointing=False,
+                  _checkpointing_by_memory=True)
+    line = choose_checkpointing_by_memory(tight, model, "sft", _card(free_gib=0.001), **shape)
+    assert tight.activation_checkpointing is True and tight.gradient_checkpointing is True and "exceeds" in line
+    users = _args(bf16=True, activation_checkpointing=False, _checkpointing_by_memory=False)  # set by the user
+    assert choose_checkpointing_by_memory(users, model, "sft", _card(free_gib=0.001), **shape) is None
+    assert users.activation_checkpointing is False
+    assert choose_checkpointing_by_memory(tight, model, "sft", None, **shape) is None  # no GPU: nothing chosen

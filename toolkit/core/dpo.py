@@ -38,8 +38,10 @@ from .data import as_rows, detect_format, normalize_rows, tokenize_for_preferenc
 from .errors import ConfigError, DataError, TrainingHealthError
 from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
+    BF16_HELP,
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
+    log_gpu_defaults,
     is_peft_model,
     load_model,
     load_tokenizer,
@@ -87,6 +89,7 @@ class DPOConfig(TrainingArguments):
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
     logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
     fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
+    bf16: bool | None = field(default=None, metadata={"help": BF16_HELP})
     model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
     flat_warn_steps: int = field(default=20, metadata={
         "help": "Warn when reward accuracy and margin have not moved for this many logged steps."})
@@ -166,6 +169,9 @@ class DPOTrainer(TrainerLifecycle, Trainer):
                 use_varlen_attention(m)
         # chosen and rejected share one prompt copy only where the kernel can express it (attention.packed_layout)
         self.packed_layout = packed_layout(unwrap_model(model), self.ref_model) if self.padding_free else "padded"
+        half = (args.max_length or 1024) // 2  # prompt + completion per sequence at most max_length
+        log_gpu_defaults(args, model, "dpo", batch_size=args.per_device_train_batch_size, prompt_len=half,
+                         completion_len=half, reference_model=self.ref_model is not None)
         logger.info("%s reference=%s; max_length=%s.", self.describe_loss(args),
                     "none" if args.reference_free else "precomputed" if args.precompute_ref_log_probs else
                     "PEFT base (adapters off)" if self.ref_model is None else "frozen copy", args.max_length)

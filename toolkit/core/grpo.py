@@ -60,6 +60,7 @@ from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
     is_peft_model,
+    log_gpu_defaults,
     load_model,
     load_tokenizer,
     place_frozen,
@@ -412,6 +413,11 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         self.episode_delta = self._episode_delta(tokenizer, args) if self.environment_factory is not None else None
         self.generation_backend = generation_backend if generation_backend is not None else registry().get(
             "generation_backend", args.generation_backend, field="generation_backend")(model, tokenizer, args)
+        batch, groups = args.per_device_train_batch_size, args.num_generations
+        log_gpu_defaults(args, model, "grpo", batch_size=batch,
+                         num_generations=groups if batch % groups == 0 or groups % batch == 0 else batch,
+                         prompt_len=args.max_prompt_length or 512, completion_len=args.max_completion_length,
+                         reference_model=self.reads_reference)
         logger.info("%s; %d prompts x %d completions per step; rewards %s with weights %s.",
                     self.describe_objective(args), self.prompts_per_round, args.num_generations, self.reward_names,
                     self.reward_weights.tolist())

@@ -9,12 +9,18 @@ about a second. The cache folder is `$TOOLKIT_CACHE` (default `~/.cache/toolkit`
 from __future__ import annotations
 
 __all__ = [
+    "BF16_HELP",
     "DEFAULT_MODEL",
     "EMBEDDED_HUB_ID",
+    "GpuInfo",
     "apply_cpu_training_defaults",
+    "apply_gpu_defaults",
+    "choose_checkpointing_by_memory",
+    "log_gpu_defaults",
     "apply_peft",
     "cache_dir",
     "embedded_model_path",
+    "gpu_info",
     "is_embedded_checkpoint",
     "is_embedded_name",
     "is_peft_model",
@@ -36,6 +42,7 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -390,6 +397,106 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+BF16_HELP = ("bf16 mixed precision (autocast over float32 weights and optimizer state). None (default): on with a "
+             "CUDA GPU that computes bf16 (Ampere and later), off on CPU.")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """What the GPU defaults are chosen from (a plain record, so a CPU test can describe a card)."""
+
+    name: str
+    capability: tuple[int, int]
+    bf16: bool
+    total_bytes: int
+    free_bytes: int  # as the driver reports it now, other processes' use taken off
+    held_by_torch: int = 0  # reserved by this process's caching allocator (counted as ours, not another's)
+
+    @property
+    def budget_bytes(self) -> int:
+        """What this process may use: the card less what other processes hold."""
+        return self.free_bytes + self.held_by_torch
+
+
+def gpu_info(device: Any = None) -> GpuInfo | None:
+    """The training GPU, or None without CUDA (or on a run asked to stay on the CPU)."""
+    if not (_has_gpu() and torch.cuda.is_available()):
+        return None
+    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    free, total = torch.cuda.mem_get_info(index)
+    return GpuInfo(name=torch.cuda.get_device_name(index), capability=torch.cuda.get_device_capability(index),
+                   bf16=torch.cuda.is_bf16_supported(), total_bytes=total, free_bytes=free,
+                   held_by_torch=torch.cuda.memory_reserved(index))
+
+
+def apply_gpu_defaults(args: Any, gpu: GpuInfo | None) -> list[str]:
+    """Resolve the settings a GPU user expects, where the user left them unset; return what was chosen.
+
+    - bf16 (None = unset, in our configs): mixed precision where the card computes bf16. Autocast over float32
+      master weights rather than bf16 weights: AdamW's small updates (lr 1e-6 on weights of magnitude 1e-2) are
+      below bf16's resolution and would be rounded away; TRL's default is the same, so comparisons stay equal.
+      `model_dtype = "bfloat16"` halves weights, gradients and Adam state where memory decides (the memory model,
+      `toolkit estimate`, says when).
+    - TF32 for the float32 matmuls that remain (the fp32 LM head, float32 runs) on Ampere and later.
+    CPU defaults stay: bf16 unset means off there.
+    """
+    chosen: list[str] = []
+    if gpu is None or getattr(args, "use_cpu", False):
+        if getattr(args, "bf16", False) is None:
+            args.bf16 = False
+        return chosen
+    if getattr(args, "bf16", False) is None:
+        args.bf16 = bool(gpu.bf16 and not getattr(args, "fp16", False))
+        chosen.append("bf16 mixed precision (autocast over float32 weights)" if args.bf16 else
+                      f"float32 ({gpu.name} has no bf16; set fp16 = true for half precision)")
+    if getattr(args, "tf32", False) is None and gpu.capability >= (8, 0):
+        args.tf32 = True
+        chosen.append("TF32 matmuls")
+    return chosen
+
+
+def choose_checkpointing_by_memory(args: Any, model: Any, trainer: str, gpu: GpuInfo | None, **shape: int
+                                   ) -> str | None:
+    """On a GPU, with activation checkpointing left unset: on when the memory model's peak of a step without it
+    (`memory.estimate_step_memory`, the micro-batch's largest shapes) and 10% for kernel workspaces exceed what
+    the card has for this process; off otherwise (recomputing a layer costs a third more compute). Returns the
+    start-up line's account, or None where nothing was chosen (CPU, or the user's own setting)."""
+    if gpu is None or getattr(args, "use_cpu", False) or not getattr(args, "_checkpointing_by_memory", False):
+        return None
+    from .memory import estimate_step_memory
+
+    config = unwrap_model(model).config
+    lora = int(getattr(getattr(model, "peft_config", {}).get("default", None), "r", 0) or 0)
+    weights_dtype = str(next(unwrap_model(model).parameters()).dtype).replace("torch.", "")
+    try:
+        est = estimate_step_memory(config, trainer, dtype=weights_dtype, bf16=bool(getattr(args, "bf16", False)),
+                                   lora_r=lora, activation_checkpointing=False, **shape)
+    except Exception as e:  # an architecture the fake-tensor trace cannot run: keep the fixed default, say why
+        logger.info("Activation checkpointing left %s: the memory model could not trace %s (%s).",
+                    "on" if args.activation_checkpointing else "off", type(config).__name__, e)
+        return None
+    need, budget = est.peak * 1.1, gpu.budget_bytes
+    on = need > budget
+    args.activation_checkpointing = args.gradient_checkpointing = on
+    g = 2**30
+    return (f"activation checkpointing {'on' if on else 'off'} (the memory model's step peak without it, "
+            f"{need / g:.1f} GiB with 10% for workspaces, {'exceeds' if on else 'fits'} the {budget / g:.1f} GiB "
+            f"this process has on {gpu.name})")
+
+
+def log_gpu_defaults(args: Any, model: Any, trainer: str, **shape: int) -> None:
+    """Finish the GPU defaults once the model is known (activation checkpointing by the memory model, for a step of
+    `shape`: `memory.estimate_step_memory`'s arguments) and log the one start-up line that says what a GPU
+    changed. Nothing happens on CPU."""
+    gpu = gpu_info() if _has_gpu() else None
+    chosen = list(getattr(args, "_gpu_defaults", None) or [])
+    checkpointing = choose_checkpointing_by_memory(args, model, trainer, gpu, **shape)
+    if checkpointing:
+        chosen.append(checkpointing)
+    if chosen:
+        logger.info("GPU defaults (set a key to choose otherwise): %s.", "; ".join(chosen))
+
+
 def apply_cpu_training_defaults(args: Any, *, cpu_checkpointing: bool = True, gpu_checkpointing: bool = False) -> None:
     """Defaults every trainer config shares, resolved before TrainingArguments.__post_init__, and the checks of
     its numbers (`_check_training_numbers`), so a bad value fails before transformers or any model sees it.
@@ -409,7 +516,11 @@ def apply_cpu_training_defaults(args: Any, *, cpu_checkpointing: bool = True, gp
     # a value under either name is the user's, and the default must not overwrite it.
     name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
     if getattr(args, name) is None and getattr(args, "gradient_checkpointing", None) is None:
-        setattr(args, name, gpu_checkpointing if _has_gpu() else cpu_checkpointing)
+        on_gpu = _has_gpu() and not getattr(args, "use_cpu", False)
+        setattr(args, name, gpu_checkpointing if on_gpu else cpu_checkpointing)
+        # on a GPU the trainer replaces the fixed default with the memory model's verdict once the model is known
+        args._checkpointing_by_memory = on_gpu
+    args._gpu_defaults = apply_gpu_defaults(args, gpu_info() if _has_gpu() else None)
     if getattr(args, name + "_kwargs") is None and getattr(args, "gradient_checkpointing_kwargs", None) is None:
         setattr(args, name + "_kwargs", {"use_reentrant": False})
 

@@ -63,6 +63,7 @@ from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
     is_peft_model,
+    log_gpu_defaults,
     load_classifier,
     load_model,
     load_tokenizer,
@@ -371,6 +372,8 @@ class PPOTrainer(TrainerLifecycle, Trainer):
         self.policy_loss = registry().get("policy_loss", args.loss_type, field="loss_type")
         self.loss_settings = resolve_policy_loss_settings(self.policy_loss, args, name=args.loss_type)
         self._policy_term = policy_term_of(self, PPOTrainer)
+        log_gpu_defaults(args, policy, "ppo", batch_size=args.per_device_train_batch_size,
+                         prompt_len=args.max_prompt_length or 512, completion_len=args.max_completion_length)
         logger.info(
             "PPO: %d prompts, %d completions per update%s, %d epochs x %d mini-batches; critic=%s; beta=%s (%s%s); "
             "gamma=%s lam=%s loss_type=%s (%s) cliprange_value=%s vf_coef=%s; rewards: %s%s.",

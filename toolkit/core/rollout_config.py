@@ -18,6 +18,7 @@ from transformers import TrainingArguments
 
 from .errors import ConfigError
 from .generation import SamplingParams
+from .models import BF16_HELP
 from .numerics import DEFAULT_CHUNK_SIZE
 from .plugins import registry
 
@@ -35,6 +36,7 @@ class RolloutConfig(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata={"help": "Kept False (rows are looked up by index)."})
     optim: str = field(default="adamw_torch_fused", metadata={"help": "Optimizer (TrainingArguments names)."})
 
+    bf16: bool | None = field(default=None, metadata={"help": BF16_HELP})
     max_prompt_length: int | None = field(default=512, metadata={
         "help": "Prompts longer than this many tokens are cut from the left, and the count reported."})
     max_completion_length: int = field(default=64, metadata={"help": "Most tokens sampled per completion."})

@@ -52,8 +52,10 @@ from .data import (
 from .errors import ConfigError, DataError, TrainingHealthError
 from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
+    BF16_HELP,
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
+    log_gpu_defaults,
     load_model,
     load_tokenizer,
     output_head,
@@ -105,6 +107,7 @@ class SFTConfig(TrainingArguments):
                                                       "loss (memory vs. speed)."})
     fp32_lm_head: bool = field(
         default=True, metadata={"help": "Compute the LM head and log-softmax in fp32 even for bf16 models."})
+    bf16: bool | None = field(default=None, metadata={"help": BF16_HELP})
     model_dtype: str = field(
         default="float32", metadata={"help": "dtype to load the model in when it is given by name: float32 | bfloat16."})
 
@@ -313,6 +316,7 @@ class SFTTrainer(TrainerLifecycle, Trainer):
             # padding-free rows of different lengths; instead every rank reads the stream and keeps its share of
             # each global batch (IterableDatasetShard), the same examples per step as one process with world x B.
             args.accelerator_config.dispatch_batches = False
+        log_gpu_defaults(args, model, "sft", batch_size=args.per_device_train_batch_size, seq_len=args.max_length or 1024)
         logger.info(
             "SFT loss settings: %s; completion_only_loss=%s assistant_only_loss=%s packing=%s padding_free=%s "
             "max_length=%s gradient_checkpointing=%s; loss = token-mean over the whole accumulated step "
