@@ -95,3 +95,51 @@ def test_a_nan_loss_still_stops_the_run_before_the_optimizer_moves_a_weight(tmp_
     with pytest.raises(TrainingHealthError, match="GRPO step 0: 'loss' holds NaN or inf"):
         t.train()
     assert all(torch.equal(v, before[k]) for k, v in t.model.named_parameters())
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+@pytest.mark.parametrize("every", [1, 8])
+def test_decoding_reads_the_host_once_per_check(every):
+    """The transformers backend's decode loop reads the device once every `host_check_every` steps (8 by default
+    on a GPU; every step on CPU, where a read is free and a step past the end is not): finished rows, compaction
+    and the NaN check all wait for that read. Counted on CPU through the dispatcher (`.item()`, `nonzero`, boolean
+    indexing), transformers' own included (its sdpa mask asks whether any key is padding, unless handed a 4D mask);
+    copies to the host (`.cpu()`) do not dispatch on a CPU tensor: the outputs stay on the device until the end
+    (one copy per chunk, in `_completions`), which this count cannot see."""
+    from toolkit.core.generation import SamplingParams, TransformersBackend
+
+    torch.manual_seed(0)
+    model = tiny_model(vocab_size=384)
+    backend = TransformersBackend(model, pad_token_id=2)
+    backend.host_check_every = every
+    steps = 32
+    params = SamplingParams(max_tokens=steps, temperature=1.0, stop_token_ids=())  # no stop: all 32 steps run
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    with HostReads() as reads:
+        out = backend.generate(prompts, params, n=4, seed=0)
+    assert all(len(c.token_ids) == steps for group in out for c in group)
+    every_read = {**reads.ours, **reads.theirs}  # transformers' reads count too (a GPU waits for them alike)
+    # one read per check, plus the prefill's handful (transformers' mask checks; none per decode step)
+    assert sum(every_read.values()) <= steps // every + 4, every_read
+
+
+def test_decoding_with_sparse_checks_samples_what_every_step_checking_samples():
+    """Checking every 8 steps instead of every step changes when the host learns a row stopped, not what is
+    sampled: same ids and log-probs, a row's tokens ending at its stop token either way."""
+    from toolkit.core.generation import SamplingParams, TransformersBackend
+
+    model = tiny_model(vocab_size=384, seed=3)
+    params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=(7, 11, 13, 17, 19))
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [3, 4]]
+    runs = []
+    for every in (1, 8):
+        backend = TransformersBackend(model, pad_token_id=2)
+        backend.host_check_every = every
+        runs.append(backend.generate(prompts, params, n=4, seed=1))
+    ids = [[c.token_ids for c in g] for g in runs[0]]
+    assert ids == [[c.token_ids for c in g] for g in runs[1]]
+    assert any(len(t) < 24 for g in ids for t in g), "no row stopped early: the test would not test the stop"
+    for a, b in zip(runs[0], runs[1]):
+        for x, y in zip(a, b):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5) and x.finish_reason == y.finish_reason

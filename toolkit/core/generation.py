@@ -144,10 +144,12 @@ def truncate_logits(z: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, min_
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, *,
-                  uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  uniforms: torch.Tensor | None = None, not_finite: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V] raw logits -> (tokens [B], log-probs [B] under the untruncated temperature-scaled softmax).
 
-    `uniforms` ([B] or [B, 1] float64 in [0, 1)): the draws to use instead of taking B from `generator`."""
+    `uniforms` ([B] or [B, 1] float64 in [0, 1)): the draws to use instead of taking B from `generator`.
+    `not_finite` ([B] bool): see `inverse_cdf_sample` (the check deferred to the caller, no host read)."""
     # every full-vocabulary pass counts at decode (32 x 49k floats per step): the upcast and the division share one
     # new tensor, and nothing else of vocabulary size is written but the probabilities
     z = logits.float()
@@ -155,7 +157,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
         z = z.div_(params.temperature) if z is not logits else z / params.temperature
     truncated = truncate_logits(z, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
     probs = torch.softmax(truncated, dim=-1)
-    tokens = inverse_cdf_sample(probs, generator, uniforms=uniforms)
+    tokens = inverse_cdf_sample(probs, generator, uniforms=uniforms, not_finite=not_finite)
     if truncated is z:  # nothing truncated: the probabilities drawn from are the full softmax's
         # log of a float32 probability: within 2e-6 of log_softmax (tested; a drawn token is far from underflow)
         return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
@@ -166,7 +168,7 @@ _CDF_BLOCK = 256  # tokens per block of the two-level cdf below
 
 
 def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None, *,
-                       uniforms: torch.Tensor | None = None) -> torch.Tensor:
+                       uniforms: torch.Tensor | None = None, not_finite: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row of [B, V] probabilities: the first token whose cumulative probability exceeds u x total.
 
     `u` is drawn from `generator` (B float64 uniforms), or given as `uniforms` ([B] or [B, 1]): the decode loop
@@ -183,6 +185,9 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None, *
     one after another (11.5 ms of a 150 ms decode step at batch 32 x 49k on 2 cores, more than the LM head's
     softmax); block sums vectorize. The two levels add the same masses in another order, so the residual inside
     the block is kept strictly below the block's own total: the pick is still a token of positive mass.
+
+    Rows whose probabilities are not finite or sum to 0 raise TrainingHealthError, or, given `not_finite` ([B]
+    bool), are marked there for the caller to raise on (their draw is then meaningless).
     """
     rows, vocab = probs.shape
     if vocab == 0:
@@ -200,7 +205,9 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None, *
     block_cdf = blocks.sum(-1, dtype=wide).cumsum(-1)  # [B, blocks]
     total = block_cdf[:, -1:]
     bad = ~(torch.isfinite(total) & (total > 0))
-    if bad.any():  # what torch.multinomial refused too: a NaN/inf logit upstream, or every token truncated away
+    if not_finite is not None:  # the caller reads it later (the decode loop, every few tokens): no host read here
+        not_finite |= bad.squeeze(-1)
+    elif bad.any():  # what torch.multinomial refused too: a NaN/inf logit upstream, or every token truncated away
         bad_rows = bad.squeeze(-1).nonzero().squeeze(-1).tolist()
         raise TrainingHealthError(f"sampling: the probabilities of row(s) {bad_rows[:8]} are not finite or sum to 0 "
                                   "(NaN or inf logits: the model diverged; lower the learning rate or check the "
@@ -368,6 +375,18 @@ def _refresh_copy(dst: torch.nn.Module, src: torch.nn.Module) -> bool:
 
 # The share of a decoding batch's rows that have finished at which they are dropped from it (see _generate_chunk).
 _DROP_FINISHED_AT = 0.25
+# On a GPU: decode steps between host checks (up to this many - 1 steps may run past the batch's end, as padding)
+_HOST_CHECK_EVERY_GPU = 8
+
+
+def _decode_mask(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention mask: [rows, keys] 0/1, or for sdpa the same as a ready [rows, 1, 1, keys] boolean
+    mask. Given the 2D one, transformers asks the device whether any key is padding (`padding_mask.all()`, to skip
+    the mask): a host read at every decode step, which on a GPU waits for the step's kernels. A 4D mask is used as
+    given (one query position attends to every key the mask lets through: the same attention)."""
+    if getattr(unwrap_model(model).config, "_attn_implementation", None) == "sdpa" and _plain_kv_cache(model):
+        return mask[:, None, None, :].bool()
+    return mask  # a sliding window's cache holds fewer keys than the mask has columns: transformers cuts it
 
 
 def _rows_can_be_dropped(cache: Any) -> bool:
@@ -394,10 +413,11 @@ class _DecodeState:
     last_pos: torch.Tensor       # [rows] position of each row's last token
     logits: torch.Tensor         # [rows, vocab] the next token's logits
     done: torch.Tensor           # [b x n] bool, on the device
-    tokens_out: torch.Tensor     # [b x n, max_tokens] sampled ids (CPU)
-    logps_out: torch.Tensor      # [b x n, max_tokens] their sampling log-probs (CPU)
-    lengths: torch.Tensor        # [b x n] tokens sampled per sequence (CPU)
-    versions_out: torch.Tensor   # [b x n, max_tokens] the weights' version that sampled each token (CPU)
+    tokens_out: torch.Tensor     # [b x n, max_tokens] sampled ids (on the device; read once, at the end)
+    logps_out: torch.Tensor      # [b x n, max_tokens] their sampling log-probs (device)
+    lengths: torch.Tensor        # [b x n] tokens sampled per sequence (device)
+    versions_out: torch.Tensor   # [b x n, max_tokens] the weights' version that sampled each token (device)
+    not_finite: torch.Tensor     # [b x n] bool: a row's probabilities were NaN/inf or all zero (device)
     rows: torch.Tensor           # indices (into b x n, CPU) of the rows still in the batch
     lockstep: bool               # several ranks step together (FSDP2)
     compact: bool                # finished rows are dropped from the batch
@@ -460,6 +480,10 @@ class TransformersBackend:
     # tokens are the same either way up to the rounding of batch-size-dependent kernels; False keeps every row to
     # the end (the comparison in tests/unit/test_generation.py and bench/decode_batch.py).
     _compact_finished_rows: bool = True
+    # Steps between the host's reads of "has every row stopped?" (one read per check): None means every step on
+    # CPU (a read costs nothing there, and a step past the end costs a whole forward) and _HOST_CHECK_EVERY_GPU on
+    # a GPU. tests/unit/test_generation.py counts the reads with it set on CPU.
+    host_check_every: int | None = None
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -575,45 +599,70 @@ class TransformersBackend:
             # a placeholder batch (lockstep padding, see generate) is done before it starts: it only keeps the
             # forwards (and their all-gathers) in step with the other ranks until they finish
             done=torch.full((total,), placeholder, dtype=torch.bool, device=device),
-            tokens_out=torch.full((total, params.max_tokens), self.pad_token_id, dtype=torch.long),
-            logps_out=torch.zeros((total, params.max_tokens), dtype=torch.float32),
-            lengths=torch.zeros(total, dtype=torch.long),
-            versions_out=torch.zeros((total, params.max_tokens), dtype=torch.long),
+            tokens_out=torch.full((total, params.max_tokens), self.pad_token_id, dtype=torch.long, device=device),
+            logps_out=torch.zeros((total, params.max_tokens), dtype=torch.float32, device=device),
+            lengths=torch.zeros(total, dtype=torch.long, device=device),
+            versions_out=torch.zeros((total, params.max_tokens), dtype=torch.long, device=device),
+            not_finite=torch.zeros(total, dtype=torch.bool, device=device),
             rows=torch.arange(total), lockstep=lockstep, compact=compact)
 
     def _decode(self, model: torch.nn.Module, st: _DecodeState, params: SamplingParams, n: int,
                 generator: torch.Generator) -> None:
-        """The decode loop: one token per row and step until every row stopped or max_tokens."""
+        """The decode loop: one token per row and step until every row stopped or max_tokens.
+
+        The host learns whether every row has stopped (and whether a row's probabilities went NaN) only every
+        `host_check_every` steps, in one read: on a GPU each read waits for every kernel queued before it, so a
+        check per token serializes the loop. Between checks the finished rows step along as padding (nothing of
+        theirs is recorded) and their uniforms are drawn as usual; finished rows leave the batch at the checks.
+        """
         total, device = len(st.done), st.device
+        every = max(1, self.host_check_every if self.host_check_every is not None
+                    else (1 if device.type == "cpu" else _HOST_CHECK_EVERY_GPU))
         rows_dev = st.rows.to(device)
+        # lockstep: this rank's rows are all done (known at the last check; a placeholder batch is from the start)
+        stepping_along = st.lockstep and bool(st.done.all())
         for step in range(params.max_tokens):
-            if st.lockstep and bool(st.done.all()):
+            if stepping_along:
                 # this rank is done and only steps along with the others: no draw from the generator (the number of
                 # steps depends on the other ranks, and the next batch samples from it)
                 tok = torch.full((len(st.rows),), self.pad_token_id, dtype=torch.long, device=device)
                 lp = torch.zeros(len(st.rows), device=device)
             else:
                 u = torch.rand((total, 1), generator=generator, device=generator.device, dtype=torch.float64)
-                tok, lp = sample_tokens(st.logits, params, generator,
+                bad = torch.zeros(len(st.rows), dtype=torch.bool, device=device)
+                tok, lp = sample_tokens(st.logits, params, generator, not_finite=bad,
                                         uniforms=u if len(st.rows) == total else u[st.rows.to(u.device)])
+                st.not_finite[rows_dev] |= bad
             was_done = st.done[rows_dev]
             tok = torch.where(was_done, torch.full_like(tok, self.pad_token_id), tok)
             active = ~was_done
-            st.tokens_out[st.rows, step] = tok.cpu()
-            st.logps_out[st.rows, step] = torch.where(active, lp, torch.zeros_like(lp)).cpu()
-            st.versions_out[st.rows, step] = self.version
-            st.lengths[st.rows] += active.long().cpu()
+            st.tokens_out[rows_dev, step] = tok
+            st.logps_out[rows_dev, step] = torch.where(active, lp, torch.zeros_like(lp))
+            st.versions_out[rows_dev, step] = self.version
+            st.lengths[rows_dev] += active.long()
             if st.stop.numel():
                 st.done[rows_dev] = was_done | (active & torch.isin(tok, st.stop))
-            finished = bool(st.done.all()) or step == params.max_tokens - 1
-            if st.lockstep:
-                finished = _all_ranks_finished(finished, device)
-            if finished:
-                return
+            last = step == params.max_tokens - 1
+            checking = last or (step + 1) % every == 0
+            if checking:  # the one host read of these `every` steps
+                status = int((st.done.all().long() + 2 * st.not_finite.any().long()).item())
+                all_done, any_bad = status & 1, status & 2
+                if any_bad:
+                    bad_rows = st.not_finite.nonzero().squeeze(-1).tolist()
+                    raise TrainingHealthError(
+                        f"sampling: the probabilities of row(s) {bad_rows[:8]} are not finite or sum to 0 (NaN or inf "
+                        "logits: the model diverged; lower the learning rate or check the loss). Nothing was "
+                        "sampled from them.")
+                finished = bool(all_done) or last
+                if st.lockstep:
+                    stepping_along = bool(all_done)
+                    finished = _all_ranks_finished(finished, device)
+                if finished:
+                    return
             # the token just sampled is real for every row that was active at this step
             st.mask = torch.cat([st.mask, active.long()[:, None]], dim=1)
             st.last_pos = st.last_pos + 1
-            if st.compact:
+            if st.compact and checking:
                 keep = (~st.done[rows_dev]).nonzero().squeeze(-1)
                 if len(st.rows) - len(keep) >= _DROP_FINISHED_AT * len(st.rows):
                     st.cache.batch_select_indices(keep)
@@ -623,7 +672,7 @@ class TransformersBackend:
             if new_version is not None:
                 model, out = self._refill(model, st, new_version, n, step, rows_dev, active)
             else:
-                out = self._forward(model, input_ids=tok[:, None], attention_mask=st.mask,
+                out = self._forward(model, input_ids=tok[:, None], attention_mask=_decode_mask(model, st.mask),
                                     position_ids=st.last_pos[:, None], use_cache=True,
                                     **{_cache_kwarg(model): st.cache})
             if self.on_decode_step is not None:
@@ -643,7 +692,7 @@ class TransformersBackend:
         if model is not self.model:  # decoding on a cast copy: bring it to the new weights
             model = self._generation_model().eval()  # (a rebuilt copy starts in train mode)
         prompt_ids = st.ids.repeat_interleave(n, dim=0)[rows_dev]
-        sofar = torch.cat([prompt_ids, st.tokens_out[st.rows, :step + 1].to(st.device)], dim=1)
+        sofar = torch.cat([prompt_ids, st.tokens_out[rows_dev, :step + 1]], dim=1)
         full_pos = (st.mask.cumsum(-1) - 1).clamp(min=0)
         st.cache = DynamicCache(config=model.config)
         out = self._forward(model, input_ids=sofar, attention_mask=st.mask, position_ids=full_pos, use_cache=True,
@@ -654,15 +703,17 @@ class TransformersBackend:
     def _completions(self, st: _DecodeState, b: int, n: int, params: SamplingParams) -> list[list[Completion]]:
         results: list[list[Completion]] = []
         stop_set = set(params.stop_token_ids)
+        # one copy to the host for the whole chunk
+        lengths, tokens, logps = st.lengths.tolist(), st.tokens_out.cpu(), st.logps_out.cpu()
+        versions = st.versions_out.cpu() if self.refresh_weights is not None else None
         for i in range(b):
             group = []
             for j in range(n):
                 r = i * n + j
-                k = int(st.lengths[r])
-                toks = st.tokens_out[r, :k].tolist()
+                k = lengths[r]
+                toks = tokens[r, :k].tolist()
                 reason = "stop" if toks and toks[-1] in stop_set else "length"
-                group.append(Completion(token_ids=toks, logprobs=st.logps_out[r, :k].tolist(), finish_reason=reason,
-                                        versions=(st.versions_out[r, :k].tolist() if self.refresh_weights is not None
-                                                  else None)))
+                group.append(Completion(token_ids=toks, logprobs=logps[r, :k].tolist(), finish_reason=reason,
+                                        versions=versions[r, :k].tolist() if versions is not None else None))
             results.append(group)
         return results
