@@ -185,3 +185,15 @@ def test_checkpointing_follows_the_memory_model_against_the_card():
     assert choose_checkpointing_by_memory(users, model, "sft", _card(free_gib=0.001), **shape) is None
     assert users.activation_checkpointing is False
     assert choose_checkpointing_by_memory(tight, model, "sft", None, **shape) is None  # no GPU: nothing chosen
+
+
+def test_held_out_evaluation_decodes_in_the_training_precision():
+    from types import SimpleNamespace
+
+    from toolkit.core.report import evaluation_precision
+
+    model = tiny_model()
+    with evaluation_precision(SimpleNamespace(bf16=True, fp16=False), model):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with evaluation_precision(SimpleNamespace(bf16=False, fp16=False), model):
+        assert not torch.is_autocast_enabled("cpu")

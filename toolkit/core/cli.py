@@ -172,7 +172,13 @@ def _offline_accuracy(run: RunArgs, held_out: Any) -> Any:
     if run.eval_dataset == "builtin:arithmetic":
         from .tasks import greedy_accuracy
 
-        return lambda trainer: greedy_accuracy(trainer.model, trainer.processing_class, held_out)
+        from .report import evaluation_precision
+
+        def measure(trainer: Any) -> float:
+            with evaluation_precision(trainer.args, trainer.model):
+                return greedy_accuracy(trainer.model, trainer.processing_class, held_out)
+
+        return measure
     from .data import as_rows
 
     rows = as_rows(held_out)
@@ -183,13 +189,17 @@ def _offline_accuracy(run: RunArgs, held_out: Any) -> Any:
     logger.info("held-out accuracy: greedy completions to %d eval prompts, scored by %s, before and after training "
                 "(report_accuracy = false turns it off).", len(rows), list(run.reward_funcs))
     from .plugins import resolve_reward
-    from .report import heldout_accuracy
+    from .report import evaluation_precision, heldout_accuracy
 
     funcs = [resolve_reward(f) for f in run.reward_funcs]
     # Generation prompts only: the training columns (completion / chosen / rejected) are not shown to the model
     prompts = [{k: v for k, v in r.items() if k not in ("completion", "chosen", "rejected")} for r in rows]
-    return lambda trainer: heldout_accuracy(trainer.model, trainer.processing_class, prompts, funcs,
-                                            max_new_tokens=32)[0]
+
+    def by_rewards(trainer: Any) -> float:
+        with evaluation_precision(trainer.args, trainer.model):
+            return heldout_accuracy(trainer.model, trainer.processing_class, prompts, funcs, max_new_tokens=32)[0]
+
+    return by_rewards
 
 
 def _publish(trainer: Any, cfg: Any, run: RunArgs, final_dir: Path, summary: dict[str, Any], title: str) -> None:

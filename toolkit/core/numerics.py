@@ -88,9 +88,11 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        # the head cast once per call, not once per chunk (a [V, H] copy each time for bf16 weights)
+        head = weight.float() if upcast else weight
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            z = _chunk_logits(hidden[start:end], weight, bias, upcast)
+            z = _chunk_logits(hidden[start:end], head, bias, upcast)
             if temperature != 1.0:
                 z.div_(temperature)
             lse[start:end] = torch.logsumexp(z, dim=-1)
@@ -143,7 +145,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             if kept is not None:  # the one chunk's log-softmax, kept by forward
                 dz, kept = kept.exp_().mul_(-g[:, None]), None  # released above: built in its storage
             else:
-                z = _chunk_logits(h, weight, bias, ctx.upcast)
+                z = _chunk_logits(h, w32 if ctx.upcast else weight, bias, ctx.upcast)
                 if ctx.temperature != 1.0:
                     z.div_(ctx.temperature)
                 # dz = g * (onehot - softmax), built in place in z's storage.
@@ -248,9 +250,10 @@ def chunked_entropy(
 ) -> torch.Tensor:
     """[N] entropy (nats) of softmax(hidden @ weight.T / temperature), chunked; no gradient (a metric)."""
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    head = weight.float() if upcast else weight  # cast once per call
     for start in range(0, hidden.shape[0], chunk_size):
         end = min(start + chunk_size, hidden.shape[0])
-        z = _chunk_logits(hidden[start:end], weight, bias, upcast)
+        z = _chunk_logits(hidden[start:end], head, bias, upcast)
         if temperature != 1.0:
             z.div_(temperature)
         logp = torch.log_softmax(z, dim=-1)

@@ -187,6 +187,21 @@ def to_padded(batch: dict[str, torch.Tensor], pad_token_id: int) -> dict[str, to
     return out
 
 
+def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The causal LM's decoder (its body, whose output is the last hidden state), or None where the model has no
+    separate one. Its output is taken by a forward hook rather than `output_hidden_states=True`, which keeps every
+    layer's output to the end of the forward: in a pass without gradients (reference, old log-probs) those would
+    otherwise be freed layer by layer (L x [tokens, H] held for nothing)."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or decoder is model:
+        return None
+    return decoder
+
+
 def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
                       positions: torch.Tensor | None = None) -> torch.Tensor:
     """[N, H] final hidden states at the completion-predicting positions (or at `positions`).
@@ -194,10 +209,14 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     A causal LM runs with `logits_to_keep=1` (no full logits); a base model (a critic's or reward
     model's backbone, no LM head) returns its last hidden state directly.
     """
-    head = unwrap_model(model).get_output_embeddings()
+    base = unwrap_model(model)
+    head = base.get_output_embeddings()
     kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
+    decoder = _decoder(base) if head is not None else None
     if head is not None:
-        kwargs.update(output_hidden_states=True, logits_to_keep=1)
+        kwargs["logits_to_keep"] = 1
+        if decoder is None:
+            kwargs["output_hidden_states"] = True
     if "shared_prefix" in batch:
         kwargs["position_ids"] = batch["position_ids"]
         kwargs["toolkit_shared_prefix"] = batch["shared_prefix"]
@@ -214,9 +233,19 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     # iteration's bit for bit
     on_cpu = batch["input_ids"].device.type == "cpu"
     fold = _CpuInferenceLinear(max_rows=0) if on_cpu and not torch.is_grad_enabled() else contextlib.nullcontext()
-    with fold:
-        out = model(**kwargs)
-    hidden = out.hidden_states[-1] if head is not None else out.last_hidden_state
+    captured: list[torch.Tensor] = []
+    hook = (decoder.register_forward_hook(lambda mod, args, out: captured.append(out.last_hidden_state))
+            if decoder is not None else None)
+    try:
+        with fold:
+            out = model(**kwargs)
+    finally:
+        if hook is not None:
+            hook.remove()
+    if head is None:
+        hidden = out.last_hidden_state
+    else:
+        hidden = captured[-1] if captured else out.hidden_states[-1]
     return hidden.reshape(-1, hidden.shape[-1])[batch["completion_positions"] if positions is None else positions]
 
 

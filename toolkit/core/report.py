@@ -10,6 +10,7 @@ __all__ = [
     "write_report",
 ]
 
+import contextlib
 import json
 import time
 import logging
@@ -59,14 +60,15 @@ class AccuracyCallback(TrainerCallback):
         if self.history and self.history[-1][0] == step:
             return self.history[-1][1]
         started = time.perf_counter()
-        if self.by_rewards:
-            acc, mean = heldout_by_rewards(trainer, self.rows, max_new_tokens=self.max_new_tokens)
-            self.mean_rewards.append((step, mean))
-        else:
-            from .tasks import greedy_accuracy
+        with evaluation_precision(trainer.args, trainer.model):
+            if self.by_rewards:
+                acc, mean = heldout_by_rewards(trainer, self.rows, max_new_tokens=self.max_new_tokens)
+                self.mean_rewards.append((step, mean))
+            else:
+                from .tasks import greedy_accuracy
 
-            acc = greedy_accuracy(trainer.model, trainer.processing_class, self.rows,
-                                  max_new_tokens=self.max_new_tokens)
+                acc = greedy_accuracy(trainer.model, trainer.processing_class, self.rows,
+                                      max_new_tokens=self.max_new_tokens)
         self.history.append((step, acc))
         self._timed(step, started)
         return acc
@@ -79,11 +81,22 @@ class AccuracyCallback(TrainerCallback):
                 from .tasks import greedy_accuracy
 
                 started = time.perf_counter()
-                acc = greedy_accuracy(kwargs["model"], kwargs["processing_class"], self.rows,
-                                      max_new_tokens=self.max_new_tokens)
+                with evaluation_precision(args, kwargs["model"]):
+                    acc = greedy_accuracy(kwargs["model"], kwargs["processing_class"], self.rows,
+                                          max_new_tokens=self.max_new_tokens)
                 self.history.append((state.global_step, acc))
                 self._timed(state.global_step, started)
             logger.info("step %d: held-out greedy accuracy %.3f", state.global_step, acc)
+
+
+def evaluation_precision(args: Any, model: Any) -> Any:
+    """Held-out decoding in the training's precision: under the bf16/fp16 autocast training runs in (so a GPU
+    run evaluates with the kernels it trains with; flash-attention refuses float32), nothing otherwise."""
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=dtype)
 
 
 def heldout_by_rewards(trainer: Any, dataset: Any, *, max_new_tokens: int, batch_size: int = 64
