@@ -197,3 +197,17 @@ def test_held_out_evaluation_decodes_in_the_training_precision():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with evaluation_precision(SimpleNamespace(bf16=False, fp16=False), model):
         assert not torch.is_autocast_enabled("cpu")
+
+
+def test_the_rollout_worker_gets_a_gpu_of_its_own_when_there_is_one():
+    from toolkit.core.rollout_worker import choose_worker_device
+
+    assert choose_worker_device(None, cuda=False, gpus=0) == "cpu"
+    assert choose_worker_device(None, cuda=True, gpus=1) == "cuda:0"  # beside the trainer
+    assert choose_worker_device(None, cuda=True, gpus=2) == "cuda:1"  # its own
+    # 2 training processes on 4 GPUs: rank 0's worker on GPU 2, rank 1's on GPU 3; on 2 GPUs, each beside its rank
+    assert [choose_worker_device(None, cuda=True, gpus=4, trainer_index=r, local_processes=2) for r in (0, 1)] == [
+        "cuda:2", "cuda:3"]
+    assert [choose_worker_device(None, cuda=True, gpus=2, trainer_index=r, local_processes=2) for r in (0, 1)] == [
+        "cuda:0", "cuda:1"]
+    assert choose_worker_device("cpu", cuda=True, gpus=8) == "cpu"  # the user's choice

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -47,7 +48,7 @@ from .async_grpo_config import AsyncGRPOConfig
 from .grpo import GRPOTrainer, Rollout, _accepts_keyword
 from .models import DEFAULT_MODEL, unwrap_model
 from .rollout import RoundSampler, generate_and_score, generation_seed
-from .rollout_worker import EpisodeSpec, ScoredRound, WorkerSpec
+from .rollout_worker import EpisodeSpec, ScoredRound, WorkerSpec, choose_worker_device
 from .worker_handle import InWorkerBackend, WorkerHandle, check_sendable, environment_for_worker
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer"]
@@ -93,6 +94,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
                          environment=environment)
         if self.args.trainer_threads:
             torch.set_num_threads(self.args.trainer_threads)
+        on_gpu = torch.cuda.is_available() and not args.use_cpu
+        self.worker_device = choose_worker_device(
+            args.worker_device, cuda=on_gpu, gpus=torch.cuda.device_count() if on_gpu else 0,
+            trainer_index=self.accelerator.local_process_index,
+            local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes)))
+        if self.worker_device != "cpu" and args.generation_backend == "transformers":
+            beside = self.worker_device == str(self.args.device) or self.worker_device == f"cuda:{self.args.device.index}"
+            logger.info("async GRPO: the rollout worker decodes on %s%s.", self.worker_device,
+                        " beside the trainer (its own copy of the weights and its KV cache on the same card; "
+                        "worker_device = 'cpu' or another GPU to keep the trainer's memory)" if beside else
+                        ", a GPU of its own")
         self.worker = WorkerHandle(threads=args.worker_threads, queue_size=args.queue_size,
                                    start_timeout=args.worker_start_timeout, heartbeat_timeout=args.heartbeat_timeout)
         # the worker's prompt order (GRPO's), for the rounds generated here during a warm start
@@ -179,7 +191,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             varlen=self.padding_free, rank=self.accelerator.process_index,
             num_processes=self.accelerator.num_processes, inflight=args.inflight_weight_updates,
             scoring_concurrency=args.scoring_concurrency, rounds_per_generation=args.rounds_per_generation,
-            episodes=episodes)
+            episodes=episodes, device=self.worker_device)
 
     def _start_worker(self) -> None:
         first_start = self.worker.started_at is None

@@ -21,6 +21,10 @@ class AsyncGRPOConfig(GRPOConfig):
     queue_size: int = field(default=2, metadata={"help": "Scored rounds the worker may have waiting."})
     sync_every: int = field(default=1, metadata={"help": "Publish weights to the worker every N optimizer steps."})
     worker_threads: int = field(default=1, metadata={"help": "torch threads of the rollout worker."})
+    worker_device: str | None = field(default=None, metadata={
+        "help": "Where the rollout worker decodes (transformers backend): 'cpu', 'cuda:1', ... None: the CPU "
+                "without CUDA, a GPU of its own when the node has more GPUs than training processes, else the "
+                "trainer's GPU (beside it: the weights once more, and the KV cache)."})
     trainer_threads: int | None = field(default=None, metadata={
         "help": "torch threads of the trainer (None: unchanged). On 2 cores: 1 and 1."})
     worker_restarts: int = field(default=0, metadata={

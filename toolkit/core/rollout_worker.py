@@ -239,6 +239,21 @@ class WorkerSpec:
     scoring_concurrency: int = 1
     rounds_per_generation: int = 1
     episodes: EpisodeSpec | None = None
+    device: str = "cpu"          # where the worker's model decodes (worker_device)
+
+
+def choose_worker_device(requested: str | None, *, cuda: bool, gpus: int, trainer_index: int = 0,
+                         local_processes: int = 1) -> str:
+    """The rollout worker's device. `requested` (AsyncGRPOConfig.worker_device) wins; None picks: the CPU without
+    CUDA; with more GPUs than training processes on this node, a GPU of its own (the first one after the training
+    processes', one per rank: rank r's worker on GPU local_processes + r when it exists); else the trainer's own
+    GPU, beside it (the weights once more and the KV cache: the start-up line says so)."""
+    if requested:
+        return requested
+    if not cuda or gpus < 1:
+        return "cpu"
+    spare = local_processes + trainer_index
+    return f"cuda:{spare}" if spare < gpus else f"cuda:{trainer_index}"
 
 
 def round_sampler(spec: WorkerSpec) -> RoundSampler:
@@ -317,7 +332,7 @@ class RolloutWorker:
             kwargs = dict(spec.backend_kwargs)
             return (VLLMBackend(kwargs.pop("model_path"), **kwargs) if spec.backend == "vllm"
                     else VLLMServerBackend(**kwargs))
-        self.model = _build_model(spec.config).eval()
+        self.model = _build_model(spec.config).to(spec.device).eval()
         gen_dtype = _generation_dtype(spec.backend_kwargs.get("dtype"))
         if gen_dtype is not None:
             # generation_backend_kwargs.dtype: this model only generates, so it is cast itself (no second copy);
