@@ -2,6 +2,7 @@
 
     python bench/memory_vs_trl.py                     # SmolLM2-135M and a random 0.5B-class model: ~30 min
     python bench/memory_vs_trl.py --models smollm2    # the embedded model only: ~8 min
+    python bench/memory_vs_trl.py --device cuda --models smollm2 --trainers grpo,sft,dpo   # on a GPU
 
 The number a GPU user needs is the peak of live tensor bytes in a step (what `torch.cuda.max_memory_allocated`
 reports), not a process's RSS. It is measured here on CPU with `toolkit.core.memory.PeakAllocatorMemory`: torch's
@@ -99,8 +100,9 @@ def worker(spec: str) -> dict:
     z = SIZES[model_name]
     rng = random.Random(0)
     meter, timer = PeakTensorMemoryCallback(step=2), step_timer()
+    on_cpu = os.environ.get("MEMORY_BENCH_DEVICE", "cpu") == "cpu"
     common = dict(output_dir=f"/tmp/bench-mem-{spec.replace(':', '-')}", max_steps=3, logging_steps=1,
-                  save_strategy="no", report_to="none", seed=0, disable_tqdm=True, bf16=True, use_cpu=True)
+                  save_strategy="no", report_to="none", seed=0, disable_tqdm=True, bf16=True, use_cpu=on_cpu)
     f32 = {"dtype": torch.float32}  # both load float32 master weights (TRL's default; bf16 is the autocast)
     ours = side == "toolkit"
     if trainer_kind == "grpo":
@@ -262,6 +264,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--trainers", default=",".join(TRAINERS))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: the same rows on a GPU (peak from torch.cuda.max_memory_allocated)")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -269,6 +273,7 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args.worker)), flush=True)
         return
     trl18 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "trl-1.8.0")
+    os.environ["MEMORY_BENCH_DEVICE"] = args.device  # the workers inherit it
     models = [m for m in args.models.split(",") if m]
     trainers = [t for t in args.trainers.split(",") if t]
     if "random-0.5b" in models:
@@ -284,6 +289,9 @@ def main() -> None:
                 env = {}
                 if trainer_kind == "ppo" and side == "trl":  # noqa: SIM102
                     if not os.path.exists(trl18):
+                        if args.device != "cpu":  # a lent GPU machine without the private TRL 1.8 copy
+                            print(f"skipping {spec}: {trl18} is missing", flush=True)
+                            continue
                         raise SystemExit(f"{trl18} is missing: run scripts/setup.sh (TRL 1.8 is the PPO reference)")
                     env = {"PYTHONPATH": os.pathsep.join(p for p in (trl18, os.environ.get("PYTHONPATH")) if p),
                            "TRL_EXPERIMENTAL_SILENCE": "1"}
@@ -295,7 +303,8 @@ def main() -> None:
                 print(f"  peak tensor memory {r['peak_mib']:.0f} MiB (at the window's start {r['start_mib']:.0f}){est}, "
                       f"step 3 {r['step3_s']:.1f} s, checkpointing {r['activation_checkpointing']} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    print("\nPeak tensor memory of optimizer step 2 (PeakAllocatorMemory), both sides bf16 mixed precision, equal work")
+    print(f"\nPeak tensor memory of optimizer step 2 (PeakAllocatorMemory, {args.device}), both sides bf16 mixed "
+          "precision, equal work")
     print("| model | trainer | rows/step | ours MiB | TRL MiB | memory ours/TRL | target | step-3 s ours | TRL | "
           "speed-up (TRL/ours) | checkpointing ours / TRL | memory model (ours) MiB | model/measured |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -316,7 +325,7 @@ def main() -> None:
                   f"{o['estimate_mib']:.0f} | {o['estimate_mib'] / o['peak_mib']:.2f} |")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"sizes": SIZES, "targets": TARGET, "results": results, "ratios": ratios,
+            json.dump({"device": args.device, "sizes": SIZES, "targets": TARGET, "results": results, "ratios": ratios,
                        "provenance": provenance()}, fh, indent=2)
 
 

@@ -17,6 +17,16 @@ hangs or crashes is reported and the others still run. A check passes only on wh
   GPU too; SFT's loss falls over its steps.
 - sft_resume: 4 steps straight against 2 steps, a checkpoint, and a resumed run to step 4: the largest weight
   difference is printed, and passes under 1e-3 (a GPU's kernels need not be bitwise deterministic).
+- decode: the decode loop checking the host every step against every 8 (the GPU default): the same greedy ids;
+  seconds of each.
+- gpu_defaults: configs left unset resolve to bf16 and TF32 on a bf16 card; a trainer logs the one start-up line,
+  activation checkpointing chosen by the memory model.
+- memory_model: SFT and GRPO steps, `torch.cuda.max_memory_allocated` over step 2 against the memory model's
+  estimate for the same shapes (within 15%; the ratio is printed).
+- async_grpo also reports the device its rollout worker decoded on.
+
+Results carry the commit that ran: `git rev-parse HEAD` where the tree is a checkout, else $TOOLKIT_COMMIT (a
+copied tree without .git: set it when starting the run), else "unknown".
 
 `--random-init` builds the model from DIR's config with random weights (seed 0): a machine that cannot carry the
 checkpoint can still run every path, but learning is then only "the loss falls", not "the task is learned".
@@ -35,7 +45,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CHECKS = ("numerics", "attention", "generation", "sft", "sft_resume", "dpo", "ppo", "grpo", "grpo_lora", "async_grpo")
+CHECKS = ("numerics", "attention", "generation", "decode", "gpu_defaults", "memory_model", "sft", "sft_resume", "dpo",
+          "ppo", "grpo", "grpo_lora", "async_grpo")
 
 
 def build_model_dir(model: str, random_init: bool, tiny: bool) -> str:
@@ -183,6 +194,101 @@ def check(name: str, path: str, device: str, out: str) -> dict:
                                  f"{len(prompts)} prompts: {ours} vs {theirs}")
         return {"prompts_equal": same}
 
+    if name == "decode":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from toolkit.core.generation import SamplingParams, TransformersBackend
+
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+        prompts = [tok(r["prompt"][0]["content"])["input_ids"] for r in arithmetic(16, seed=2, kind="prompt_only")]
+        params = SamplingParams(max_tokens=64, top_k=1, stop_token_ids=(tok.eos_token_id,))
+        out, seconds = {}, {}
+        for every in (1, None):  # None: the device's default (8 on a GPU)
+            backend = TransformersBackend(model, pad_token_id=tok.pad_token_id or 0)
+            backend.host_check_every = every
+            backend.generate(prompts, params, n=4, seed=0)  # warm-up
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            groups = backend.generate(prompts, params, n=4, seed=0)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds[str(every)] = round(time.perf_counter() - t, 3)
+            out[str(every)] = [[c.token_ids for c in g] for g in groups]
+        if out["1"] != out["None"]:
+            raise AssertionError("decoding ids differ between checking every step and every 8")
+        return {"seconds_check_every_step": seconds["1"], "seconds_check_default": seconds["None"],
+                "tokens": sum(len(c) for g in out["1"] for c in g)}
+
+    if name == "gpu_defaults":
+        import logging
+
+        from toolkit import GRPOConfig, SFTConfig, SFTTrainer
+
+        g = GRPOConfig(output_dir=f"{out}/defaults", report_to="none")
+        cfg = SFTConfig(output_dir=f"{out}/defaults", report_to="none", max_steps=1)
+        if device == "cuda" and torch.cuda.is_bf16_supported() and not (g.bf16 and cfg.bf16):
+            raise AssertionError(f"bf16 left off on a bf16 card: GRPO {g.bf16}, SFT {cfg.bf16}")
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logging.getLogger("toolkit").addHandler(handler)
+        logging.getLogger("toolkit").setLevel(logging.INFO)
+        SFTTrainer(path, cfg, train_dataset=arithmetic(16, seed=0))
+        line = next((ln for ln in lines if ln.startswith("GPU defaults")), None)
+        if device == "cuda" and (line is None or "memory model" not in line):
+            raise AssertionError(f"no start-up line naming the memory model's choice: {lines[-5:]}")
+        return {"grpo_bf16": g.bf16, "sft_bf16": cfg.bf16, "tf32": cfg.tf32, "start_up_line": line,
+                "sft_checkpointing": cfg.activation_checkpointing}
+
+    if name == "memory_model":
+        from toolkit import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+        from toolkit.core.memory import PeakTensorMemoryCallback, estimate_step_memory
+
+        ratios = {}
+        for kind in ("sft", "grpo"):
+            shapes: dict = {}
+            meter = PeakTensorMemoryCallback(step=2)
+            base = {**_common(device, f"{out}/mem-{kind}", 2), "learning_rate": 1e-5}
+            if kind == "sft":
+                class Rec(SFTTrainer):
+                    def compute_loss(self, model, inputs, **kw):
+                        if model.training and self.state.global_step == 1:
+                            shapes["tokens"] = int(inputs["input_ids"].numel())
+                            shapes["scored"] = int((inputs["labels"][:, 1:] != -100).sum())  # loss tokens
+                        return super().compute_loss(model, inputs, **kw)
+
+                cfg = SFTConfig(**base, per_device_train_batch_size=16, activation_checkpointing=False)
+                t = Rec(path, cfg, train_dataset=arithmetic(64, seed=0), callbacks=[meter])
+            else:
+                class Rec(GRPOTrainer):
+                    def compute_loss(self, model, inputs, **kw):
+                        if model.training and self.state.global_step == 1:
+                            shapes.update(tokens=int(inputs["input_ids"].numel()),
+                                          scored=int(inputs["completion_mask"].sum()))
+                        return super().compute_loss(model, inputs, **kw)
+
+                cfg = GRPOConfig(**base, per_device_train_batch_size=32, num_generations=8, max_completion_length=64,
+                                 beta=0.0, activation_checkpointing=False, zero_variance_filter=False,
+                                 skip_steps_without_signal=False)
+                t = Rec(path, [length_reward], cfg, train_dataset=arithmetic(64, seed=0, kind="prompt_only"),
+                        callbacks=[meter])
+            t.train()
+            kw = ({"batch_size": 1, "seq_len": shapes["tokens"], "loss_tokens": shapes["scored"]} if kind == "sft" else
+                  {"batch_size": 32, "num_generations": 8, "completion_len": round(shapes["scored"] / 32),
+                   "prompt_len": round((shapes["tokens"] - shapes["scored"]) / 4)})
+            est = estimate_step_memory(path, kind, bf16=bool(cfg.bf16), **kw)
+            ratios[kind] = {"measured_mb": round(meter.peak_bytes / 2**20), "estimated_mb": round(est.peak / 2**20),
+                            "ratio": est.peak / meter.peak_bytes}
+            del t
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        off = {k: v["ratio"] for k, v in ratios.items() if not 0.85 <= v["ratio"] <= 1.15}
+        if off:
+            raise AssertionError(f"memory model off by more than 15%: {ratios}")
+        return ratios
+
     if name in ("sft", "sft_resume"):
         from toolkit import SFTConfig, SFTTrainer
 
@@ -260,8 +366,21 @@ def check(name: str, path: str, device: str, out: str) -> dict:
             t = GRPOTrainer(path, [length_reward], cfg, train_dataset=rows, peft_config=peft_config)
         before = _snapshot(t.model)
         t.train()
-        return {**_trained(t, before, device), **_peak(device)}
+        worker = {"worker_device": t.worker_device} if name == "async_grpo" else {}
+        return {**_trained(t, before, device), **_peak(device), **worker}
     raise ValueError(f"unknown check {name!r}")
+
+
+def commit() -> str:
+    """The commit that is running: git's, else $TOOLKIT_COMMIT (a copied tree has no .git), else 'unknown'."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        proc = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True)
+        if proc.returncode == 0 and proc.stdout.strip():
+            return proc.stdout.strip()
+    except OSError:
+        pass
+    return os.environ.get("TOOLKIT_COMMIT", "unknown")
 
 
 def main() -> None:
@@ -285,7 +404,7 @@ def main() -> None:
     path = build_model_dir(args.model, args.random_init, args.tiny)
     env = {"device": args.device, "torch": torch.__version__, "cuda": torch.version.cuda,
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-           "model": args.model, "random_init": args.random_init, "tiny": args.tiny}
+           "model": args.model, "random_init": args.random_init, "tiny": args.tiny, "commit": commit()}
     print(json.dumps(env), flush=True)
     results = {}
     for name in args.only.split(","):

@@ -329,7 +329,8 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
                          dtype: str = "float32", bf16: bool = True, lora_r: int = 0,
                          lora_target_modules: Any = "all-linear", activation_checkpointing: bool = False,
                          reference_model: bool | None = None, logps_chunk_size: int | None = None,
-                         fp32_lm_head: bool = True, fused_optimizer: bool = True) -> MemoryEstimate:
+                         fp32_lm_head: bool = True, fused_optimizer: bool = True,
+                         loss_tokens: int | None = None) -> MemoryEstimate:
     """Peak tensor memory of one steady-state training step (optimizer state already built), without allocating.
 
     A model of the step, not a formula: the model's own code runs forward and backward, then AdamW steps, on fake
@@ -337,7 +338,7 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
     `TensorMemoryTally` that measures real runs; the trainer's layout decides the shapes:
 
     - sft: `batch_size` examples of `seq_len` tokens, padding-free (one row of batch_size x seq_len tokens), the
-      loss over every token through the chunked LM head.
+      loss over every token through the chunked LM head, or over `loss_tokens` of them (completion-only loss).
     - dpo: `batch_size` pairs, each one prompt of `prompt_len` tokens shared by a chosen and a rejected completion
       of `completion_len` (our packed layout), a frozen reference copy (`reference_model`, default on; a LoRA run
       uses the base with adapters off instead) run without gradients first.
@@ -411,7 +412,8 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
 
         # the token layout of one micro-batch: (tokens in the row, positions whose log-probs are taken)
         if trainer == "sft":
-            tokens, scored = batch_size * seq_len, batch_size * seq_len
+            tokens = batch_size * seq_len
+            scored = min(loss_tokens, tokens) if loss_tokens is not None else tokens
         elif trainer == "dpo":
             tokens, scored = batch_size * (prompt_len + 2 * completion_len), batch_size * 2 * completion_len
         elif trainer == "grpo":
