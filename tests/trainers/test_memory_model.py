@@ -1,9 +1,10 @@
 """The memory model (`estimate_step_memory`, fake tensors) against the measured peak tensor memory of a real step.
 
-Each trainer runs three optimizer steps on the embedded SmolLM2-135M in bf16 mixed precision; step 2's peak is
-measured with `TensorMemoryTally` (the steady state: Adam's state exists). The shapes of that step's training
-micro-batch (tokens in the row, positions scored) are recorded from the trainer's own inputs and handed to the
-estimate, which must come within 15% of the measurement (issue 56).
+Each trainer runs two optimizer steps on the embedded SmolLM2-135M in bf16 mixed precision; step 2's peak is
+measured from torch's allocator (`PeakAllocatorMemory` through `PeakTensorMemoryCallback`; the steady state: Adam's
+state exists). The shapes of that step's training micro-batch (tokens in the row, positions scored) are recorded
+from the trainer's own inputs and handed to the estimate, which must come within 15% of the measurement (issue
+56's bound; measured: within 3% for every case here).
 """
 
 from __future__ import annotations

@@ -211,3 +211,34 @@ def test_the_rollout_worker_gets_a_gpu_of_its_own_when_there_is_one():
     assert [choose_worker_device(None, cuda=True, gpus=2, trainer_index=r, local_processes=2) for r in (0, 1)] == [
         "cuda:0", "cuda:1"]
     assert choose_worker_device("cpu", cuda=True, gpus=8) == "cpu"  # the user's choice
+    # one visible GPU per rank (a scheduler's --gpus-per-task=1): rank 1's only card is its cuda:0
+    assert choose_worker_device(None, cuda=True, gpus=1, trainer_index=1, local_processes=2,
+                                trainer_device="cuda:0") == "cuda:0"
+
+
+def test_a_card_that_only_emulates_bf16_gets_float32(monkeypatch):
+    """torch.cuda.is_bf16_supported() says yes on a T4 (emulated, slow); the default asks for Ampere or later."""
+    from toolkit.core import models
+
+    monkeypatch.setattr(models, "_has_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    card = models.gpu_info(memory=False)  # properties only: no CUDA context for free memory at config time
+    assert card.bf16 is False and card.free_bytes == 0
+    args = _args()
+    assert "has no bf16" in models.apply_gpu_defaults(args, card)[0] and args.bf16 is False
+
+
+def test_several_processes_keep_the_fixed_checkpointing_default():
+    """Each rank would decide from its own card (and FSDP refuses Trainer's checkpointing beside its own)."""
+    from toolkit.core.models import choose_checkpointing_by_memory
+
+    model = tiny_model(vocab_size=384, hidden_size=64, num_layers=2)
+    for extra in ({"world_size": 2}, {"fsdp": "full_shard"}):
+        args = _args(bf16=True, activation_checkpointing=False, gradient_checkpointing=False,
+                     _checkpointing_by_memory=True, **extra)
+        line = choose_checkpointing_by_memory(args, model, "sft", _card(free_gib=0.001), batch_size=4, seq_len=512)
+        assert args.activation_checkpointing is False and "fixed default" in line

@@ -98,9 +98,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.worker_device = choose_worker_device(
             args.worker_device, cuda=on_gpu, gpus=torch.cuda.device_count() if on_gpu else 0,
             trainer_index=self.accelerator.local_process_index,
-            local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes)))
+            local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes)),
+            trainer_device=f"cuda:{self.args.device.index or 0}" if on_gpu else None)
         if self.worker_device != "cpu" and args.generation_backend == "transformers":
-            beside = self.worker_device == str(self.args.device) or self.worker_device == f"cuda:{self.args.device.index}"
+            beside = self.worker_device == f"cuda:{self.args.device.index or 0}"
             logger.info("async GRPO: the rollout worker decodes on %s%s.", self.worker_device,
                         " beside the trainer (its own copy of the weights and its KV cache on the same card; "
                         "worker_device = 'cpu' or another GPU to keep the trainer's memory)" if beside else

@@ -497,7 +497,8 @@ def _estimate(argv: list[str]) -> int:
     ap.add_argument("--completion_len", type=int, default=512, help="DPO/GRPO/PPO: completion tokens")
     ap.add_argument("--num_generations", type=int, default=8, help="GRPO: completions per prompt")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                    help="weights and optimizer state (float32 with --bf16: mixed precision)")
+                    help="weights and optimizer state (float32 under bf16 autocast is mixed precision; --no_bf16 "
+                         "turns the autocast off)")
     ap.add_argument("--no_bf16", action="store_true", help="no bf16 autocast (float32 compute)")
     ap.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains the full model")
     ap.add_argument("--activation_checkpointing", action="store_true")

@@ -169,9 +169,12 @@ class DPOTrainer(TrainerLifecycle, Trainer):
                 use_varlen_attention(m)
         # chosen and rejected share one prompt copy only where the kernel can express it (attention.packed_layout)
         self.packed_layout = packed_layout(unwrap_model(model), self.ref_model) if self.padding_free else "padded"
-        half = (args.max_length or 1024) // 2  # prompt + completion per sequence at most max_length
-        log_gpu_defaults(args, model, "dpo", batch_size=args.per_device_train_batch_size, prompt_len=half,
-                         completion_len=half, reference_model=self.ref_model is not None)
+        # prompt + completion <= max_length per sequence; a pair holds the prompt once and two completions, so the
+        # most tokens a pair can hold is with a short prompt: an eighth of max_length for the estimate's prompt
+        longest = args.max_length or 1024
+        log_gpu_defaults(args, model, "dpo", batch_size=args.per_device_train_batch_size,
+                         prompt_len=max(longest // 8, 1), completion_len=longest - max(longest // 8, 1),
+                         reference_model=self.ref_model is not None)
         logger.info("%s reference=%s; max_length=%s.", self.describe_loss(args),
                     "none" if args.reference_free else "precomputed" if args.precompute_ref_log_probs else
                     "PEFT base (adapters off)" if self.ref_model is None else "frozen copy", args.max_length)

@@ -379,14 +379,26 @@ _DROP_FINISHED_AT = 0.25
 _HOST_CHECK_EVERY_GPU = 8
 
 
-def _decode_mask(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor:
+def _decode_mask(model: torch.nn.Module, mask: torch.Tensor, *, padded: bool = True,
+                 four_d: bool | None = None) -> torch.Tensor | None:
     """A decode step's attention mask: [rows, keys] 0/1, or for sdpa the same as a ready [rows, 1, 1, keys] boolean
     mask. Given the 2D one, transformers asks the device whether any key is padding (`padding_mask.all()`, to skip
     the mask): a host read at every decode step, which on a GPU waits for the step's kernels. A 4D mask is used as
-    given (one query position attends to every key the mask lets through: the same attention)."""
-    if getattr(unwrap_model(model).config, "_attn_implementation", None) == "sdpa" and _plain_kv_cache(model):
+    given (one query position attends to every key the mask lets through: the same attention).
+
+    On a GPU, prompts without padding (`padded=False`, known on the host from the prompts' lengths) get no mask at
+    all: a finished row's later keys are its own padding, which no other row attends to and whose outputs are
+    dropped, so every row's attention is the same, and sdpa keeps its flash kernel and grouped-query heads.
+    `four_d`: whether the model takes the 4D mask (`_decode_mask_4d`, computed once per chunk)."""
+    if not padded and mask.device.type == "cuda":
+        return None
+    if four_d if four_d is not None else _decode_mask_4d(model):
         return mask[:, None, None, :].bool()
     return mask  # a sliding window's cache holds fewer keys than the mask has columns: transformers cuts it
+
+
+def _decode_mask_4d(model: torch.nn.Module) -> bool:
+    return getattr(unwrap_model(model).config, "_attn_implementation", None) == "sdpa" and _plain_kv_cache(model)
 
 
 def _rows_can_be_dropped(cache: Any) -> bool:
@@ -420,6 +432,7 @@ class _DecodeState:
     not_finite: torch.Tensor     # [b x n] bool: a row's probabilities were NaN/inf or all zero (device)
     rows: torch.Tensor           # indices (into b x n, CPU) of the rows still in the batch
     lockstep: bool               # several ranks step together (FSDP2)
+    padded: bool                 # some prompt is shorter than another (left padding in the batch)
     compact: bool                # finished rows are dropped from the batch
 
 
@@ -482,7 +495,9 @@ class TransformersBackend:
     _compact_finished_rows: bool = True
     # Steps between the host's reads of "has every row stopped?" (one read per check): None means every step on
     # CPU (a read costs nothing there, and a step past the end costs a whole forward) and _HOST_CHECK_EVERY_GPU on
-    # a GPU. tests/unit/test_generation.py counts the reads with it set on CPU.
+    # a GPU. tests/trainers/test_host_syncs.py counts the reads with it set on CPU. The steps a batch runs past its
+    # end (at most host_check_every - 1) draw their uniforms too: with several chunks in one call, a later chunk's
+    # draws differ between settings (each still a proper draw; one chunk's own tokens do not change).
     host_check_every: int | None = None
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -604,7 +619,8 @@ class TransformersBackend:
             lengths=torch.zeros(total, dtype=torch.long, device=device),
             versions_out=torch.zeros((total, params.max_tokens), dtype=torch.long, device=device),
             not_finite=torch.zeros(total, dtype=torch.bool, device=device),
-            rows=torch.arange(total), lockstep=lockstep, compact=compact)
+            rows=torch.arange(total), lockstep=lockstep, compact=compact,
+            padded=any(len(p) != len(prompts[0]) for p in prompts))
 
     def _decode(self, model: torch.nn.Module, st: _DecodeState, params: SamplingParams, n: int,
                 generator: torch.Generator) -> None:
@@ -619,6 +635,7 @@ class TransformersBackend:
         every = max(1, self.host_check_every if self.host_check_every is not None
                     else (1 if device.type == "cpu" else _HOST_CHECK_EVERY_GPU))
         rows_dev = st.rows.to(device)
+        four_d = _decode_mask_4d(model)
         # lockstep: this rank's rows are all done (known at the last check; a placeholder batch is from the start)
         stepping_along = st.lockstep and bool(st.done.all())
         for step in range(params.max_tokens):
@@ -672,7 +689,8 @@ class TransformersBackend:
             if new_version is not None:
                 model, out = self._refill(model, st, new_version, n, step, rows_dev, active)
             else:
-                out = self._forward(model, input_ids=tok[:, None], attention_mask=_decode_mask(model, st.mask),
+                mask = _decode_mask(model, st.mask, padded=st.padded, four_d=four_d)
+                out = self._forward(model, input_ids=tok[:, None], attention_mask=mask,
                                     position_ids=st.last_pos[:, None], use_cache=True,
                                     **{_cache_kwarg(model): st.cache})
             if self.on_decode_step is not None:

@@ -414,10 +414,16 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         self.generation_backend = generation_backend if generation_backend is not None else registry().get(
             "generation_backend", args.generation_backend, field="generation_backend")(model, tokenizer, args)
         batch, groups = args.per_device_train_batch_size, args.num_generations
+        episodes = self.environment_factory is not None
+        if episodes:  # the episode rule (_setup_environment) decided for these micro-batches: it stays
+            args._checkpointing_by_memory = False
+        # a round's completions decode together, in chunks of at most generation_batch_size rows
+        round_rows = min(batch * args.gradient_accumulation_steps, args.generation_batch_size)
         log_gpu_defaults(args, model, "grpo", batch_size=batch,
                          num_generations=groups if batch % groups == 0 or groups % batch == 0 else batch,
-                         prompt_len=args.max_prompt_length or 512, completion_len=args.max_completion_length,
-                         reference_model=self.reads_reference)
+                         prompt_len=args.max_prompt_length or 512,
+                         completion_len=args.max_episode_tokens if episodes else args.max_completion_length,
+                         reference_model=self.reads_reference, generation_rows=max(round_rows, batch))
         logger.info("%s; %d prompts x %d completions per step; rewards %s with weights %s.",
                     self.describe_objective(args), self.prompts_per_round, args.num_generations, self.reward_names,
                     self.reward_weights.tolist())

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from transformers import TrainerCallback
 
 __all__ = ["MemoryEstimate", "PeakAllocatorMemory", "PeakTensorMemoryCallback", "TensorMemoryTally", "estimate_step_memory"]
 
@@ -200,7 +201,7 @@ class PeakAllocatorMemory:
         return False
 
 
-class PeakTensorMemoryCallback:
+class PeakTensorMemoryCallback(TrainerCallback):
     """A transformers TrainerCallback measuring the peak tensor memory of one optimizer step (`PeakAllocatorMemory`).
 
     The window runs from the end of step `step - 1` to the end of step `step` (after the optimizer's step and
@@ -209,34 +210,27 @@ class PeakTensorMemoryCallback:
     from the second on is the step's peak the steady state. Results in `.peak_bytes` and `.start_bytes`.
     """
 
-    def __new__(cls, step: int = 2):
-        from transformers import TrainerCallback
-
+    def __init__(self, step: int = 2):
         if step < 2:
             raise ValueError("step: measure step 2 or later (the first creates the optimizer's state)")
+        self.step = step
+        self.meter: PeakAllocatorMemory | None = None
+        self.peak_bytes: int | None = None
+        self.start_bytes: int | None = None
 
-        class _Callback(TrainerCallback):
-            def __init__(self):
-                self.step = step
-                self.meter: PeakAllocatorMemory | None = None
-                self.peak_bytes: int | None = None
-                self.start_bytes: int | None = None
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.meter is not None and state.global_step >= self.step:
+            self.meter.__exit__(None, None, None)
+            self.peak_bytes, self.start_bytes = self.meter.peak_bytes, self.meter.start_bytes
+            self.meter = None
+        elif self.meter is None and self.peak_bytes is None and state.global_step == self.step - 1:
+            self.meter = PeakAllocatorMemory(args.device if args.device.type == "cuda" else "cpu")
+            self.meter.__enter__()
 
-            def on_step_end(self, args, state, control, **kwargs):
-                if self.meter is not None and state.global_step >= self.step:
-                    self.meter.__exit__(None, None, None)
-                    self.peak_bytes, self.start_bytes = self.meter.peak_bytes, self.meter.start_bytes
-                    self.meter = None
-                elif self.meter is None and self.peak_bytes is None and state.global_step == self.step - 1:
-                    self.meter = PeakAllocatorMemory(args.device if args.device.type == "cuda" else "cpu")
-                    self.meter.__enter__()
-
-            def on_train_end(self, args, state, control, **kwargs):
-                if self.meter is not None:  # training ended inside the window: close it, keep no number
-                    self.meter.__exit__(None, None, None)
-                    self.meter = None
-
-        return _Callback()
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.meter is not None:  # training ended inside the window: close it, keep no number
+            self.meter.__exit__(None, None, None)
+            self.meter = None
 
 
 @dataclass
@@ -330,7 +324,7 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
                          lora_target_modules: Any = "all-linear", activation_checkpointing: bool = False,
                          reference_model: bool | None = None, logps_chunk_size: int | None = None,
                          fp32_lm_head: bool = True, fused_optimizer: bool = True,
-                         loss_tokens: int | None = None) -> MemoryEstimate:
+                         loss_tokens: int | None = None, generation_rows: int | None = None) -> MemoryEstimate:
     """Peak tensor memory of one steady-state training step (optimizer state already built), without allocating.
 
     A model of the step, not a formula: the model's own code runs forward and backward, then AdamW steps, on fake
@@ -343,8 +337,10 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
       of `completion_len` (our packed layout), a frozen reference copy (`reference_model`, default on; a LoRA run
       uses the base with adapters off instead) run without gradients first.
     - grpo: `batch_size` completions per micro-batch in groups of `num_generations` sharing their prompt (the
-      shared-prompt layout: each prompt once); generation's KV cache for those rows, in the compute dtype;
-      `reference_model` (beta > 0) adds a frozen copy. PPO's rollout phase likewise, with `batch_size` rows.
+      shared-prompt layout: each prompt once); generation's KV cache for `generation_rows` rows (default
+      `batch_size`; a round decodes all its completions together, up to generation_batch_size), in the compute
+      dtype; `reference_model` (beta > 0) adds a frozen copy. PPO's rollout phase likewise (its decoding runs
+      outside autocast: the cache in the weights' dtype).
     - ppo: the policy with its value head (`critic="head"`) trained on `batch_size` rows of prompt + completion,
       a frozen reference copy and a reward model of the same architecture held beside it.
 
@@ -400,7 +396,7 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
         own = list(policy.parameters()) + list(policy.buffers()) + getattr(policy, "_estimate_lora", [])
         frozen = _storages_bytes(list(policy.parameters()) + list(policy.buffers()))  # the base, no adapters
         weights = _storages_bytes(own) + frozen_copies * frozen
-        body = policy.model
+        body = policy.get_decoder() if callable(getattr(policy, "get_decoder", None)) else policy.model
         head_weight = head.weight
         embedding = policy.get_input_embeddings().weight
         tied = head_weight is embedding and head_weight.requires_grad
@@ -449,20 +445,31 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
                     embedding.grad.add_(head_weight.grad)
                 head_weight.grad = None
             peak = tally.peak_bytes
-            optimizer.step()
+            if fused_optimizer:
+                # the fused AdamW updates in place with no temporaries: its step's peak is the state (already
+                # counted) plus the gradients, reached above; it is not run (half the estimate's time)
+                optimizer.zero_grad(set_to_none=True)
+                return peak
+            optimizer.step()  # foreach AdamW: its temporaries are part of the peak
             optimizer.zero_grad(set_to_none=True)
             return max(peak, tally.peak_bytes)
 
+        # Adam's state: exp_avg and exp_avg_sq like each trainable parameter, and a float32 step count per parameter
+        # (the fused and foreach kernels both keep it as a tensor)
+        optimizer_bytes = 2 * _storages_bytes(trainable) + 4 * len(trainable)
         tally = TensorMemoryTally(count_existing=False)
         with tally:
             for p in own:
                 tally._register(p)
             tally.current_bytes += weights - _storages_bytes(own)  # the frozen copies, never touched here
-            step(tally)  # builds the optimizer's state
+            if fused_optimizer:
+                tally.current_bytes += optimizer_bytes  # the steady state's, without running a first step
+            else:
+                step(tally)  # builds the optimizer's state (and its real size)
+                optimizer_bytes = sum(_storages_bytes(list(s.values())) for s in optimizer.state.values()
+                                      if isinstance(s, dict))
             resident = tally.current_bytes
             peak = step(tally)
-        optimizer_bytes = sum(_storages_bytes(list(s.values())) for s in optimizer.state.values()
-                              if isinstance(s, dict))
         grads = _storages_bytes(trainable)  # a gradient per trainable parameter, same dtype
         tally.stop_counting()
 
@@ -471,10 +478,14 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
         layers = config.num_hidden_layers
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        compute_bytes = 2 if (bf16 or torch_dtype != torch.float32) else 4
-        kv = 2 * layers * kv_heads * head_dim * batch_size * (prompt_len + completion_len) * compute_bytes
+        if trainer == "ppo":  # PPO decodes outside autocast: the weights' own dtype
+            cache_bytes = torch.finfo(torch_dtype).bits // 8
+        else:
+            cache_bytes = 2 if (bf16 or torch_dtype != torch.float32) else 4
+        rows = generation_rows or batch_size
+        kv = 2 * layers * kv_heads * head_dim * rows * (prompt_len + completion_len) * cache_bytes
         # decoding: weights, optimizer state, the cache and one step's [rows, V] float32 logits (no gradients)
-        generation_peak = resident + kv + batch_size * config.vocab_size * 4 * 2
+        generation_peak = resident + kv + rows * config.vocab_size * 4 * 2
         peak = max(peak, generation_peak)
     return MemoryEstimate(weights=weights, gradients=grads, optimizer=optimizer_bytes,
                           activations=max(peak - resident - grads, 0), kv_cache=kv, peak=peak,

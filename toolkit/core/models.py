@@ -398,7 +398,7 @@ def _has_gpu() -> bool:
 
 
 BF16_HELP = ("bf16 mixed precision (autocast over float32 weights and optimizer state). None (default): on with a "
-             "CUDA GPU that computes bf16 (Ampere and later), off on CPU.")
+             "CUDA GPU that computes bf16 natively (Ampere and later), off on CPU.")
 
 
 @dataclass(frozen=True)
@@ -418,15 +418,28 @@ class GpuInfo:
         return self.free_bytes + self.held_by_torch
 
 
-def gpu_info(device: Any = None) -> GpuInfo | None:
-    """The training GPU, or None without CUDA (or on a run asked to stay on the CPU)."""
+def gpu_info(device: Any = None, *, memory: bool = True) -> GpuInfo | None:
+    """The training GPU, or None without CUDA. `device`: the CUDA device (default: this process's, LOCAL_RANK's
+    card before the trainer has set one). `memory=False` reads only the card's properties: asking for free memory
+    creates a CUDA context on that card, which a config (built before the device is chosen) must not do on every
+    rank's card 0."""
     if not (_has_gpu() and torch.cuda.is_available()):
         return None
-    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
-    free, total = torch.cuda.mem_get_info(index)
-    return GpuInfo(name=torch.cuda.get_device_name(index), capability=torch.cuda.get_device_capability(index),
-                   bf16=torch.cuda.is_bf16_supported(), total_bytes=total, free_bytes=free,
-                   held_by_torch=torch.cuda.memory_reserved(index))
+    if device is None:
+        index = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+    else:
+        d = torch.device(device)
+        if d.type != "cuda":
+            return None
+        index = d.index if d.index is not None else torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(index)
+    free = total = held = 0
+    if memory:
+        free, total = torch.cuda.mem_get_info(index)
+        held = torch.cuda.memory_reserved(index)
+    # native bf16 only (Ampere and later): torch's is_bf16_supported() also says yes where it is emulated (slowly)
+    return GpuInfo(name=torch.cuda.get_device_name(index), capability=capability, bf16=capability >= (8, 0),
+                   total_bytes=total, free_bytes=free, held_by_torch=held)
 
 
 def apply_gpu_defaults(args: Any, gpu: GpuInfo | None) -> list[str]:
@@ -437,7 +450,8 @@ def apply_gpu_defaults(args: Any, gpu: GpuInfo | None) -> list[str]:
       below bf16's resolution and would be rounded away; TRL's default is the same, so comparisons stay equal.
       `model_dtype = "bfloat16"` halves weights, gradients and Adam state where memory decides (the memory model,
       `toolkit estimate`, says when).
-    - TF32 for the float32 matmuls that remain (the fp32 LM head, float32 runs) on Ampere and later.
+    - TF32 for the float32 matmuls that remain (float32 runs, optimizer-side products) on Ampere and later. Not
+      for the fp32 LM head, which `numerics.upcast_region` keeps in full float32 (its point is the precision).
     CPU defaults stay: bf16 unset means off there.
     """
     chosen: list[str] = []
@@ -463,6 +477,12 @@ def choose_checkpointing_by_memory(args: Any, model: Any, trainer: str, gpu: Gpu
     start-up line's account, or None where nothing was chosen (CPU, or the user's own setting)."""
     if gpu is None or getattr(args, "use_cpu", False) or not getattr(args, "_checkpointing_by_memory", False):
         return None
+    sharded = bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
+    if sharded or getattr(args, "world_size", 1) > 1:
+        # the model is for one unsharded process, and each rank would decide from its own card's free memory
+        # (and FSDP's own activation_checkpointing refuses Trainer's): the fixed default stays, the same on all
+        return (f"activation checkpointing {'on' if args.activation_checkpointing else 'off'} (the fixed default: "
+                "the memory model decides for one unsharded process only)")
     from .memory import estimate_step_memory
 
     config = unwrap_model(model).config
@@ -488,7 +508,7 @@ def log_gpu_defaults(args: Any, model: Any, trainer: str, **shape: int) -> None:
     """Finish the GPU defaults once the model is known (activation checkpointing by the memory model, for a step of
     `shape`: `memory.estimate_step_memory`'s arguments) and log the one start-up line that says what a GPU
     changed. Nothing happens on CPU."""
-    gpu = gpu_info() if _has_gpu() else None
+    gpu = gpu_info(getattr(args, "device", None)) if _has_gpu() and not getattr(args, "use_cpu", False) else None
     chosen = list(getattr(args, "_gpu_defaults", None) or [])
     checkpointing = choose_checkpointing_by_memory(args, model, trainer, gpu, **shape)
     if checkpointing:
@@ -520,7 +540,8 @@ def apply_cpu_training_defaults(args: Any, *, cpu_checkpointing: bool = True, gp
         setattr(args, name, gpu_checkpointing if on_gpu else cpu_checkpointing)
         # on a GPU the trainer replaces the fixed default with the memory model's verdict once the model is known
         args._checkpointing_by_memory = on_gpu
-    args._gpu_defaults = apply_gpu_defaults(args, gpu_info() if _has_gpu() else None)
+    on_gpu = _has_gpu() and not getattr(args, "use_cpu", False)
+    args._gpu_defaults = apply_gpu_defaults(args, gpu_info(memory=False) if on_gpu else None)
     if getattr(args, name + "_kwargs") is None and getattr(args, "gradient_checkpointing_kwargs", None) is None:
         setattr(args, name + "_kwargs", {"use_reentrant": False})
 

@@ -52,10 +52,26 @@ DEFAULT_CHUNK_SIZE = 512
 
 def upcast_region(upcast: bool, device_type: str) -> Any:
     """Autocast off where `upcast` promises float32 products: a wrapper's bfloat16 / float16 autocast region would
-    take them back to low precision whatever their inputs' dtypes."""
-    if upcast and torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    take them back to low precision whatever their inputs' dtypes. On CUDA, TF32 off too (the GPU default turns it
+    on for float32 matmuls; a TF32 product keeps 10 bits of mantissa, which is what the fp32 head is there to
+    avoid)."""
+    if not upcast:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    if torch.is_autocast_enabled(device_type):
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    if device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        stack.enter_context(_full_fp32_matmuls())
+    return stack
+
+
+@contextlib.contextmanager
+def _full_fp32_matmuls():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:

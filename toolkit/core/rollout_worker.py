@@ -243,17 +243,17 @@ class WorkerSpec:
 
 
 def choose_worker_device(requested: str | None, *, cuda: bool, gpus: int, trainer_index: int = 0,
-                         local_processes: int = 1) -> str:
+                         local_processes: int = 1, trainer_device: str | None = None) -> str:
     """The rollout worker's device. `requested` (AsyncGRPOConfig.worker_device) wins; None picks: the CPU without
     CUDA; with more GPUs than training processes on this node, a GPU of its own (the first one after the training
     processes', one per rank: rank r's worker on GPU local_processes + r when it exists); else the trainer's own
-    GPU, beside it (the weights once more and the KV cache: the start-up line says so)."""
+    GPU, beside it (`trainer_device`: the weights once more and the KV cache; the start-up line says so)."""
     if requested:
         return requested
     if not cuda or gpus < 1:
         return "cpu"
     spare = local_processes + trainer_index
-    return f"cuda:{spare}" if spare < gpus else f"cuda:{trainer_index}"
+    return f"cuda:{spare}" if spare < gpus else (trainer_device or f"cuda:{trainer_index}")
 
 
 def round_sampler(spec: WorkerSpec) -> RoundSampler:
