@@ -69,6 +69,8 @@ BENCHES = [
     Bench("decode_batch", "decode_batch.py", "core", 5),
     # peak tensor memory (allocator-level, what a GPU's max_memory_allocated reports), ours vs TRL, bf16, equal work
     Bench("memory_vs_trl", "memory_vs_trl.py", "core", 30, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
+    # the memory model's fit table for docs/gpu.md (fake tensors: no model is loaded or allocated)
+    Bench("memory_table", "memory_table.py", "core", 8),
     Bench("grpo_vllm", "grpo_vllm.py", "vllm", 8, python=".venv-vllm",
           needs=[(".venv-vllm/bin/python", "bash scripts/setup-vllm.sh")], inputs=("scripts/setup-vllm.sh",)),
     Bench("multiprocess", "multi_process.py", "long", 8, args=["--steps", "3"]),
