@@ -242,3 +242,13 @@ def test_several_processes_keep_the_fixed_checkpointing_default():
                      _checkpointing_by_memory=True, **extra)
         line = choose_checkpointing_by_memory(args, model, "sft", _card(free_gib=0.001), batch_size=4, seq_len=512)
         assert args.activation_checkpointing is False and "fixed default" in line
+
+
+def test_a_worker_device_the_worker_cannot_use_is_refused_before_start(tmp_path):
+    from toolkit import AsyncGRPOConfig
+    from toolkit.core.errors import ConfigError
+
+    for bad in ("gpu", "meta", "cuda:x"):
+        with pytest.raises(ConfigError, match=f"worker_device: '{bad}'.*'cpu', 'cuda' or 'cuda:N'"):
+            AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", worker_device=bad)
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", worker_device="cuda:1").worker_device == "cuda:1"

@@ -6,6 +6,8 @@ __all__ = ["AsyncGRPOConfig"]
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .errors import ConfigError
 from .grpo import GRPOConfig
 
@@ -66,6 +68,15 @@ class AsyncGRPOConfig(GRPOConfig):
         super().__post_init__()
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness: must be >= 0, got {self.max_staleness}.")
+        if self.worker_device is not None:
+            # checked here: the worker is a separate process, where a bad device would fail only after start-up
+            try:
+                kind = torch.device(self.worker_device).type
+            except (RuntimeError, TypeError):
+                kind = None
+            if kind not in ("cpu", "cuda"):
+                raise ConfigError(f"worker_device: '{self.worker_device}' is not a device the rollout worker can "
+                                  "decode on; use 'cpu', 'cuda' or 'cuda:N' (or leave it unset).")
         for name in ("queue_size", "sync_every", "worker_threads", "scoring_concurrency", "rounds_per_generation"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be an integer >= 1, got {getattr(self, name)!r}.")
