@@ -18,7 +18,8 @@ hangs or crashes is reported and the others still run. A check passes only on wh
 - sft_resume: 4 steps straight against 2 steps, a checkpoint, and a resumed run to step 4: the largest weight
   difference is printed, and passes under 1e-3 (a GPU's kernels need not be bitwise deterministic).
 - decode: the decode loop checking the host every step against every 8 (the GPU default): the same greedy ids;
-  seconds of each.
+  seconds of each. Then the static decoder (static_decode: CUDA graphs) against the loop keeping every row: the
+  same ids in float32, and the seconds of each in float32 and bfloat16.
 - gpu_defaults: configs left unset resolve to bf16 and TF32 on a bf16 card; a trainer logs the one start-up line,
   activation checkpointing chosen by the memory model.
 - memory_model: SFT and GRPO steps, `torch.cuda.max_memory_allocated` over step 2 against the memory model's
@@ -218,8 +219,32 @@ def check(name: str, path: str, device: str, out: str) -> dict:
             out[str(every)] = [[c.token_ids for c in g] for g in groups]
         if out["1"] != out["None"]:
             raise AssertionError("decoding ids differ between checking every step and every 8")
+        # the static decoder (a CUDA graph per batch) against the loop with every row kept, as the static one keeps
+        # them: in float32 the ids must be equal; in bfloat16 the seconds are compared (a longer, masked key axis
+        # may round a near-tie the other way, so the share of equal completions is printed, not required)
+        static: dict[str, object] = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            model = model.to(dtype)
+            ids, secs = {}, {}
+            for mode in ("loop", "static"):
+                backend = TransformersBackend(model, pad_token_id=tok.pad_token_id or 0, static_decode=mode == "static")
+                backend._compact_finished_rows = False
+                backend.generate(prompts, params, n=4, seed=0)  # warm-up (and the first capture)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                ids[mode] = [[c.token_ids for c in g] for g in backend.generate(prompts, params, n=4, seed=0)]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                secs[mode] = round(time.perf_counter() - t, 3)
+            equal = sum(a == b for ga, gb in zip(ids["loop"], ids["static"]) for a, b in zip(ga, gb))
+            name_ = str(dtype).removeprefix("torch.")
+            static[f"{name_}_equal_completions"] = f"{equal}/{4 * len(prompts)}"
+            static[f"{name_}_seconds_loop_kept_rows"], static[f"{name_}_seconds_static"] = secs["loop"], secs["static"]
+            if dtype == torch.float32 and equal != 4 * len(prompts):
+                raise AssertionError(f"static decoding ids differ from the loop's in float32: {static}")
         return {"seconds_check_every_step": seconds["1"], "seconds_check_default": seconds["None"],
-                "tokens": sum(len(c) for g in out["1"] for c in g)}
+                "tokens": sum(len(c) for g in out["1"] for c in g), "static_decode": static}
 
     if name == "gpu_defaults":
         import logging

@@ -53,7 +53,7 @@ def toolkit_make_reward(spec):
 def toolkit_register_generation_backends():
     def transformers(model, tokenizer, config):
         """Generation with the training model itself (no copy, no weight sync needed; kwargs: dtype, to decode
-        with a copy of the weights in that dtype)."""
+        with a copy of the weights in that dtype; static_decode, a preallocated KV cache and CUDA graphs)."""
         from .generation import TransformersBackend, _warn_mixed_precision_generation
 
         kwargs = config.generation_backend_kwargs or {}

@@ -311,12 +311,16 @@ def _generation_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 def _check_transformers_backend_kwargs(kwargs: dict[str, Any] | None) -> None:
     """A config's `generation_backend_kwargs` for the transformers backend, checked before any model loads (async
     GRPO's worker builds its backend itself and would otherwise drop a setting it does not know without a word)."""
-    unknown = sorted(set(kwargs or {}) - {"dtype"})
+    unknown = sorted(set(kwargs or {}) - {"dtype", "static_decode"})
     if unknown:
         raise ConfigError(f"generation_backend_kwargs: the transformers backend takes only 'dtype' (decode with a "
-                          f"copy of the weights in that dtype); got {unknown}. Settings of another backend need "
-                          "generation_backend set to it (e.g. 'vllm').")
+                          "copy of the weights in that dtype) and 'static_decode' (a preallocated KV cache, CUDA "
+                          f"graphs on a GPU); got {unknown}. Settings of another backend need generation_backend set "
+                          "to it (e.g. 'vllm').")
     _generation_dtype((kwargs or {}).get("dtype"))
+    static = (kwargs or {}).get("static_decode")
+    if static is not None and not isinstance(static, bool):
+        raise ConfigError(f"generation_backend_kwargs.static_decode: true or false (or unset), got {static!r}.")
 
 
 def _warn_mixed_precision_generation(model: torch.nn.Module, config: Any, kwargs: dict[str, Any]) -> None:
@@ -397,8 +401,14 @@ def _decode_mask(model: torch.nn.Module, mask: torch.Tensor, *, padded: bool = T
     return mask  # a sliding window's cache holds fewer keys than the mask has columns: transformers cuts it
 
 
+# Attention implementations that take sdpa's ready 4D boolean mask in a decode step: sdpa, and the trainers' packed
+# attention (attention.VARLEN_ATTENTION), whose calls without packed-row bounds are sdpa's. Named here rather than
+# imported: the architecture contract keeps generation and attention independent (a unit test ties the two).
+_SDPA_LIKE = ("sdpa", "toolkit_varlen")
+
+
 def _decode_mask_4d(model: torch.nn.Module) -> bool:
-    return getattr(unwrap_model(model).config, "_attn_implementation", None) == "sdpa" and _plain_kv_cache(model)
+    return getattr(unwrap_model(model).config, "_attn_implementation", None) in _SDPA_LIKE and _plain_kv_cache(model)
 
 
 def _rows_can_be_dropped(cache: Any) -> bool:
@@ -411,6 +421,108 @@ def _rows_can_be_dropped(cache: Any) -> bool:
                   if hasattr(cache_utils, name))
     layers = getattr(cache, "layers", None)
     return bool(layers) and all(type(layer) in plain for layer in layers)
+
+
+_STATIC_REFUSALS_LOGGED: set[str] = set()
+
+
+def _static_decode_refused(model: torch.nn.Module, st: _DecodeState, refreshes_weights: bool) -> str | None:
+    """Why a chunk cannot decode on a static cache (None: it can)."""
+    from transformers import cache_utils
+
+    if st.lockstep:
+        return "the model is sharded (FSDP2): its ranks decode in lockstep with the growing cache"
+    if refreshes_weights:
+        return "in-flight weight updates rebuild the KV cache mid-generation"
+    if getattr(unwrap_model(model).config, "_attn_implementation", None) not in _SDPA_LIKE:
+        return "the model's attention is not sdpa (the static decoder hands attention a ready boolean mask)"
+    if not _plain_kv_cache(model):
+        return "the model has sliding-window, recurrent or convolutional layers"
+    if type(st.cache) is not cache_utils.DynamicCache or not _rows_can_be_dropped(st.cache):
+        return "the prefilled cache is not a plain key/value cache"
+    return None
+
+
+class _StaticDecoder:
+    """Decode steps on a preallocated KV cache with fixed shapes, for CUDA graphs.
+
+    On a GPU a small model's decode step is launch-bound: a few hundred small kernels, each launched from Python,
+    for a few microseconds of work each. Here every step has the same shapes and reads and writes the same
+    buffers: the cache is transformers' StaticCache (keys and values preallocated for the prompt and `max_tokens`
+    tokens, each step's written at the column its length counter says, on the device), the attention mask a
+    preallocated [rows, columns] boolean buffer whose column is set before the step, and the step's token and
+    position are copied into fixed input tensors. So on CUDA the step is captured once per batch as a CUDA graph
+    and then replayed, one launch per token. On CPU the same steps run uncaptured (tests compare their ids with
+    the growing-cache loop's).
+
+    Rows stay in the batch to the end (the graph's shapes are fixed): the loop's dropping of finished rows is off.
+    Under autocast (a float32 model trained with bf16=True, which accelerate wraps in autocast) the graph is not
+    captured: autocast caches its casts of the weights, which a graph must not. Decode with a bf16 copy
+    (generation_backend_kwargs.dtype = "bfloat16") to capture."""
+
+    def __init__(self, model: torch.nn.Module, st: _DecodeState, max_tokens: int, *, capture: bool):
+        from transformers import StaticCache
+
+        rows, prompt = st.mask.shape
+        self.prompt, self.cache_kwarg = prompt, _cache_kwarg(model)
+        self.cache = StaticCache(config=unwrap_model(model).config, max_cache_len=prompt + max_tokens)
+        for src, dst in zip(st.cache.layers, self.cache.layers, strict=True):  # the prefilled keys and values
+            dst.lazy_initialization(src.keys, src.values)
+            dst.keys[:, :, :prompt].copy_(src.keys)
+            dst.values[:, :, :prompt].copy_(src.values)
+            dst.cumulative_length.fill_(prompt)
+        st.cache = None  # the growing cache is freed
+        self.mask = torch.zeros((rows, prompt + max_tokens), dtype=torch.bool, device=st.device)
+        self.mask[:, :prompt] = st.mask.bool()
+        self.tok = torch.zeros((rows, 1), dtype=torch.long, device=st.device)
+        self.pos = torch.zeros((rows, 1), dtype=torch.long, device=st.device)
+        self.capture = capture and not hasattr(model, "_original_forward") and not torch.is_autocast_enabled("cuda")
+        self.graph: Any = None
+        self.logits: torch.Tensor | None = None
+
+    def _inputs(self) -> dict[str, Any]:
+        # one query position attends to every key the mask lets through (sdpa takes the 4D boolean mask as given)
+        return {"input_ids": self.tok, "attention_mask": self.mask[:, None, None, :], "position_ids": self.pos,
+                "use_cache": True, self.cache_kwarg: self.cache}
+
+    def _set_length(self, length: int) -> None:
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(length)
+
+    def step(self, model: torch.nn.Module, tok: torch.Tensor, pos: torch.Tensor, active: torch.Tensor,
+             step: int) -> torch.Tensor:
+        """The next token's logits [rows, vocab] after `tok` (sampled at `step`) at positions `pos`. With a graph,
+        the tensor returned is the graph's output buffer, overwritten by the next step."""
+        column = self.prompt + step
+        self.mask[:, column] = active  # the token just sampled is real for every row that was active
+        self.tok.copy_(tok[:, None])
+        self.pos.copy_(pos[:, None])
+        if not self.capture:
+            return TransformersBackend._forward(model, **self._inputs()).logits[:, -1]
+        if self.graph is None:
+            self._capture(model, column)
+        self.graph.replay()
+        return self.logits
+
+    def _warm_up(self, model: torch.nn.Module, column: int, times: int = 2) -> None:
+        """Run the step `times` over without moving on: the forward writes this step's keys and values at `column`
+        (the same ones each time) and the cache's length is set back to `column` after each."""
+        for _ in range(times):
+            model(**self._inputs())
+            self._set_length(column)
+
+    def _capture(self, model: torch.nn.Module, column: int) -> None:
+        """Warm up on a side stream (cuBLAS handles, kernel selection), then record one step. Each warm-up forward
+        writes this step's keys at `column` and advances the cache's length, which is set back; recording runs
+        nothing, and the first replay writes them for real."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._warm_up(model, column)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model(**self._inputs()).logits[:, -1]
 
 
 @dataclass
@@ -460,13 +572,19 @@ class TransformersBackend:
     sampler correction (importance_sampling_cap / mode) weighs the gap to its float32 weights and logs it as
     `sampler/logp_abs_diff_*`; PPO logs it but does not correct it. Not for sharded (FSDP2) or quantized
     models, where a copy is not a cast of the weights.
+
+    `static_decode` (generation_backend_kwargs.static_decode; default False): decode on a preallocated KV cache
+    with fixed shapes (`_StaticDecoder`), which on a GPU is captured once per batch as a CUDA graph and replayed
+    at every token. Opt-in until it has been measured on a GPU (scripts/gpu_check.py does). On CPU it runs the same
+    steps uncaptured: the same ids as the loop above (tests/unit/test_static_decode.py), and no faster.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, max_batch_size: int = 256,
                  on_decode_step: Callable[[], None] | None = None,
                  refresh_weights: Callable[[], int | None] | None = None, version: int = 0,
-                 dtype: str | torch.dtype | None = None):
+                 dtype: str | torch.dtype | None = None, static_decode: bool | None = None):
         self.dtype = _generation_dtype(dtype)
+        self.static_decode = bool(static_decode)
         self._copy: torch.nn.Module | None = None     # the weights in `dtype` (when the model's differs)
         self._copy_of: torch.nn.Module | None = None  # the model it was cast from
         if self.dtype is not None:
@@ -636,6 +754,7 @@ class TransformersBackend:
                     else (1 if device.type == "cpu" else _HOST_CHECK_EVERY_GPU))
         rows_dev = st.rows.to(device)
         four_d = _decode_mask_4d(model)
+        static = self._static_decoder(model, st, params) if self.static_decode else None
         # lockstep: this rank's rows are all done (known at the last check; a placeholder batch is from the start)
         stepping_along = st.lockstep and bool(st.done.all())
         for step in range(params.max_tokens):
@@ -676,9 +795,14 @@ class TransformersBackend:
                     finished = _all_ranks_finished(finished, device)
                 if finished:
                     return
+            st.last_pos = st.last_pos + 1
+            if static is not None:  # fixed shapes: every row stays, its mask column is written in place
+                st.logits = static.step(model, tok, st.last_pos, active, step)
+                if self.on_decode_step is not None:
+                    self.on_decode_step()
+                continue
             # the token just sampled is real for every row that was active at this step
             st.mask = torch.cat([st.mask, active.long()[:, None]], dim=1)
-            st.last_pos = st.last_pos + 1
             if st.compact and checking:
                 keep = (~st.done[rows_dev]).nonzero().squeeze(-1)
                 if len(st.rows) - len(keep) >= _DROP_FINISHED_AT * len(st.rows):
@@ -696,6 +820,19 @@ class TransformersBackend:
             if self.on_decode_step is not None:
                 self.on_decode_step()
             st.logits = out.logits[:, -1]
+
+    def _static_decoder(self, model: torch.nn.Module, st: _DecodeState, params: SamplingParams
+                        ) -> _StaticDecoder | None:
+        """The static decoder for this chunk, or None (with the reason logged once) where the model or the run
+        needs the loop's growing cache."""
+        reason = _static_decode_refused(model, st, self.refresh_weights is not None)
+        if reason is not None:
+            if reason not in _STATIC_REFUSALS_LOGGED:
+                _STATIC_REFUSALS_LOGGED.add(reason)
+                logger.warning("static_decode: decoding with the growing KV cache instead, because %s.", reason)
+            return None
+        st.compact = False
+        return _StaticDecoder(model, st, params.max_tokens, capture=st.device.type == "cuda")
 
     def _refill(self, model: torch.nn.Module, st: _DecodeState, new_version: int, n: int, step: int,
                 rows_dev: torch.Tensor, active: torch.Tensor) -> tuple[torch.nn.Module, Any]:

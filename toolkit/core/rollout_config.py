@@ -53,7 +53,8 @@ class RolloutConfig(TrainingArguments):
         "help": "Generation backend by name: transformers | a registered backend (e.g. vllm)."})
     generation_backend_kwargs: dict | None = field(default=None, metadata={
         "help": "Settings passed to the generation backend's factory; the transformers backend takes only dtype "
-                "(checked here). A backend object handed to the trainer is already built and reads none."})
+                "and static_decode (checked here). A backend object handed to the trainer is already built and "
+                "reads none."})
 
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function."})
     reward_timeout: float = field(default=60.0, metadata={"help": "Seconds a reward function may take per batch."})

@@ -348,7 +348,8 @@ class RolloutWorker:
             use_varlen_attention(self.model)  # the trainer's attention, so both sides compute the same numbers
         return TransformersBackend(self.model, pad_token_id=spec.pad_token_id, max_batch_size=spec.max_batch_size,
                                    on_decode_step=self.progress.tick,
-                                   refresh_weights=self.refresh_weights if spec.inflight else None)
+                                   refresh_weights=self.refresh_weights if spec.inflight else None,
+                                   static_decode=spec.backend_kwargs.get("static_decode"))
 
     def load_weights(self) -> None:
         """The published weights into the model or engine (the caller holds the lock)."""
