@@ -8,7 +8,9 @@ for: our GRPOTrainer with the transformers backend, with the colocated vLLM engi
 (generation_backend="vllm", weights pushed every step), and with `toolkit vllm-serve` in its own
 process (generation_backend="vllm-server", weights uploaded over HTTP every step), the same with LoRA
 as `--lora_r 16` makes it (every linear layer of the blocks: after the first sync, only the blocks
-holding adapters are uploaded); and TRL's
+holding adapters are uploaded), and the colocated engine with LoRA both ways: `lora_sync = "merged"` (the
+adapted blocks merged and sent) against `"adapter"` (the base weights once, then the adapter alone, loaded as a
+vLLM LoRA); and TRL's
 GRPOTrainer with use_vllm=True, vllm_mode="colocate" (reported as failed if it does not run on
 this CPU). Each configuration runs in its own process; engine start-up is excluded (the first step
 is excluded from timing). Printed: steps per minute, generation seconds per step, weight-sync seconds (median
@@ -31,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import bench_args, provenance, run_each, step_timer  # noqa: E402
 
 SETTINGS = dict(prompts_per_step=4, num_generations=8, max_completion_length=16, temperature=0.7, lr=1e-5)
-KINDS = ("transformers", "vllm", "vllm-server", "vllm-server-lora", "trl-vllm-colocate")
+KINDS = ("transformers", "vllm", "vllm-server", "vllm-server-lora", "vllm-lora-merged", "vllm-lora-adapter",
+         "trl-vllm-colocate")
 # LoRA as `toolkit grpo --lora_r 16` makes it (all linear layers of the blocks): after the first sync only the
 # blocks holding adapters are sent
 LORA = dict(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -103,6 +106,8 @@ def worker(kind: str, steps: int) -> dict:
         kwargs = {}
         if kind == "vllm":
             kwargs = {"max_model_len": 256}
+        elif kind.startswith("vllm-lora"):  # the colocated engine, LoRA: merged blocks against the adapter alone
+            kwargs = {"max_model_len": 256, "lora_sync": kind.removeprefix("vllm-lora-")}
         elif kind.startswith("vllm-server"):
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
@@ -113,9 +118,10 @@ def worker(kind: str, steps: int) -> dict:
             kwargs = {"url": f"http://127.0.0.1:{port}", "startup_timeout": 300, "token": "bench-token"}
         from peft import LoraConfig
 
-        trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common, generation_backend=kind.removesuffix("-lora"),
+        backend = "vllm" if kind.startswith("vllm-lora") else kind.removesuffix("-lora")
+        trainer = GRPOTrainer(path, [numeric_match], GRPOConfig(**common, generation_backend=backend,
                                                                 generation_backend_kwargs=kwargs),
-                              peft_config=LoraConfig(**LORA) if kind.endswith("lora") else None,
+                              peft_config=LoraConfig(**LORA) if "lora" in kind else None,
                               train_dataset=rows, callbacks=[timer])
     syncs = sync_recorder(trainer)
     trainer.add_callback(syncs)
@@ -143,6 +149,7 @@ def worker(kind: str, steps: int) -> dict:
             "weight_sync_s": statistics.median(syncs.seconds[1:]) if len(syncs.seconds) > 1 else None,
             "weight_sync_max_s": max(syncs.seconds[1:]) if len(syncs.seconds) > 1 else None,
             "last_weight_sync_mb": getattr(backend, "last_sync_bytes", 0) / 1e6 or None,
+            "last_weight_sync_mode": getattr(backend, "last_sync_mode", None) or None,
             "mean_reward": sum(h.get("reward", 0) for h in hist) / max(len(hist), 1)}
 
 
@@ -170,7 +177,7 @@ def main() -> None:
                 else "-")
         mb = f"{r['last_weight_sync_mb']:.0f}" if r.get("last_weight_sync_mb") else "-"
         # LoRA trains something else than the full model: its step time is not compared
-        ratio = "-" if kind.endswith("lora") else f"{r['steps_per_min'] / base['steps_per_min']:.2f}x"
+        ratio = "-" if "lora" in kind else f"{r['steps_per_min'] / base['steps_per_min']:.2f}x"
         tokens = "-" if r.get("generated_tokens") is None else r["generated_tokens"]
         print(f"| {kind} | {r['steps_per_min']:.2f} | {r['sec_per_step']:.1f} | {gen} | {tokens} | {sync} | {mb} "
               f"| {ratio} |")

@@ -491,6 +491,17 @@ def table_rows() -> list[list[str]]:
                          f"{r['steps_per_min']:.2f}; {_sync_cell(r)} "
                          f"({r['last_weight_sync_mb']:.0f} MB: the blocks holding adapters)", "-", "-",
                          _sync_target(r), _when(d)])
+        merged, adapter = res.get("vllm-lora-merged", {}), res.get("vllm-lora-adapter", {})
+        if "steps_per_min" in merged and "steps_per_min" in adapter and adapter.get("weight_sync_s"):
+            rows.append(["grpo_vllm", "GRPO with LoRA (r=16, all linear), colocated vllm: weight sync s (MB), adapter "
+                         "alone vs merged blocks; steps/min",
+                         f"{adapter['weight_sync_s']:.2f} s ({adapter['last_weight_sync_mb']:.1f} MB); "
+                         f"{adapter['steps_per_min']:.2f}",
+                         f"{merged['weight_sync_s']:.2f} s ({merged['last_weight_sync_mb']:.0f} MB); "
+                         f"{merged['steps_per_min']:.2f} (merged sync)",
+                         f"{merged['weight_sync_s'] / adapter['weight_sync_s']:.1f}x faster sync, "
+                         f"{adapter['last_weight_sync_mb'] / merged['last_weight_sync_mb']:.1%} of the bytes",
+                         "bytes <= 5%", _when(d)])
     d = _load("experimental_vs_trl")
     if d:
         for name in ("reward", "simpo", "kto", "orpo"):

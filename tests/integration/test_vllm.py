@@ -134,6 +134,59 @@ def test_peft_merged_weights_are_pushed_then_only_the_adapted_blocks(engine, pat
     _lora_syncs_follow_the_adapters(engine, path, tok)
 
 
+@pytest.fixture(scope="module")
+def lora_engine(path):
+    return VLLMBackend(path, max_model_len=256, seed=0, max_lora_rank=16)  # vLLM's LoRA support on
+
+
+def test_lora_adapter_only_sync_generates_what_merged_sync_does(lora_engine, engine, path, tok):
+    """Adapter-only sync: the base weights once, then only the adapter (loaded as a vLLM LoRA) at each sync. After
+    several updates the engine generates what the engine given merged blocks generates and what the PEFT model
+    does, its sampling log-probs are the trainer's, and a sync moves under 5% of a full one's bytes."""
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.core.packing import completion_logps, pack_completions
+
+    model = get_peft_model(load_model(path), LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                                                       task_type="CAUSAL_LM"))
+    prompts, params = prompt_ids(tok), greedy(tok)
+    g = torch.Generator().manual_seed(0)
+    outputs = []
+    for step in range(3):
+        with torch.no_grad():  # what a training step does to the adapters
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn(p.shape, generator=g) * (0.2 if "lora_B" in name else 0.02))
+        lora_engine.sync_weights(model)
+        engine.sync_weights(model)  # an engine without LoRA support: the adapted blocks merged and sent
+        assert lora_engine.last_sync_mode == "adapter"
+        if step == 0:
+            full = engine.last_sync_bytes
+            assert lora_engine.last_sync_bytes > full  # the base weights, once, and the adapter
+        else:
+            assert lora_engine.last_sync_bytes <= 0.05 * full, (lora_engine.last_sync_bytes, full)
+        model.eval()
+        ours = [g_[0].token_ids for g_ in lora_engine.generate(prompts, params)]
+        assert ours == [g_[0].token_ids for g_ in engine.generate(prompts, params)], f"sync {step}"
+        assert ours == transformers_greedy(model, tok, prompts, params), f"sync {step}"
+        outputs.append(ours)
+        sampled = lora_engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.7,
+                                                               stop_token_ids=(tok.eos_token_id,)), n=2)
+        flat_p = [p for p, g_ in zip(prompts, sampled) for _ in g_]
+        flat_c = [c.token_ids for g_ in sampled for c in g_]
+        with torch.no_grad():
+            trainer = completion_logps(model, pack_completions(flat_p, flat_c, pad_token_id=tok.pad_token_id,
+                                                               padding_free=False), temperature=0.7)
+        sampler = torch.tensor([x for g_ in sampled for c in g_ for x in c.logprobs])
+        assert (trainer - sampler).abs().max() < 1e-3, f"sync {step}"
+    assert outputs[0] != outputs[1] != outputs[2]  # each sync changed what the engine generates
+    engine.sync_weights(load_model(path))  # restore for the next tests
+    lora_engine.sync_weights(load_model(path))  # a plain model: a full load, the adapter dropped
+    assert lora_engine._lora_request is None
+    assert [g_[0].token_ids for g_ in lora_engine.generate(prompts, params)] == [
+        g_[0].token_ids for g_ in engine.generate(prompts, params)]
+
+
 def test_submit_returns_futures_in_order(engine, tok):
     prompts = prompt_ids(tok)
     futures = [engine.submit([p], greedy(tok, 6)) for p in prompts]
@@ -280,6 +333,30 @@ def test_grpo_trains_with_the_vllm_backend(tmp_path, path):
     # the sampler/trainer mismatch is measured every step and is small for the same weights and temperature
     assert all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs)
     assert t.generation_backend.weights_version == 2   # synced before each rollout
+
+
+def test_grpo_with_lora_syncs_the_adapter_alone(tmp_path, path):
+    """The trainers' vllm backend sees the PEFT model and builds a LoRA engine: after the first sync (the base
+    weights and the adapter) each sync moves the adapter only, and the sampler matches the trainer."""
+    from peft import LoraConfig
+
+    from toolkit import GRPOConfig, GRPOTrainer
+    from toolkit.core.rewards import numeric_match
+    from toolkit.core.tasks import arithmetic
+
+    rows = arithmetic(16, seed=0, max_value=20, max_terms=2, kind="prompt_only")
+    cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, num_generations=4,
+                     max_completion_length=8, temperature=0.7, learning_rate=1e-3, save_strategy="no",
+                     report_to="none", disable_tqdm=True, generation_backend="vllm",
+                     generation_backend_kwargs={"max_model_len": 256})
+    t = GRPOTrainer(path, [numeric_match], cfg, train_dataset=rows,
+                    peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    t.train()
+    backend = t.generation_backend
+    assert backend.last_sync_mode == "adapter" and backend._lora_request is not None
+    assert backend.last_sync_bytes < 20e6  # the adapter (r=8, all linear: ~9 MB in float32), not the 651 MB model
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert len(logs) == 3 and all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs)
 
 
 def test_async_grpo_worker_generates_with_vllm(tmp_path, path):

@@ -62,14 +62,17 @@ def toolkit_register_generation_backends():
                                    max_batch_size=config.generation_batch_size, **kwargs)
 
     def vllm(model, tokenizer, config):
-        """A vLLM engine in the training process; weights pushed in place (kwargs: model_path, sync_every,
-        max_model_len, kv_cache_gib, ...)."""
+        """A vLLM engine in the training process; weights pushed in place, a LoRA run's adapters alone (kwargs:
+        model_path, sync_every, max_model_len, kv_cache_gib, lora_sync, ...)."""
         from .models import unwrap_model
-        from .vllm_backend import VLLMBackend, require_vllm, vllm_context_length
+        from .vllm_backend import VLLMBackend, peft_lora_rank, require_vllm, vllm_context_length
 
         require_vllm()
         kwargs = dict(config.generation_backend_kwargs or {})
         path = kwargs.pop("model_path", None) or unwrap_model(model).config._name_or_path
+        rank = peft_lora_rank(model)
+        if rank is not None and kwargs.get("lora_sync", "auto") != "merged":
+            kwargs.setdefault("max_lora_rank", rank)  # an engine with LoRA support: adapter-only syncs
         kwargs.setdefault("max_model_len", vllm_context_length(config))
         kwargs.setdefault("seed", config.seed)
         return VLLMBackend(path, **kwargs)
