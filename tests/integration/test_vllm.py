@@ -136,7 +136,8 @@ def test_peft_merged_weights_are_pushed_then_only_the_adapted_blocks(engine, pat
 
 @pytest.fixture(scope="module")
 def lora_engine(path):
-    return VLLMBackend(path, max_model_len=256, seed=0, max_lora_rank=16)  # vLLM's LoRA support on
+    # vLLM's LoRA support on ("auto" would keep merged syncs on this CPU engine, where LoRA layers are slow)
+    return VLLMBackend(path, max_model_len=256, seed=0, max_lora_rank=16, lora_sync="adapter")
 
 
 def test_lora_adapter_only_sync_generates_what_merged_sync_does(lora_engine, engine, path, tok):
@@ -336,8 +337,9 @@ def test_grpo_trains_with_the_vllm_backend(tmp_path, path):
 
 
 def test_grpo_with_lora_syncs_the_adapter_alone(tmp_path, path):
-    """The trainers' vllm backend sees the PEFT model and builds a LoRA engine: after the first sync (the base
-    weights and the adapter) each sync moves the adapter only, and the sampler matches the trainer."""
+    """The trainers' vllm backend sees the PEFT model and, asked for adapter syncs, builds a LoRA engine: after the
+    first sync (the base weights and the adapter) each sync moves the adapter only, and the sampler matches the
+    trainer. (lora_sync='auto' means merged blocks on this CPU engine: test_lora_sync_choice.py.)"""
     from peft import LoraConfig
 
     from toolkit import GRPOConfig, GRPOTrainer
@@ -348,7 +350,7 @@ def test_grpo_with_lora_syncs_the_adapter_alone(tmp_path, path):
     cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, num_generations=4,
                      max_completion_length=8, temperature=0.7, learning_rate=1e-3, save_strategy="no",
                      report_to="none", disable_tqdm=True, generation_backend="vllm",
-                     generation_backend_kwargs={"max_model_len": 256})
+                     generation_backend_kwargs={"max_model_len": 256, "lora_sync": "adapter"})
     t = GRPOTrainer(path, [numeric_match], cfg, train_dataset=rows,
                     peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
     t.train()

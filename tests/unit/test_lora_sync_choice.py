@@ -5,7 +5,7 @@ import pytest
 from peft import LoraConfig, get_peft_model
 
 from toolkit.core.errors import ConfigError
-from toolkit.core.vllm_backend import adapter_sync_refusal, engine_lora_rank, peft_lora_rank
+from toolkit.core.vllm_backend import adapter_sync_refusal, engine_lora_rank, lora_sync_mode, peft_lora_rank
 from toolkit.testing import tiny_model
 
 
@@ -40,3 +40,13 @@ def test_engine_ranks_are_the_ones_vllm_serves():
     assert [engine_lora_rank(r) for r in (1, 4, 8, 12, 16, 100, 512)] == [1, 8, 8, 16, 16, 128, 512]
     with pytest.raises(ConfigError, match="lora_sync = 'merged'"):
         engine_lora_rank(1024)
+
+
+def test_auto_means_the_adapter_on_a_gpu_engine_and_merged_blocks_on_the_cpu_engine():
+    """Measured (bench/grpo_vllm.py at dac86a8): on vLLM's CPU engine LoRA layers made generation ~4x slower than
+    the adapter-only sync saved, so "auto" keeps merged syncs there."""
+    assert lora_sync_mode("auto", on_gpu=True) == "adapter"
+    assert lora_sync_mode("auto", on_gpu=False) == "merged"
+    assert lora_sync_mode("adapter", on_gpu=False) == "adapter" and lora_sync_mode("merged", on_gpu=True) == "merged"
+    with pytest.raises(ConfigError, match="lora_sync"):
+        lora_sync_mode("lora")

@@ -71,8 +71,8 @@ def toolkit_register_generation_backends():
         kwargs = dict(config.generation_backend_kwargs or {})
         path = kwargs.pop("model_path", None) or unwrap_model(model).config._name_or_path
         rank = peft_lora_rank(model)
-        if rank is not None and kwargs.get("lora_sync", "auto") != "merged":
-            kwargs.setdefault("max_lora_rank", rank)  # an engine with LoRA support: adapter-only syncs
+        if rank is not None:  # VLLMBackend builds the engine with LoRA support where lora_sync means the adapter
+            kwargs.setdefault("max_lora_rank", rank)
         kwargs.setdefault("max_model_len", vllm_context_length(config))
         kwargs.setdefault("seed", config.seed)
         return VLLMBackend(path, **kwargs)
