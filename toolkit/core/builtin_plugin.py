@@ -65,10 +65,10 @@ def toolkit_register_generation_backends():
         """A vLLM engine in the training process; weights pushed in place, a LoRA run's adapters alone (kwargs:
         model_path, sync_every, max_model_len, kv_cache_gib, lora_sync, ...)."""
         from .models import unwrap_model
-        from .vllm_backend import VLLMBackend, peft_lora_rank, require_vllm, vllm_context_length
+        from .vllm_backend import VLLMBackend, gpu_engine_kwargs, peft_lora_rank, require_vllm, vllm_context_length
 
         require_vllm()
-        kwargs = dict(config.generation_backend_kwargs or {})
+        kwargs = gpu_engine_kwargs(model, config, dict(config.generation_backend_kwargs or {}))
         path = kwargs.pop("model_path", None) or unwrap_model(model).config._name_or_path
         rank = peft_lora_rank(model)
         if rank is not None:  # VLLMBackend builds the engine with LoRA support where lora_sync means the adapter

@@ -22,6 +22,7 @@ __all__ = [
     "GenerationStats",
     "SamplingParams",
     "TransformersBackend",
+    "after_generation",
     "sample_tokens",
     "truncate_logits",
 ]
@@ -38,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .attention import VARLEN_ATTENTION
 from .errors import ConfigError, TrainingHealthError
 from .models import _CpuInferenceLinear, unwrap_model
 from .packing import common_start
@@ -100,12 +102,24 @@ class GenerationBackend(Protocol):
         each rank's prompt count, as `TransformersBackend` does; otherwise the ranks wait forever.
     sync_weights: make the backend sample from `model`'s current weights (a no-op for backends
         that sample with the training model itself).
+
+    Optional: `sleep()`, which the trainers call once a rollout's generation is over (`after_generation`): a
+    backend whose engine shares the training GPU gives its memory back for the training pass, and takes it again
+    in its next sync_weights or generate (VLLMBackend's sleep mode).
     """
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
                  seed: int | None = None) -> list[list[Completion]]: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
+def after_generation(backend: Any) -> None:
+    """A rollout's generation is over: let the backend release what it holds for generating (its optional
+    `sleep()`; see GenerationBackend). The trainers call it between generation and the training pass."""
+    sleep = getattr(backend, "sleep", None)
+    if callable(sleep):
+        sleep()
 
 
 @runtime_checkable
@@ -402,9 +416,8 @@ def _decode_mask(model: torch.nn.Module, mask: torch.Tensor, *, padded: bool = T
 
 
 # Attention implementations that take sdpa's ready 4D boolean mask in a decode step: sdpa, and the trainers' packed
-# attention (attention.VARLEN_ATTENTION), whose calls without packed-row bounds are sdpa's. Named here rather than
-# imported: the architecture contract keeps generation and attention independent (a unit test ties the two).
-_SDPA_LIKE = ("sdpa", "toolkit_varlen")
+# attention, whose calls without packed-row bounds are sdpa's.
+_SDPA_LIKE = ("sdpa", VARLEN_ATTENTION)
 
 
 def _decode_mask_4d(model: torch.nn.Module) -> bool:

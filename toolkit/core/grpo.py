@@ -54,7 +54,7 @@ from .checkpoint import write_atomic
 from .data import prompt_rows, tokenize_prompts
 from .distributed import any_rank, env_world_size
 from .errors import ConfigError, TrainingHealthError
-from .generation import Completion, GenerationBackend, SamplingParams
+from .generation import Completion, GenerationBackend, SamplingParams, after_generation
 from .lifecycle import TrainerLifecycle
 from .models import (
     DEFAULT_MODEL,
@@ -687,6 +687,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
                                      seed=generation_seed(self.args.seed, self.state.global_step,
                                                           self.accelerator.process_index), group_size=G,
                                      **({"timings": timings} if takes_timings else {}))
+        after_generation(self.generation_backend)
         from .environments import environment_wait_metrics
 
         now = time.perf_counter()
@@ -773,6 +774,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             self.generation_backend, [self.prompt_ids[i] for i in row_indices], [self.rows[i] for i in row_indices],
             sampling=self.sampling, n=self.args.num_generations, score=self.compute_rewards,
             seed=generation_seed(self.args.seed, self.state.global_step, self.accelerator.process_index))
+        after_generation(self.generation_backend)  # a colocated engine gives its GPU memory to the training pass
         return self.build_rollout(row_indices, scored.groups, scored.rewards_per_func, t_sync + scored.generation_s,
                                   scored.scoring_s)
 

@@ -57,6 +57,7 @@ from .checkpoint import begin_checkpoint, commit_checkpoint, publish_folder, res
 from .data import prompt_rows, tokenize_prompts
 from .distributed import env_world_size, refuse_sharding
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
+from .generation import after_generation
 from .lifecycle import STAGING, TrainerLifecycle
 from .model_card import write_model_card
 from .models import (
@@ -583,6 +584,7 @@ class PPOTrainer(TrainerLifecycle, Trainer):
         seed = generation_seed(args.seed, update, self.accelerator.process_index)  # ranks draw different samples
         self.generation_backend.sync_weights(self.model)
         groups = self.generation_backend.generate(prompts, self.sampling, n=1, seed=seed)
+        after_generation(self.generation_backend)  # a colocated engine gives its GPU memory to the training pass
         completions = [g[0].token_ids for g in groups]
         device = self.args.device
         truncated = torch.tensor([g[0].finish_reason == "length" for g in groups], device=device)

