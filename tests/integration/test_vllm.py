@@ -141,6 +141,11 @@ def lora_engine(path):
 
 
 def test_lora_adapter_only_sync_generates_what_merged_sync_does(lora_engine, engine, path, tok):
+    _adapter_only_syncs_equal_merged_syncs(lora_engine, engine, path, tok)
+    assert lora_engine._lora_request is None  # a plain model synced after them: a full load, the adapter dropped
+
+
+def _adapter_only_syncs_equal_merged_syncs(lora_engine, engine, path, tok):
     """Adapter-only sync: the base weights once, then only the adapter (loaded as a vLLM LoRA) at each sync. After
     several updates the engine generates what the engine given merged blocks generates and what the PEFT model
     does, its sampling log-probs are the trainer's, and a sync moves under 5% of a full one's bytes."""
@@ -183,7 +188,7 @@ def test_lora_adapter_only_sync_generates_what_merged_sync_does(lora_engine, eng
     assert len({str(o) for o in outputs}) == 3  # each sync changed what the engine generates
     engine.sync_weights(load_model(path))  # restore for the next tests
     lora_engine.sync_weights(load_model(path))  # a plain model: a full load, the adapter dropped
-    assert lora_engine._lora_request is None
+    assert full <= lora_engine.last_sync_bytes < 1.001 * full  # every weight (a server counts the file's header too)
     assert [g_[0].token_ids for g_ in lora_engine.generate(prompts, params)] == [
         g_[0].token_ids for g_ in engine.generate(prompts, params)]
 
@@ -246,14 +251,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _serve(path):
+def _serve(path, *extra):
     """A real `toolkit vllm-serve` subprocess on a free loopback port: (process, url); killed afterwards."""
     port = free_port()
     # The server refuses requests without its token; server and clients read it from the environment.
     os.environ["TOOLKIT_VLLM_TOKEN"] = "stage-4-test-token"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "toolkit.core.cli", "vllm-serve", "--model", path, "--port",
-                             str(port), "--max_model_len", "256"], env=env, stdout=subprocess.PIPE,
+                             str(port), "--max_model_len", "256", *extra], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     yield proc, url
@@ -303,6 +308,14 @@ def test_server_weight_upload_changes_its_outputs(server, path, tok):
 def test_server_lora_syncs_upload_only_the_adapted_blocks(server, path, tok):
     _, url = server
     _lora_syncs_follow_the_adapters(VLLMServerBackend(url, startup_timeout=240, timeout=120), path, tok)
+
+
+def test_server_adapter_only_syncs_generate_what_merged_syncs_do(path, engine, tok):
+    """The same as the colocated engine's, through `toolkit vllm-serve --max_lora_rank 16` (POST /load_adapter)."""
+    for _, url in _serve(path, "--max_lora_rank", "16", "--warm_up", "0"):
+        client = VLLMServerBackend(url, startup_timeout=240, timeout=120, lora_sync="adapter")
+        assert client.info["lora_rank"] == 16 and client.info["dtype"] == "float32"
+        _adapter_only_syncs_equal_merged_syncs(client, engine, path, tok)
 
 
 def test_a_server_that_never_started_or_died_is_reported_within_the_timeout(server, tok):

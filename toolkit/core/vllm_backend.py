@@ -29,6 +29,7 @@ __all__ = [
     "TOKEN_ENV",
     "VLLMBackend",
     "VLLMServerBackend",
+    "adapter_files",
     "adapter_sync_refusal",
     "changing_groups",
     "check_vllm_build",
@@ -528,6 +529,20 @@ def adapter_sync_refusal(model: torch.nn.Module, max_lora_rank: int) -> str | No
     return None
 
 
+@torch.no_grad()
+def adapter_files(peft: torch.nn.Module, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The active LoRA adapter of a PEFT model as the files vLLM loads: its state dict (PEFT's names, in `dtype`,
+    on the host) and its adapter_config as plain JSON values."""
+    from peft import get_peft_model_state_dict
+
+    adapter = peft.active_adapter
+    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous()
+               for k, v in get_peft_model_state_dict(peft, adapter_name=adapter).items()}
+    config = json.loads(json.dumps(peft.peft_config[adapter].to_dict(),
+                                   default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
+    return tensors, config
+
+
 def colocated_engine_defaults(*, on_gpu: bool, weights_dtype: torch.dtype, bf16: bool, resident_bytes: int | None,
                               budget_bytes: int | None, total_bytes: int | None, sleep: bool) -> tuple[dict, str]:
     """The colocated engine's settings a GPU user expects, and the sentence that says why (`VLLMBackend` kwargs the
@@ -756,27 +771,29 @@ class VLLMBackend(_SyncEvery):
 
     @torch.no_grad()
     def _load_adapter(self, peft: torch.nn.Module) -> int:
-        """The active adapter into the engine as a new LoRA (written as a PEFT folder, loaded now so that a
-        failure is the sync's, not the next generate's); the previous one removed. Returns the bytes written."""
+        return self.load_adapter(*adapter_files(peft, self.dtype or torch.float32))
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
+        """A LoRA adapter (PEFT's state dict names and adapter_config) into the engine as a new LoRA that every later
+        generate applies: written as a PEFT folder and loaded now, so that a failure is the sync's, not the next
+        generate's; the previous adapter removed. Needs an engine with LoRA support. Returns the tensors' bytes."""
         import shutil
         import tempfile
 
-        from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        adapter = peft.active_adapter
-        dtype = self.dtype or torch.float32
-        state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous()
-                 for k, v in get_peft_model_state_dict(peft, adapter_name=adapter).items()}
+        if self._lora_rank is None:
+            raise ConfigError("vLLM: this engine was started without LoRA support (max_lora_rank / --max_lora_rank), "
+                              "so it cannot load an adapter; sync merged weights instead.")
         if self._lora_dir is None:
             self._lora_dir = Path(tempfile.mkdtemp(prefix="toolkit-lora-sync-"))
             weakref.finalize(self, shutil.rmtree, str(self._lora_dir), True)
         self._lora_serial += 1
         folder = self._lora_dir / str(self._lora_serial)
         folder.mkdir()
-        save_file(state, str(folder / "adapter_model.safetensors"))
-        peft.peft_config[adapter].save_pretrained(str(folder))
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps(config))
         request = LoRARequest(f"toolkit-policy-{self._lora_serial}", self._lora_serial, str(folder))
         with self._lock:
             self._wake_locked(("weights",))
@@ -786,7 +803,7 @@ class VLLMBackend(_SyncEvery):
                 self.llm.llm_engine.remove_lora(old.lora_int_id)
                 shutil.rmtree(old.lora_path, ignore_errors=True)
             self.weights_version += 1
-        return sum(t.numel() * t.element_size() for t in state.values())
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, partial: bool = False) -> None:
         """Load `weights` into the engine in place. `partial`: only some of the model's weights (the layers left
@@ -857,7 +874,14 @@ class VLLMServerBackend(_SyncEvery):
     """Talks to `toolkit vllm-serve` over HTTP. Every failure is a ToolkitError naming the URL, never a hang."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", *, timeout: float = 300.0, startup_timeout: float = 0.0,
-                 sync_every: int = 1, token: str | None = None):
+                 sync_every: int = 1, token: str | None = None, lora_sync: str = "auto"):
+        if lora_sync not in LORA_SYNC_MODES:
+            raise ConfigError(f"generation_backend_kwargs.lora_sync: {lora_sync!r} is not one of "
+                              f"{' | '.join(LORA_SYNC_MODES)}.")
+        self.lora_sync = lora_sync  # "auto": the adapter alone where the server has LoRA support (--max_lora_rank)
+        self.last_sync_mode = ""
+        self._base_of: weakref.ref | None = None  # the PEFT model whose base weights the server holds, unmerged
+        self._said_mode = False
         self.url = url.rstrip("/")
         # The server refuses requests without its token (printed by `toolkit vllm-serve` at start).
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
@@ -965,10 +989,70 @@ class VLLMServerBackend(_SyncEvery):
             return False
         return (health.get("instance"), health.get("weights_version")) == (self._instance, self.weights_version)
 
+    def _sync_adapter(self, model: torch.nn.Module) -> bool:
+        """The adapter alone, where the server has LoRA support and `lora_sync` allows it: rank 0 uploads the base
+        weights once (unmerged), then each sync the adapter (POST /load_adapter); every rank shares the outcome."""
+        if self.lora_sync == "merged" or _peft_model(model) is None:
+            return False
+        rank = int(self.info.get("lora_rank") or 0)
+        reason = ("the server has no LoRA support (start it with --max_lora_rank)" if not rank
+                  else adapter_sync_refusal(model, rank))
+        if reason is not None:
+            if self.lora_sync == "adapter":
+                raise ConfigError(f"generation_backend_kwargs.lora_sync = 'adapter': {reason}.")
+            if not self._said_mode and rank:
+                logger.warning("vLLM server LoRA sync: merged blocks, not the adapter alone, because %s.", reason)
+            self._said_mode = True
+            self.last_sync_mode = "merged"
+            return False
+        peft = _peft_model(model)
+        started, base_bytes, adapter_bytes, outcome = time.perf_counter(), 0, 0, _DONE
+        if self._loads_here():
+            try:
+                if self._base_of is None or self._base_of() is not peft or not self._engine_unchanged():
+                    self.load_weights([(name, t.detach()) for name, t in _named_state(peft)[2]], partial=False)
+                    base_bytes = self.last_sync_bytes
+                adapter_bytes = self._upload_adapter(peft)
+                self._base_of = weakref.ref(peft)
+            except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+                self._error, outcome = e, _FAILED
+        if _all_ranks_max(outcome) == _FAILED:
+            error, self._error = self._error, None
+            raise error if error is not None else ToolkitError(
+                "vLLM adapter upload: rank 0's upload failed (its log has the reason); this rank stops too.")
+        self._after_sync()
+        if not self._said_mode:
+            logger.info("vLLM server LoRA sync: the adapter alone (%.1f MB a sync; the base weights, %.0f MB, once).",
+                        adapter_bytes / 2**20, base_bytes / 2**20)
+            self._said_mode = True
+        self._synced, self._groups = None, frozenset()
+        self.last_sync_s = time.perf_counter() - started
+        self.last_sync_bytes = base_bytes + adapter_bytes
+        self.last_sync_mode = "adapter"
+        return True
+
+    def _upload_adapter(self, peft: torch.nn.Module) -> int:
+        import urllib.parse
+
+        dtype = getattr(torch, self.info.get("dtype") or "float32", torch.float32)
+        tensors, config = adapter_files(peft, dtype)
+        chunks, length = safetensors_stream(list(tensors.items()))
+        query = urllib.parse.urlencode({"base": f"{self._instance}:{self.weights_version}",
+                                        "config": json.dumps(config)})
+        out = self._request(f"/load_adapter?{query}", chunks, content_type="application/octet-stream", length=length)
+        self.weights_version = out["weights_version"]
+        self._instance = out.get("instance")
+        return length
+
     def load_weights(self, weights: list[tuple[str, torch.Tensor]], *, partial: bool = False) -> None:
-        """Upload `weights`; `partial`: only some of the model's weights (see VLLMBackend.load_weights)."""
+        """Upload `weights`; `partial`: only some of the model's weights (see VLLMBackend.load_weights). Cast to the
+        server engine's dtype (its /health says) before they leave: a bf16 engine gets half the bytes."""
         started = time.perf_counter()
         self._synced = None
+        self._base_of = None  # the server's weights are these now: no adapter applies on top of them
+        dtype = getattr(torch, self.info.get("dtype") or "", None)
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            weights = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in weights]
         chunks, length = safetensors_stream(weights)
         # a partial upload names the version it completes: the server refuses it (409) if it holds another
         out = self._request(f"/update_weights?partial=1&base={self._instance}:{self.weights_version}" if partial

@@ -378,8 +378,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         srv = self.server
         if self._route()[0] == "/health":
-            self._send(200, {"status": "ok", "model": srv.model_path, "weights_version": srv.backend.weights_version,
-                             "pid": os.getpid(), "partial_uploads": True, "instance": srv.instance})
+            backend = srv.backend
+            self._send(200, {"status": "ok", "model": srv.model_path, "weights_version": backend.weights_version,
+                             "pid": os.getpid(), "partial_uploads": True, "instance": srv.instance,
+                             # adapter-only syncs (POST /load_adapter) where the engine has LoRA support
+                             "lora_rank": getattr(backend, "_lora_rank", None) or 0,
+                             "dtype": str(getattr(backend, "dtype", None) or "").removeprefix("torch.")})
         else:
             self._send(404, {"error": f"no such endpoint {self.path}; GET /health"})
 
@@ -392,8 +396,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._generate()
             elif path == "/update_weights":
                 self._update_weights(query)
+            elif path == "/load_adapter":
+                self._load_adapter(query)
             else:
-                self._send(404, {"error": f"no such endpoint {self.path}; POST /generate or /update_weights"})
+                self._send(404, {"error": f"no such endpoint {self.path}; POST /generate, /update_weights or "
+                                          "/load_adapter"})
         except Exception as e:  # the client gets the reason, the server keeps serving
             logger.exception("request %s failed", self.path)
             self._send(500, {"error": f"{type(e).__name__}: {e}"})
@@ -442,6 +449,39 @@ class _Handler(BaseHTTPRequestHandler):
                          "instance": srv.instance})
 
 
+    def _load_adapter(self, query: dict) -> None:
+        """A LoRA adapter (safetensors body, PEFT names; its adapter_config as JSON in `config`) loaded as the LoRA
+        every later /generate applies. Like a partial upload it names the weights it goes on (`base`): the base
+        weights this client uploaded; refused (409) on any other."""
+        srv = self.server
+        backend, uploads = srv.backend, srv.uploads
+        refused = None
+        with uploads.lock:
+            started = time.perf_counter()
+            body = self._body(srv.max_upload_bytes)
+            if body is None:
+                return
+            held = f"{srv.instance}:{backend.weights_version}"
+            if query.get("base") != [held]:
+                refused = (409, f"/load_adapter: this adapter goes on weights {(query.get('base') or ['none'])[0]} "
+                                f"(server start:version), but the server holds {held}; upload the base weights.")
+            else:
+                from .vllm_backend import parse_safetensors
+
+                try:
+                    config = json.loads((query.get("config") or ["{}"])[0])
+                    tensors = {name: t.clone() for name, t in parse_safetensors(body)}
+                except ValueError as e:
+                    refused = (400, f"/load_adapter: {e}")
+                else:  # on the loader's thread, as weight loads (the engine does one thing at a time)
+                    uploads.loader.submit(backend.load_adapter, tensors, config).result()
+            seconds = round(time.perf_counter() - started, 4)
+        if refused is not None:
+            self._send(refused[0], {"error": refused[1], "weights_version": backend.weights_version})
+            return
+        self._send(200, {"weights_version": backend.weights_version, "seconds": seconds, "instance": srv.instance})
+
+
 def make_server(backend, host: str, port: int, model_path: str, *, token: str, max_request_bytes: int = 16 * MIB,
                 max_upload_bytes: int = 64 * 1024 * MIB, uploads: _Uploads | None = None) -> ThreadingHTTPServer:
     """The HTTP server around `backend` (listening once this returns); every request must carry
@@ -475,6 +515,10 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--gpu_memory_utilization", type=float, default=0.1,
                     help="share of the GPU's memory the engine may take (weights + KV cache); on a GPU of its own, "
                          "e.g. 0.85. A CPU build of vLLM sizes its cache by --kv_cache_gib instead")
+    ap.add_argument("--max_lora_rank", type=int, default=0,
+                    help="LoRA support in the engine for adapter-only syncs (POST /load_adapter) of adapters up to "
+                         "this rank; 0 (default): merged syncs only. On vLLM's CPU engine LoRA layers make generation "
+                         "~4x slower (docs/vllm.md)")
     ap.add_argument("--no_enforce_eager", action="store_true",
                     help="capture CUDA graphs for decoding (faster on a GPU; start-up takes longer)")
     ap.add_argument("--token", default=None, help="the token every request must carry (default: $TOOLKIT_VLLM_TOKEN, "
@@ -505,7 +549,8 @@ def serve(argv: list[str]) -> int:
             and _keep_freed_memory())
     backend = VLLMBackend(path, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=args.kv_cache_gib,
                           dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-                          enforce_eager=not args.no_enforce_eager,
+                          enforce_eager=not args.no_enforce_eager, max_lora_rank=args.max_lora_rank or None,
+                          lora_sync="adapter" if args.max_lora_rank else "merged",
                           sleep_mode=False)  # serves clients whenever they ask: nothing to give back in between
     # warmed before the port listens: a client's /health then finds nothing rather than a socket nobody answers
     if kept:
