@@ -227,3 +227,14 @@ def test_a_hub_id_is_found_in_the_local_cache_and_nothing_is_downloaded(monkeypa
 def test_completions_are_read_back_from_the_recorded_engine(fake_vllm):
     out = _backend(fake_vllm).generate([[5, 6]], SamplingParams(max_tokens=2), n=2)
     assert out == [[Completion([1, 2], [-0.5, -0.5], "length")] * 2]
+
+
+def test_async_grpo_s_vllm_worker_sees_only_its_own_gpu():
+    """The worker process's vLLM engine takes the first GPU it sees: its CUDA_VISIBLE_DEVICES names the worker's."""
+    from toolkit.core.rollout_worker import visible_devices_for
+
+    assert visible_devices_for("cuda:1", None) == "1"
+    assert visible_devices_for("cuda:1", "4,5,6") == "5"
+    assert visible_devices_for("cuda", "3") == "3"
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=4"):
+        visible_devices_for("cuda:1", "4")

@@ -100,7 +100,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
             trainer_index=self.accelerator.local_process_index,
             local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes)),
             trainer_device=f"cuda:{self.args.device.index or 0}" if on_gpu else None)
-        if self.worker_device != "cpu" and args.generation_backend == "transformers":
+        if self.worker_device != "cpu" and args.generation_backend == "vllm":
+            beside = self.worker_device == f"cuda:{self.args.device.index or 0}"
+            logger.info("async GRPO: the rollout worker's vLLM engine runs on %s%s.", self.worker_device,
+                        " beside the trainer (its share of the card from the memory model)" if beside else
+                        ", a GPU of its own")
+        elif self.worker_device != "cpu" and args.generation_backend == "transformers":
             beside = self.worker_device == f"cuda:{self.args.device.index or 0}"
             logger.info("async GRPO: the rollout worker decodes on %s%s.", self.worker_device,
                         " beside the trainer (its own copy of the weights and its KV cache on the same card; "
@@ -252,6 +257,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             kwargs.setdefault("seed", args.seed)
             # the worker generates round after round while the trainer trains: nothing to give back in between
             kwargs.setdefault("sleep_mode", False)
+            if self.worker_device.startswith("cuda"):
+                from .vllm_backend import gpu_engine_kwargs
+
+                if self.worker_device != f"cuda:{self.args.device.index or 0}":
+                    kwargs.setdefault("gpu_memory_utilization", 0.9)  # a GPU of its own
+                # dtype and CUDA graphs as a colocated engine; beside the trainer, the share the memory model leaves
+                # it with the trainer's whole step resident (no sleep: both run at once)
+                kwargs = gpu_engine_kwargs(self.model, args, kwargs)
         return kwargs
 
     # ------------------------------------------------------------------------------- the staleness gate

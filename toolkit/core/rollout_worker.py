@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .errors import TrainingHealthError
+from .errors import ConfigError, TrainingHealthError
 from .generation import TransformersBackend, _generation_dtype
 from .rewards import RewardRunner, score_completions
 from .rollout import RoundSampler, generation_seed
@@ -256,6 +256,19 @@ def choose_worker_device(requested: str | None, *, cuda: bool, gpus: int, traine
     return f"cuda:{spare}" if spare < gpus else (trainer_device or f"cuda:{trainer_index}")
 
 
+def visible_devices_for(device: str, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a process that must see only `device` ("cuda:k", k counted among the GPUs this
+    process sees, `visible`: its own CUDA_VISIBLE_DEVICES, None for all)."""
+    index = int(device.partition(":")[2] or 0)
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
+    if ids is None:
+        return str(index)
+    if index >= len(ids):
+        raise ConfigError(f"worker_device: {device} is not one of the {len(ids)} GPU(s) this process sees "
+                          f"(CUDA_VISIBLE_DEVICES={visible}).")
+    return ids[index]
+
+
 def round_sampler(spec: WorkerSpec) -> RoundSampler:
     """The prompts of each round: GRPO's order (the worker's, and the trainer's own during a warm start)."""
     return RoundSampler(len(spec.rows), spec.per_round, 1, seed=spec.seed, num_processes=spec.num_processes)
@@ -330,6 +343,12 @@ class RolloutWorker:
             from .vllm_backend import VLLMBackend, VLLMServerBackend
 
             kwargs = dict(spec.backend_kwargs)
+            if spec.backend == "vllm" and spec.device.startswith("cuda"):
+                # vLLM builds its engine on the first visible GPU: make the worker's device that one (the worker is
+                # a process of its own and has not touched CUDA yet)
+                visible = visible_devices_for(spec.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+                if not torch.cuda.is_initialized():
+                    os.environ["CUDA_VISIBLE_DEVICES"] = visible
             return (VLLMBackend(kwargs.pop("model_path"), **kwargs) if spec.backend == "vllm"
                     else VLLMServerBackend(**kwargs))
         self.model = _build_model(spec.config).to(spec.device).eval()
