@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
+from .trl_names import accepting_trl_names
 from .grpo import GRPOConfig
 
 
+@accepting_trl_names
 @dataclass
 class AsyncGRPOConfig(GRPOConfig):
     """`GRPOConfig` plus the asynchronous settings below (a GRPO run file loads as is)."""

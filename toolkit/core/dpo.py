@@ -36,6 +36,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from .attention import packed_layout, supports_varlen, use_varlen_attention
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from .errors import ConfigError, DataError, TrainingHealthError
+from .trl_names import accepting_trl_names
 from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
     BF16_HELP,
@@ -61,6 +62,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DPOConfig", "DPOTrainer"]
 
 
+@accepting_trl_names
 @dataclass
 class DPOConfig(TrainingArguments):
     """Settings of `DPOTrainer`: every `TrainingArguments` field plus the ones below (TRL's names)."""
@@ -86,6 +88,9 @@ class DPOConfig(TrainingArguments):
     precompute_ref_log_probs: bool = field(default=False, metadata={
         "help": "Compute reference log-probs once before training and hold no reference model while training."})
     reference_free: bool = field(default=False, metadata={"help": "Use no reference (its log-probs are 0)."})
+    model_init_kwargs: dict | None = field(
+        default=None, metadata={"help": "Keyword arguments for from_pretrained when the model is given by name (TRL's "
+                                        "field); the trainer's model_init_kwargs argument adds to them."})
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
     logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
     fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
@@ -153,7 +158,7 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         eval_tok = self.prepare_examples(eval_dataset, tokenizer, args, "eval") if eval_dataset is not None else None
 
         # 2. Models.
-        init_kwargs = dict(model_init_kwargs or {})
+        init_kwargs = {**(args.model_init_kwargs or {}), **(model_init_kwargs or {})}
         dtype = init_kwargs.pop("dtype", args.model_dtype)
         model = load_model(model, dtype=dtype, **init_kwargs)
         self.ref_model = None

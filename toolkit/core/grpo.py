@@ -54,6 +54,7 @@ from .checkpoint import write_atomic
 from .data import prompt_rows, tokenize_prompts
 from .distributed import any_rank, env_world_size
 from .errors import ConfigError, TrainingHealthError
+from .trl_names import accepting_trl_names
 from .generation import Completion, GenerationBackend, SamplingParams, after_generation
 from .lifecycle import TrainerLifecycle
 from .models import (
@@ -230,6 +231,7 @@ class GroupRolloutConfig(RolloutConfig):
                               f"{self.environment_max_consecutive_failures}.")
 
 
+@accepting_trl_names
 @dataclass
 class GRPOConfig(GroupRolloutConfig):
     """Settings of `GRPOTrainer`: `GroupRolloutConfig`'s fields plus GRPO's objective below (TRL's names)."""
@@ -482,7 +484,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
     def _load_models(self, model: Any, args: GroupRolloutConfig, peft_config: Any, model_init_kwargs: dict | None,
                      ref_model: Any) -> Any:
         """The policy (loaded, PEFT applied), the frozen reference where the objective reads one, attention."""
-        init_kwargs = dict(model_init_kwargs or {})
+        init_kwargs = {**(args.model_init_kwargs or {}), **(model_init_kwargs or {})}
         model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
         self.ref_model = None
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given

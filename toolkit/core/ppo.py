@@ -418,7 +418,7 @@ class PPOTrainer(TrainerLifecycle, Trainer):
                       ref_model: Any, value_model: Any, reward_model: Any) -> Any:
         """The policy (PEFT applied), the frozen reference, the critic, the reward model; packed attention."""
         critic = self.critic_kind
-        init_kwargs = dict(model_init_kwargs or {})
+        init_kwargs = {**(args.model_init_kwargs or {}), **(model_init_kwargs or {})}
         dtype = init_kwargs.pop("dtype", args.model_dtype)
         policy = load_model(model, dtype=dtype, **init_kwargs)
         self.ref_model = None

@@ -65,10 +65,18 @@ class RolloutConfig(TrainingArguments):
     logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
     fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
     model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
+    model_init_kwargs: dict | None = field(
+        default=None, metadata={"help": "Keyword arguments for from_pretrained when the model is given by name (TRL's "
+                                        "field); the trainer's model_init_kwargs argument adds to them."})
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
 
     def __post_init__(self):
         super().__post_init__()
+        # TRL's None for these means "off" / "derived": ours are numbers (a TRL config's values pass as they mean)
+        if self.min_p is None:
+            self.min_p = 0.0
+        if self.generation_batch_size is None:
+            self.generation_batch_size = 256
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ConfigError(f"max_prompt_length: must be >= 1 or None (no cut), got {self.max_prompt_length}.")
         if self.max_completion_length < 1:

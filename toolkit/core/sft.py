@@ -50,6 +50,7 @@ from .data import (
     validate,
 )
 from .errors import ConfigError, DataError, TrainingHealthError
+from .trl_names import accepting_trl_names
 from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
     BF16_HELP,
@@ -67,6 +68,7 @@ from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
 logger = logging.getLogger(__name__)
 
 
+@accepting_trl_names
 @dataclass
 class SFTConfig(TrainingArguments):
     """Settings of `SFTTrainer`: every `transformers.TrainingArguments` field plus the ones below.
@@ -100,6 +102,9 @@ class SFTConfig(TrainingArguments):
                                         "None means True for prompt-completion data."})
     assistant_only_loss: bool = field(
         default=False, metadata={"help": "For conversational 'messages' data: train only on assistant turns."})
+    model_init_kwargs: dict | None = field(
+        default=None, metadata={"help": "Keyword arguments for from_pretrained when the model is given by name (TRL's "
+                                        "field); the trainer's model_init_kwargs argument adds to them."})
     chat_template_kwargs: dict | None = field(
         default=None, metadata={"help": "Extra keyword arguments for tokenizer.apply_chat_template."})
     logps_chunk_size: int = field(
@@ -369,7 +374,7 @@ class SFTTrainer(TrainerLifecycle, Trainer):
     def _load_model(self, model: Any, args: SFTConfig, peft_config: Any, model_init_kwargs: dict | None,
                     data_collator: Any) -> Any:
         """The model (loaded, PEFT applied) and whether batches are packed (sets `padding_free`)."""
-        init_kwargs = dict(model_init_kwargs or {})
+        init_kwargs = {**(args.model_init_kwargs or {}), **(model_init_kwargs or {})}
         model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
         varlen_ok = supports_varlen(unwrap_model(model))

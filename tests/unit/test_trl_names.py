@@ -1,0 +1,106 @@
+"""TRL's config names: each field of TRL's SFTConfig, DPOConfig and GRPOConfig (the installed TRL) is a field of
+ours or is taken or refused with a ConfigError naming the alternative (toolkit.core.trl_names)."""
+
+import dataclasses
+
+import pytest
+
+from toolkit import DPOConfig, GRPOConfig, SFTConfig
+from toolkit._dev import trl_names_doc
+from toolkit.core.errors import ConfigError
+from toolkit.core.trl_names import TRL_FIELDS
+
+trl = pytest.importorskip("trl")
+
+PAIRS = [(trl.SFTConfig, SFTConfig), (trl.DPOConfig, DPOConfig), (trl.GRPOConfig, GRPOConfig)]
+
+
+def _default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+@pytest.mark.parametrize("theirs, ours", PAIRS, ids=lambda c: c.__name__)
+def test_every_trl_field_is_ours_or_has_a_fate(theirs, ours, tmp_path):
+    fields = {f.name for f in dataclasses.fields(ours)}
+    table = TRL_FIELDS[ours.__name__]
+    missing = [f.name for f in dataclasses.fields(theirs) if f.name not in fields and f.name not in table]
+    assert not missing, f"TRL's {theirs.__name__} fields with no fate in toolkit/core/trl_names.py: {missing}"
+    taken = refused = 0
+    for f in dataclasses.fields(theirs):
+        if f.name in fields or (value := _default(f)) is dataclasses.MISSING:
+            continue
+        try:  # TRL's default: taken, or refused with a message naming the field and the alternative
+            ours(output_dir=str(tmp_path), **{f.name: value})
+            taken += 1
+        except ConfigError as e:
+            assert f.name in str(e) and "instead:" in str(e), str(e)
+            refused += 1
+    assert taken > refused  # most of TRL's defaults describe what we do
+    # the fields both have (beyond TrainingArguments'): TRL's default is a value ours takes
+    from transformers import TrainingArguments
+
+    shared = {f.name for f in dataclasses.fields(TrainingArguments)}
+    for f in dataclasses.fields(theirs):
+        if f.name in fields and f.name not in shared and (value := _default(f)) is not dataclasses.MISSING:
+            ours(output_dir=str(tmp_path), **{f.name: value})
+
+
+@pytest.mark.parametrize("ours", [SFTConfig, DPOConfig, GRPOConfig], ids=lambda c: c.__name__)
+def test_every_refusal_names_the_field_and_an_alternative(ours, tmp_path):
+    for name, entry in TRL_FIELDS[ours.__name__].items():
+        if entry.fate == "same":
+            continue
+        with pytest.raises(ConfigError, match=rf"TRL's '{name}' = 'not a value'.*instead: \S"):
+            ours(output_dir=str(tmp_path), **{name: "not a value"})
+
+
+def test_trl_vllm_settings_become_our_backend_settings(tmp_path):
+    cfg = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_host="10.0.0.2",
+                     vllm_server_port=8001, vllm_server_timeout=120, vllm_importance_sampling_mode="sequence_mask",
+                     vllm_importance_sampling_cap=3.0, cast_lm_head_to_fp32=True, use_bias_correction_kl=False)
+    assert cfg.generation_backend == "vllm-server"
+    assert cfg.generation_backend_kwargs == {"url": "http://10.0.0.2:8001", "startup_timeout": 120.0}
+    assert (cfg.importance_sampling_level, cfg.importance_sampling_mode, cfg.importance_sampling_cap) == (
+        "sequence", "mask", 3.0)
+    assert cfg.fp32_lm_head is True and cfg.kl_bias_correction is False
+    colocated = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_max_model_length=512,
+                           generation_backend_kwargs={"max_model_len": 1024, "lora_sync": "merged"})
+    # the user's own generation_backend_kwargs win over a translated key; the others are kept
+    assert colocated.generation_backend == "vllm"
+    assert colocated.generation_backend_kwargs == {"max_model_len": 1024, "lora_sync": "merged"}
+    assert GRPOConfig(output_dir=str(tmp_path), use_vllm=False).generation_backend == "transformers"
+    assert GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_correction=False).importance_sampling_cap is None
+
+
+def test_model_init_kwargs_and_trust_remote_code_and_shuffling(tmp_path):
+    cfg = SFTConfig(output_dir=str(tmp_path), trust_remote_code=True, model_init_kwargs={"dtype": "bfloat16"})
+    assert cfg.model_init_kwargs == {"dtype": "bfloat16", "trust_remote_code": True}
+    assert SFTConfig(output_dir=str(tmp_path), shuffle_dataset=False).train_sampling_strategy == "sequential"
+    with pytest.raises(ConfigError, match="disagree"):
+        SFTConfig(output_dir=str(tmp_path), shuffle_dataset=False, train_sampling_strategy="random")
+
+
+def test_a_name_of_neither_gets_the_closest_of_ours(tmp_path):
+    with pytest.raises(ConfigError, match=r"no field 'lerning_rate'.*Did you mean learning_rate"):
+        GRPOConfig(output_dir=str(tmp_path), lerning_rate=1e-5)
+    with pytest.raises(ConfigError, match="log_completions"):
+        GRPOConfig(output_dir=str(tmp_path), log_completions=True)
+
+
+def test_the_trainers_load_the_model_with_the_configs_model_init_kwargs(tmp_path):
+    from toolkit import SFTTrainer, embedded_model_path
+
+    rows = [{"prompt": "1 + 1 =", "completion": " 2"}] * 4
+    trainer = SFTTrainer(str(embedded_model_path()), SFTConfig(output_dir=str(tmp_path), max_steps=1,
+                                                              model_init_kwargs={"rms_norm_eps": 1e-3}),
+                         train_dataset=rows)
+    assert trainer.model.config.rms_norm_eps == 1e-3  # a config value from_pretrained took from the kwargs
+
+
+def test_the_committed_table_is_the_generated_one():
+    assert trl_names_doc.DOC.read_text() == trl_names_doc.render(), (
+        "docs/trl-names.md is out of date: python -m toolkit._dev.trl_names_doc --write")
