@@ -508,3 +508,29 @@ def test_objective_settings_are_resolved_once_and_again_only_when_a_field_they_r
     assert seen == [0.2, 0.2, 0.5, 0.5]
     # 4 steps x 2 micro-steps read the settings; they were resolved again once only, when epsilon_high changed
     assert len(calls) - at_start == 1
+
+
+def test_log_completions_prints_the_table_and_sends_it_to_tensorboard(tmp_path, capsys):
+    """TRL's log_completions: at each logging step a table of prompt, completion, each reward, the total and the
+    advantage, printed and written as a TensorBoard text summary (read back here)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = make(tmp_path, log_completions=True, num_completions_to_print=3, report_to="tensorboard")
+    t.train()
+    out = capsys.readouterr().out
+    assert "completions at step 1 (3 of 8):" in out and "completions at step 2 (3 of 8):" in out
+    header = "| prompt | completion | length_reward | reward | advantage |"
+    assert header in out
+    table = out.split("completions at step 2 (3 of 8):\n", 1)[1].splitlines()
+    assert table[0] == header and len(table) >= 5 and all(line.startswith("| ") for line in table[2:5])
+    events = [p for p in tmp_path.rglob("events.out.tfevents.*")]
+    assert events
+    texts = []
+    for path in events:
+        acc = EventAccumulator(str(path), size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("tensors", []):
+            if tag.startswith("completions"):
+                texts += [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)]
+    assert len(texts) == 2 and all(header in text for text in texts)

@@ -256,6 +256,12 @@ class GRPOConfig(GroupRolloutConfig):
         "help": "Upper clip range (DAPO clip-higher); default: epsilon."})
     beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (k3 estimator). "
                                                        "0 loads no reference model."})
+    log_completions: bool = field(default=False, metadata={
+        "help": "At every logging step, a table of the last rollout's prompts, completions, rewards (each function's "
+                "and the total) and advantages: printed, and sent to TensorBoard (text) and trackio (a table) "
+                "where reported to (TRL's name). Rank 0's rows."})
+    num_completions_to_print: int | None = field(default=None, metadata={
+        "help": "Rows of the log_completions table (None: the whole rollout, as TRL)."})
     kl_bias_correction: bool = field(default=True, metadata={
         "help": "Multiply the KL term by the importance ratio pi/pi_old: the completions were sampled from pi_old, "
                 "so this makes the k3 estimate (and its gradient) that of KL(pi || ref). TRL's default too."})
@@ -1104,6 +1110,49 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
     def on_log_metrics(self, logs: dict[str, float], mode: str) -> None:
         if mode == "train":
             self.health.observe(self.state.global_step, logs)
+            if getattr(self.args, "log_completions", False) and self._rollout is not None \
+                    and self.is_world_process_zero():
+                self.log_completions_table(self._rollout)
+
+    def completions_table(self, rollout: Rollout) -> tuple[list[str], list[list[Any]]]:
+        """(columns, rows) of a rollout for `log_completions`: prompt and completion texts (special tokens
+        dropped), each reward function's value, the total and the advantage; `num_completions_to_print` rows."""
+        n = self.args.num_completions_to_print
+        rows = range(len(rollout.completion_ids) if n is None else min(n, len(rollout.completion_ids)))
+        decode = self.processing_class.batch_decode
+        prompts = decode([rollout.prompt_ids[i] for i in rows], skip_special_tokens=True)
+        completions = decode([rollout.completion_ids[i] for i in rows], skip_special_tokens=True)
+        columns = ["prompt", "completion", *self.reward_names, "reward", "advantage"]
+        table = [[prompts[k].strip()[-200:], completions[k].strip(),
+                  *(round(float(rollout.rewards_per_func[f, i]), 4) for f in range(len(self.reward_names))),
+                  round(float(rollout.rewards[i]), 4), round(float(rollout.advantages[i]), 4)]
+                 for k, i in enumerate(rows)]
+        return columns, table
+
+    def log_completions_table(self, rollout: Rollout) -> None:
+        """Print the table (a markdown table: readable on a console and in a notebook) and send it to the
+        trackers that take one: TensorBoard as a text summary, trackio as a table."""
+        columns, rows = self.completions_table(rollout)
+        step = self.state.global_step
+
+        def cell(value: Any) -> str:
+            return str(value).replace("|", "\\|").replace("\n", " ⏎ ")
+
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+        markdown = "\n".join(lines)
+        print(f"completions at step {step} ({len(rows)} of {len(rollout.completion_ids)}):\n{markdown}", flush=True)
+        from transformers.integrations import TensorBoardCallback
+
+        for callback in self.callback_handler.callbacks:
+            writer = getattr(callback, "tb_writer", None) if isinstance(callback, TensorBoardCallback) else None
+            if writer is not None:
+                writer.add_text("completions", markdown, step)
+                writer.flush()
+        if "trackio" in (self.args.report_to or []):
+            import trackio
+
+            trackio.log({"completions": trackio.Table(columns=columns, data=rows)}, step=step)
 
     # ------------------------------------------------------------------------------ metrics
 

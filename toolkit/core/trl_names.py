@@ -228,11 +228,11 @@ _GRPO: dict[str, TrlField] = {
     "steps_per_generation": TrlField("refused", "num_iterations (optimizer steps per rollout) or async GRPO's "
                                      "max_staleness; one generation batch is one optimizer step here",
                                      accepts=(None,)),
-    "log_completions": TrlField("refused", "completions are kept in the rollout; a logged table: " + _NOT_YET
-                                + " (issue 60)", accepts=(False,)),
-    "num_completions_to_print": TrlField("refused", "see log_completions", accepts=(None,)),
-    "log_completions_hub_repo": TrlField("refused", "see log_completions", accepts=(None,)),
-    "log_unique_prompts": TrlField("refused", "see log_completions", accepts=(False,)),
+    "log_completions_hub_repo": TrlField("refused", "log_completions (the table goes to the console, TensorBoard "
+                                         "and trackio; pushing it to a Hub dataset: " + _NOT_YET + ")",
+                                         accepts=(None,)),
+    "log_unique_prompts": TrlField("refused", "log_completions with num_completions_to_print = num_generations "
+                                   "shows one prompt's group", accepts=(False,)),
     "log_multimodal": TrlField("refused", "text models only so far (issue 59)", accepts=(True, False)),
     "num_generations_eval": TrlField("refused", "held-out evaluation is greedy, one completion per prompt "
                                      "(eval_dataset on the command line, report_accuracy)", accepts=(None,)),
