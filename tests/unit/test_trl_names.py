@@ -61,6 +61,7 @@ def test_every_refusal_names_the_field_and_an_alternative(ours, tmp_path):
 def test_trl_vllm_settings_become_our_backend_settings(tmp_path):
     cfg = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_host="10.0.0.2",
                      vllm_server_port=8001, vllm_server_timeout=120, vllm_importance_sampling_mode="sequence_mask",
+                     vllm_enable_sleep_mode=True,
                      vllm_importance_sampling_cap=3.0, cast_lm_head_to_fp32=True, use_bias_correction_kl=False)
     assert cfg.generation_backend == "vllm-server"
     assert cfg.generation_backend_kwargs == {"url": "http://10.0.0.2:8001", "startup_timeout": 120.0}
@@ -87,8 +88,8 @@ def test_model_init_kwargs_and_trust_remote_code_and_shuffling(tmp_path):
 def test_a_name_of_neither_gets_the_closest_of_ours(tmp_path):
     with pytest.raises(ConfigError, match=r"no field 'lerning_rate'.*Did you mean learning_rate"):
         GRPOConfig(output_dir=str(tmp_path), lerning_rate=1e-5)
-    with pytest.raises(ConfigError, match="log_completions"):
-        GRPOConfig(output_dir=str(tmp_path), log_completions=True)
+    with pytest.raises(ConfigError, match=r"TRL's 'repetition_penalty' = 1.2 is not supported; instead: "):
+        GRPOConfig(output_dir=str(tmp_path), repetition_penalty=1.2)
 
 
 def test_the_trainers_load_the_model_with_the_configs_model_init_kwargs(tmp_path):

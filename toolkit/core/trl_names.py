@@ -193,7 +193,9 @@ _GRPO: dict[str, TrlField] = {
     "vllm_model_impl": TrlField("same", "generation_backend_kwargs={'model_impl': ...}",
                                 _with_vllm(lambda v, kw: {} if v == "vllm" else
                                            {"generation_backend_kwargs": {"model_impl": v}}, "colocate")),
-    "vllm_enable_sleep_mode": TrlField("refused", "vLLM sleep mode: " + _NOT_YET + " (issue 57)", accepts=(False,)),
+    "vllm_enable_sleep_mode": TrlField("same", "generation_backend_kwargs={'sleep_mode': ...} (on by default for "
+                                       "a GPU engine)", _with_vllm(_into("generation_backend_kwargs", "sleep_mode",
+                                                                         bool), "colocate")),
     "vllm_group_port": TrlField("default", "nothing: weights reach `toolkit vllm-serve` over HTTP, not a NCCL "
                                 "group", accepts=(51216,)),
     "vllm_structured_outputs_regex": TrlField("refused", "a format reward ('format:<regex>') rewards the form "
