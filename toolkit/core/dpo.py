@@ -42,6 +42,7 @@ from .models import (
     BF16_HELP,
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
+    disable_dropout,
     log_gpu_defaults,
     is_peft_model,
     load_model,
@@ -91,6 +92,9 @@ class DPOConfig(TrainingArguments):
     model_init_kwargs: dict | None = field(
         default=None, metadata={"help": "Keyword arguments for from_pretrained when the model is given by name (TRL's "
                                         "field); the trainer's model_init_kwargs argument adds to them."})
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "No dropout in the policy and the reference (TRL's name and default): the two log-probs of an "
+                "unchanged model then agree."})
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
     logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
     fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
@@ -159,8 +163,10 @@ class DPOTrainer(TrainerLifecycle, Trainer):
 
         # 2. Models.
         init_kwargs = {**(args.model_init_kwargs or {}), **(model_init_kwargs or {})}
-        dtype = init_kwargs.pop("dtype", args.model_dtype)
+        dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", args.model_dtype))
         model = load_model(model, dtype=dtype, **init_kwargs)
+        if args.disable_dropout:  # before the reference is copied from it: neither drops anything
+            disable_dropout(model)
         self.ref_model = None
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
         if is_peft_model(model) and ref_model is None:

@@ -60,6 +60,7 @@ from .lifecycle import TrainerLifecycle
 from .models import (
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
+    disable_dropout,
     is_peft_model,
     log_gpu_defaults,
     load_model,
@@ -256,6 +257,9 @@ class GRPOConfig(GroupRolloutConfig):
         "help": "Upper clip range (DAPO clip-higher); default: epsilon."})
     beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (k3 estimator). "
                                                        "0 loads no reference model."})
+    disable_dropout: bool = field(default=False, metadata={
+        "help": "No dropout in the policy (TRL's name and default): sampler and trainer log-probs then agree for "
+                "models trained with dropout."})
     log_completions: bool = field(default=False, metadata={
         "help": "At every logging step, a table of the last rollout's prompts, completions, rewards (each function's "
                 "and the total) and advantages: printed, and sent to TensorBoard (text) and trackio (a table) "
@@ -491,7 +495,10 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
                      ref_model: Any) -> Any:
         """The policy (loaded, PEFT applied), the frozen reference where the objective reads one, attention."""
         init_kwargs = {**(args.model_init_kwargs or {}), **(model_init_kwargs or {})}
-        model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
+        model = load_model(model, dtype=init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", args.model_dtype)),
+                           **init_kwargs)
+        if getattr(args, "disable_dropout", False):
+            disable_dropout(model)
         self.ref_model = None
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
         self.reads_reference = self.uses_reference_model(args)

@@ -16,6 +16,7 @@ __all__ = [
     "apply_cpu_training_defaults",
     "apply_gpu_defaults",
     "choose_checkpointing_by_memory",
+    "disable_dropout",
     "log_gpu_defaults",
     "apply_peft",
     "cache_dir",
@@ -316,6 +317,16 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     while hasattr(model, "module") and not hasattr(model, "peft_config"):
         model = model.module
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """No dropout anywhere in `model` (TRL's `disable_dropout`): every nn.Dropout's p, and the attention dropout
+    transformers' attention layers read from their own `attention_dropout` attribute, set to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def prepare_model(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:

@@ -419,7 +419,7 @@ class PPOTrainer(TrainerLifecycle, Trainer):
         """The policy (PEFT applied), the frozen reference, the critic, the reward model; packed attention."""
         critic = self.critic_kind
         init_kwargs = {**(args.model_init_kwargs or {}), **(model_init_kwargs or {})}
-        dtype = init_kwargs.pop("dtype", args.model_dtype)
+        dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", args.model_dtype))
         policy = load_model(model, dtype=dtype, **init_kwargs)
         self.ref_model = None
         policy = prepare_model(policy, peft_config)  # a wrapper's PeftModel is used as given

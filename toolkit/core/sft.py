@@ -375,7 +375,8 @@ class SFTTrainer(TrainerLifecycle, Trainer):
                     data_collator: Any) -> Any:
         """The model (loaded, PEFT applied) and whether batches are packed (sets `padding_free`)."""
         init_kwargs = {**(args.model_init_kwargs or {}), **(model_init_kwargs or {})}
-        model = load_model(model, dtype=init_kwargs.pop("dtype", args.model_dtype), **init_kwargs)
+        model = load_model(model, dtype=init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", args.model_dtype)),
+                           **init_kwargs)
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
         varlen_ok = supports_varlen(unwrap_model(model))
         if (args.packing or args.padding_free) and not varlen_ok:

@@ -53,9 +53,14 @@ def _with_vllm(translate: Callable[[Any, dict], dict], mode: str | None = None) 
     """A vLLM setting: TRL reads it only with use_vllm (and, for `mode`, in that vllm_mode); so do we."""
 
     def apply(value: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if not kwargs.get("use_vllm") or mode is not None and kwargs.get("vllm_mode", "colocate") != mode:
+        backend = kwargs.get("generation_backend")
+        if kwargs.get("use_vllm"):
+            current = kwargs.get("vllm_mode", "colocate")
+        elif backend in ("vllm", "vllm-server"):  # our own name for the backend
+            current = "colocate" if backend == "vllm" else "server"
+        else:
             return {}
-        return translate(value, kwargs)
+        return translate(value, kwargs) if mode is None or current == mode else {}
 
     return apply
 
@@ -86,7 +91,7 @@ def _server_host_port(value: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_correction(value: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {} if value else {"importance_sampling_cap": None}
+    return {} if value else {"importance_sampling_cap": None, "importance_sampling_min": None}
 
 
 def _is_mode(value: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -102,10 +107,6 @@ def _trust_remote_code(value: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"model_init_kwargs": {"trust_remote_code": bool(value)}} if value else {}
 
 
-def _shuffle(value: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {} if value else {"train_sampling_strategy": "sequential"}
-
-
 _DATA_PREP = ("datasets are tokenized in this process, once, before training; pass a tokenized dataset to skip "
               "that")
 _TOKENIZER = "set it on the tokenizer and pass it as processing_class"
@@ -113,15 +114,14 @@ _NOT_YET = "not implemented yet"
 
 # Fields every trainer config of TRL has that ours lack, shared by the three tables.
 _COMMON: dict[str, TrlField] = {
-    "model_init_kwargs": TrlField("same", "model_init_kwargs (ours: the same field)", _to("model_init_kwargs")),
     "trust_remote_code": TrlField("same", "model_init_kwargs={'trust_remote_code': True}", _trust_remote_code),
     "dataset_num_proc": TrlField("default", "nothing: " + _DATA_PREP, accepts=(None, 1)),
     "pad_to_multiple_of": TrlField("default", "nothing: the trainers pack rows without padding (padding-free), so "
-                                   "there is no padded length to round", accepts=(None,)),
+                                   "there is no padded length to round", accepts=("auto", None)),
     "activation_offloading": TrlField("refused", "activation_checkpointing (recomputes activations instead of "
                                       "moving them to host memory); offloading: " + _NOT_YET, accepts=(False,)),
     "router_aux_loss_coef": TrlField("refused", "a plugin loss (toolkit_register_policy_losses / a custom "
-                                     "compute_loss): the MoE router's auxiliary loss is not added", accepts=(0.0,)),
+                                     "compute_loss): the MoE router's auxiliary loss is not added", accepts=(None, 0.0)),
     "pad_token": TrlField("refused", _TOKENIZER, accepts=(None,)),
     "truncation_mode": TrlField("default", "nothing: prompts keep their end (cut from the left) and completions "
                                 "their start, as TRL's keep_start does for the whole sequence",
@@ -130,7 +130,9 @@ _COMMON: dict[str, TrlField] = {
 
 _SFT: dict[str, TrlField] = {
     **_COMMON,
-    "shuffle_dataset": TrlField("same", "train_sampling_strategy='sequential' when False", _shuffle),
+    "shuffle_dataset": TrlField("default", "nothing: TRL's flag shuffles the dataset once while preparing it; "
+                                "the batches are drawn in random order either way (train_sampling_strategy), as in "
+                                "TRL", accepts=(False, True)),
     "packing_strategy": TrlField("default", "packing=True packs best-fit decreasing (TRL's bfd); 'wrapped' "
                                  "(examples cut across rows) is not offered: every example stays whole",
                                  accepts=("bfd",)),
@@ -149,8 +151,6 @@ _DPO: dict[str, TrlField] = {
     **_COMMON,
     "padding_free": TrlField("default", "nothing: DPO is always padding-free (one row per pair, the prompt once)",
                              accepts=(False, True)),
-    "disable_dropout": TrlField("default", "model_init_kwargs={'attention_dropout': 0.0, ...}: dropout is as the "
-                                "model's config sets it (0 for the models we ship)", accepts=(True, False)),
     "use_weighting": TrlField("refused", "loss_type plus a plugin loss (WPO weighting: " + _NOT_YET + ")",
                               accepts=(False,)),
     "ld_alpha": TrlField("refused", "a plugin preference loss (LD-DPO: " + _NOT_YET + ")", accepts=(None,)),
@@ -158,7 +158,7 @@ _DPO: dict[str, TrlField] = {
     "f_divergence_type": TrlField("refused", "a plugin preference loss (f-DPO: " + _NOT_YET + ")",
                                   accepts=("reverse_kl",)),
     "f_alpha_divergence_coef": TrlField("refused", "a plugin preference loss (f-DPO: " + _NOT_YET + ")",
-                                        accepts=(1.0,)),
+                                        accepts=(0.5,)),
     "sync_ref_model": TrlField("refused", "TR-DPO's reference sync: " + _NOT_YET, accepts=(False,)),
     "ref_model_mixup_alpha": TrlField("refused", "TR-DPO's reference sync: " + _NOT_YET, accepts=(0.6,)),
     "ref_model_sync_steps": TrlField("refused", "TR-DPO's reference sync: " + _NOT_YET, accepts=(512,)),
@@ -201,23 +201,31 @@ _GRPO: dict[str, TrlField] = {
     "vllm_structured_outputs_regex": TrlField("refused", "a format reward ('format:<regex>') rewards the form "
                                               "instead of forcing it; constrained decoding: " + _NOT_YET,
                                               accepts=(None,)),
-    "vllm_importance_sampling_correction": TrlField("same", "importance_sampling_cap=None turns the correction off",
-                                                    _is_correction),
-    "vllm_importance_sampling_cap": TrlField("same", "importance_sampling_cap", _to("importance_sampling_cap")),
+    "vllm_importance_sampling_correction": TrlField("same", "importance_sampling_cap=None and "
+                                                    "importance_sampling_min=None turn the correction off (False "
+                                                    "wins over the clip settings, as in TRL)", _is_correction),
+    "vllm_importance_sampling_cap": TrlField("same", "importance_sampling_cap (TRL's deprecated alias of "
+                                             "clip_max; None: unset)", lambda v, kw: {} if v is None or kw.get(
+                                                 "vllm_importance_sampling_correction", True) is False else
+                                             {"importance_sampling_cap": v}),
     "vllm_importance_sampling_mode": TrlField("same", "importance_sampling_level + importance_sampling_mode",
                                               _is_mode),
     "vllm_importance_sampling_clip_min": TrlField("same", "importance_sampling_min",
-                                                  lambda v, kw: {} if v is None else {"importance_sampling_min": v}),
-    "vllm_importance_sampling_clip_max": TrlField("same", "importance_sampling_cap",
-                                                  lambda v, kw: {} if v is None else {"importance_sampling_cap": v}),
+                                                  lambda v, kw: {} if v is None or kw.get(
+                                                      "vllm_importance_sampling_correction", True) is False
+                                                  else {"importance_sampling_min": v}),
+    "vllm_importance_sampling_clip_max": TrlField("same", "importance_sampling_cap (None: no upper bound)",
+                                                  lambda v, kw: {} if kw.get("vllm_importance_sampling_cap")
+                                                  is not None or kw.get("vllm_importance_sampling_correction",
+                                                                        True) is False
+                                                  else {"importance_sampling_cap": v}),
     "cast_lm_head_to_fp32": TrlField("same", "fp32_lm_head (ours: on by default)", _to("fp32_lm_head", bool)),
     "use_bias_correction_kl": TrlField("same", "kl_bias_correction", _to("kl_bias_correction", bool)),
-    "max_tool_calling_iterations": TrlField("same", "max_turns (an environment's tool turns)",
+    "max_tool_calling_iterations": TrlField("same", "max_turns (an environment's tool turns; TRL's None, no "
+                                            "limit, keeps our max_turns)",
                                             lambda v, kw: {} if v is None else {"max_turns": int(v)}),
     "shuffle_dataset": TrlField("default", "nothing: prompts are drawn in a seeded random order (RoundSampler)",
                                 accepts=(True,)),
-    "disable_dropout": TrlField("default", "model_init_kwargs={'attention_dropout': 0.0, ...}: dropout is as the "
-                                "model's config sets it (0 for the models we ship)", accepts=(True, False)),
     "ds3_gather_for_generation": TrlField("default", "nothing: generation under DeepSpeed ZeRO-3 is not offered "
                                           "(FSDP2 is)", accepts=(True,)),
     "cache_implementation": TrlField("refused", "generation_backend_kwargs={'static_decode': True} for a static "
@@ -248,8 +256,8 @@ _GRPO: dict[str, TrlField] = {
     "use_adaptive_entropy": TrlField("refused", "an entropy bonus: " + _NOT_YET, accepts=(False,)),
     "entropy_target": TrlField("refused", "an entropy bonus: " + _NOT_YET, accepts=(0.2,)),
     "entropy_coef_min": TrlField("refused", "an entropy bonus: " + _NOT_YET, accepts=(0.0,)),
-    "entropy_coef_max": TrlField("refused", "an entropy bonus: " + _NOT_YET, accepts=(0.5,)),
-    "entropy_coef_delta": TrlField("refused", "an entropy bonus: " + _NOT_YET, accepts=(0.05,)),
+    "entropy_coef_max": TrlField("refused", "an entropy bonus: " + _NOT_YET, accepts=(1.0,)),
+    "entropy_coef_delta": TrlField("refused", "an entropy bonus: " + _NOT_YET, accepts=(0.005,)),
     "sapo_temperature_pos": TrlField("refused", "loss_type='sapo': " + _NOT_YET, accepts=(1.0,)),
     "sapo_temperature_neg": TrlField("refused", "loss_type='sapo': " + _NOT_YET, accepts=(1.05,)),
     "vespo_k_pos": TrlField("refused", "loss_type='vespo': " + _NOT_YET, accepts=(2.0,)),
@@ -268,9 +276,15 @@ _GRPO: dict[str, TrlField] = {
                                                         accepts=(None,)),
 }
 
-#: Our config class name -> {TRL field name: its fate}. Async GRPO takes GRPO's (TRL's is experimental).
+_ASYNC_GRPO: dict[str, TrlField] = {
+    **_GRPO,
+    "vllm_enable_sleep_mode": TrlField("refused", "nothing: async GRPO's worker generates while the trainer trains, "
+                                       "so its engine never sleeps", accepts=(False,)),
+}
+
+#: Our config class name -> {TRL field name: its fate}. Async GRPO takes GRPO's but for sleep mode.
 TRL_FIELDS: dict[str, dict[str, TrlField]] = {"SFTConfig": _SFT, "DPOConfig": _DPO, "GRPOConfig": _GRPO,
-                                              "AsyncGRPOConfig": _GRPO}
+                                              "AsyncGRPOConfig": _ASYNC_GRPO}
 
 
 def _merge(into: dict[str, Any], add: dict[str, Any]) -> None:
@@ -308,12 +322,16 @@ def translate_trl_kwargs(config: str, fields: set[str], kwargs: dict[str, Any]) 
         if entry.fate == "same":
             _merge(added, entry.translate(value, kwargs))
         elif not any(_same_value(value, accepted) for accepted in entry.accepts):
-            what = "is not supported" if entry.fate == "refused" else f"can only be {entry.accepts[0]!r} here"
+            what = ("is not supported" if entry.fate == "refused" else
+                    f"can only be {' or '.join(repr(v) for v in entry.accepts)} here")
             raise ConfigError(f"{config}: TRL's '{name}' = {value!r} {what}; instead: {entry.instead}.")
     for key, value in added.items():
-        if key in ours and not isinstance(value, dict) and ours[key] != value:
-            raise ConfigError(f"{config}: '{key}' = {ours[key]!r} and TRL's {sorted(set(foreign))} (which set it to "
-                              f"{value!r}) disagree; give one of them.")
+        mine = ours.get(key)
+        clash = ([k for k in value if k in mine and mine[k] != value[k]] if isinstance(value, dict)
+                 and isinstance(mine, dict) else [] if key not in ours or mine == value else [key])
+        if clash:
+            raise ConfigError(f"{config}: '{key}' = {mine!r} and TRL's {sorted(set(foreign))} (which set "
+                              f"{clash} to {value!r}) disagree; give one of them.")
     _merge(ours, added)
     return ours
 
