@@ -103,11 +103,73 @@ def test_qlora_loads_on_this_process_gpu_where_there_is_one(monkeypatch):
     assert run.model_init_kwargs(CPUConfig())["device_map"] == "cpu"  # use_cpu=True keeps it off the GPU
 
 
-def test_sectioned_run_file_is_refused(tmp_path):
+def test_a_section_is_the_prefix_of_its_keys_and_one_level_only(tmp_path):
     p = tmp_path / "r.toml"
-    p.write_text("[training]\nlearning_rate = 1e-5\n")
-    with pytest.raises(ConfigError, match="run files are flat"):
+    p.write_text("learning_rate = 1e-5\n[lora]\nr = 8\nalpha = 32\n[chat_template_kwargs]\nenable_thinking = false\n")
+    assert load_run_file(p) == {"learning_rate": 1e-5, "lora_r": 8, "lora_alpha": 32,
+                                "chat_template_kwargs": {"enable_thinking": False}}
+    from toolkit.core.config import build_configs
+    from toolkit.core.grpo import GRPOConfig
+
+    run, cfg = build_configs({**load_run_file(p), "output_dir": str(tmp_path)}, GRPOConfig)
+    assert (run.lora_r, run.lora_alpha, cfg.chat_template_kwargs) == (8, 32, {"enable_thinking": False})
+    p.write_text("[training]\nlearning_rate = 1e-5\n")  # a section that is no key's prefix
+    with pytest.raises(ConfigError, match="unknown key 'training_learning_rate'"):
+        build_configs(load_run_file(p), GRPOConfig)
+    p.write_text("[lora]\nr = 8\n[lora.extra]\nx = 1\n")
+    with pytest.raises(ConfigError, match="one level of sections only"):
         load_run_file(p)
+
+
+def test_yaml_and_toml_run_files_give_the_same_keys_for_every_example(tmp_path):
+    """Each example run file written as YAML (the same data) loads to the same keys as the TOML original."""
+    import tomllib
+
+    import yaml
+
+    examples = sorted(p for p in (Path(__file__).resolve().parents[2] / "examples").glob("*.toml")
+                      if "pipeline" not in p.name)
+    assert len(examples) >= 10
+    for toml_path in examples:
+        yaml_path = tmp_path / (toml_path.stem + ".yaml")
+        yaml_path.write_text(yaml.safe_dump(tomllib.loads(toml_path.read_text())))
+        assert load_run_file(yaml_path) == load_run_file(toml_path), toml_path.name
+    bad = tmp_path / "bad.yml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="a mapping of keys to values"):
+        load_run_file(bad)
+
+
+def test_dotted_overrides_set_one_entry_of_a_table_or_a_section_key():
+    from toolkit.core.config import merge_overrides
+
+    values = {"loss_kwargs": {"epsilon_max": 5.0}, "lora_r": 8}
+    over = parse_overrides(["--loss_kwargs.delta", "2", "--lora.alpha", "64", "--learning_rate", "1e-4"])
+    assert merge_overrides(values, over) == {"loss_kwargs": {"epsilon_max": 5.0, "delta": 2}, "lora_r": 8,
+                                             "lora_alpha": 64, "learning_rate": 1e-4}
+    with pytest.raises(ConfigError, match="one dot only"):
+        merge_overrides({}, {"lora.a.b": 1})
+
+
+def test_trl_names_in_a_run_file_and_rewards_by_import_path(tmp_path, monkeypatch):
+    from toolkit.core.config import build_configs
+    from toolkit.core.grpo import GRPOConfig
+    from toolkit.core.plugins import resolve_reward
+
+    _, cfg = build_configs({"output_dir": str(tmp_path), "use_vllm": False, "log_completions": True,
+                            "vllm_importance_sampling_correction": False}, GRPOConfig)
+    assert cfg.log_completions and cfg.importance_sampling_cap is None
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        build_configs({"output_dir": str(tmp_path), "repetition_penalty": 1.3}, GRPOConfig)
+    (tmp_path / "my_rewards.py").write_text("def brevity(prompts, completions, **kw):\n"
+                                            "    return [-len(c) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_reward("my_rewards:brevity")(["p"], ["abc"]) == [-3]
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        resolve_reward("my_rewards:nope")
+    with pytest.raises(ConfigError, match="does not import"):
+        resolve_reward("no_such_module_here:f")
 
 
 def test_cli_runs_sft_end_to_end_on_a_local_model(tmp_path, capsys):

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import RunArgs, build_configs, describe_fields, load_run_file, parse_overrides
+from .config import RunArgs, build_configs, describe_fields, load_run_file, merge_overrides, parse_overrides
 from .distributed import (
     exit_process,
     is_main_process,
@@ -92,8 +92,7 @@ def _parse(argv: list[str], config_cls: type) -> tuple[RunArgs, Any] | None:
             raise ConfigError("--config: give the path of a run file, e.g. --config examples/sft_smollm2.toml.")
         values.update(load_run_file(argv[i + 1]))
         argv = argv[:i] + argv[i + 2:]
-    values.update(parse_overrides(argv))
-    return build_configs(values, config_cls)
+    return build_configs(merge_overrides(values, parse_overrides(argv)), config_cls)
 
 
 def _datasets(run: RunArgs, kind: str) -> tuple[Any, Any]:

@@ -13,10 +13,13 @@ __all__ = [
     "build_configs",
     "describe_fields",
     "field_names",
+    "flatten_sections",
     "load_run_file",
+    "merge_overrides",
     "parse_overrides",
     "parse_value",
     "read_toml",
+    "read_yaml",
 ]
 
 import dataclasses
@@ -186,6 +189,25 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def merge_overrides(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`values` (a run file's) with command-line `overrides` on top: a dotted key (`loss_kwargs.epsilon_max`, from
+    `--loss_kwargs.epsilon_max 5`) sets one entry of a `*_kwargs` table, keeping the file's others; on a section
+    name (`--lora.r 16`) it is the flat key (`lora_r`)."""
+    out = dict(values)
+    for key, value in overrides.items():
+        head, dot, sub = key.partition(".")
+        if not dot:
+            out[key] = value
+        elif head.endswith("_kwargs"):
+            table = out.get(head)
+            out[head] = {**(table if isinstance(table, dict) else {}), sub: value}
+        elif "." in sub:
+            raise ConfigError(f"command line: '--{key}': one dot only (a *_kwargs table's key, or a section's).")
+        else:
+            out[f"{head}_{sub}"] = value
+    return out
+
+
 def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
     """`--key value` / `--key=value` pairs; `--flag` alone means true."""
     out: dict[str, Any] = {}
@@ -223,12 +245,50 @@ def read_toml(path: str | Path, *, what: str = "file") -> dict[str, Any]:
         raise ConfigError(f"--config: '{path}' is not valid TOML: {e}") from None
 
 
-def load_run_file(path: str | Path) -> dict[str, Any]:
-    data = read_toml(path)
-    nested = [k for k, v in data.items() if isinstance(v, dict) and not k.endswith("_kwargs")]  # *_kwargs are tables
-    if nested:
-        raise ConfigError(f"--config: '{path}' has sections {nested}; run files are flat (key = value at the top).")
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML run file as a dict (the same keys as TOML); a missing file or bad YAML is a ConfigError naming it."""
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"--config: file '{path}' does not exist.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8-sig"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: '{path}' is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: '{path}' holds a {type(data).__name__} at the top; a run file is a mapping of "
+                          "keys to values.")
     return data
+
+
+def flatten_sections(data: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """A run file's sections as flat keys: `[lora]` with `r = 16` is `lora_r = 16` (a section names the prefix of
+    the keys it holds); `*_kwargs` tables stay tables (they are one dict-valued key each). `where` names the
+    source in errors."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and not key.endswith("_kwargs"):
+            for sub, inner in value.items():
+                if isinstance(inner, dict) and not sub.endswith("_kwargs"):
+                    raise ConfigError(f"{where}: section [{key}] holds another section [{key}.{sub}]; one level of "
+                                      "sections only.")
+                flat = f"{key}_{sub}"
+                if flat in out or flat in data:
+                    raise ConfigError(f"{where}: '{flat}' is given twice (as a key and in section [{key}]).")
+                out[flat] = inner
+        else:
+            out[key] = value
+    return out
+
+
+def load_run_file(path: str | Path) -> dict[str, Any]:
+    """A run file (TOML, or YAML for .yaml/.yml) as the flat keys the command line takes: sections flattened
+    (`[lora]` r -> lora_r), `*_kwargs` tables kept."""
+    data = read_yaml(path) if Path(path).suffix.lower() in (".yaml", ".yml") else read_toml(path)
+    return flatten_sections(data, where=f"--config '{path}'")
 
 
 def _check_type(name: str, value: Any, annotation: Any) -> None:
@@ -258,7 +318,12 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
 def build_configs(values: dict[str, Any], config_cls: type) -> tuple[RunArgs, Any]:
     """Split flat `values` into RunArgs and `config_cls`, checking names and types first."""
     valid = field_names(RunArgs, config_cls)
+    from .trl_names import TRL_FIELDS
+
+    trl = TRL_FIELDS.get(config_cls.__name__, {})
     for key in values:
+        if key not in valid and key in trl:
+            continue  # TRL's name: the config translates or refuses it (docs/trl-names.md)
         if key not in valid:
             # Abbreviations people type, which string similarity maps to the wrong field (lr -> lora_r).
             close = [ALIASES[key]] if key in ALIASES else difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
@@ -273,9 +338,10 @@ def build_configs(values: dict[str, Any], config_cls: type) -> tuple[RunArgs, An
     for key, value in values.items():
         if key == "resume_from_checkpoint" and isinstance(value, bool):
             continue  # `true` = the newest complete checkpoint (the trainers' train() accepts it)
-        _check_type(key, value, hints.get(key, "Any"))
-    run = RunArgs(**{k: v for k, v in values.items() if valid[k] is RunArgs})
-    cfg = config_cls(**{k: v for k, v in values.items() if valid[k] is config_cls})
+        if key in valid:
+            _check_type(key, value, hints.get(key, "Any"))
+    run = RunArgs(**{k: v for k, v in values.items() if valid.get(k) is RunArgs})
+    cfg = config_cls(**{k: v for k, v in values.items() if valid.get(k, config_cls) is config_cls})
     return run, cfg
 
 

@@ -309,9 +309,32 @@ def resolve_reward(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     made = reg.make_reward(spec) if isinstance(spec, str) else None
     if made is not None:
         return made
+    module, colon, name = spec.partition(":")
+    if colon and name.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+        return _import_reward(spec, module, name)
     raise ConfigError(f"reward_funcs: unknown reward '{spec}'. Registered: {reg.names('reward')}, plus "
-                      "'format:<regex>', 'reward_model:<path>', 'judge:<url>'; or pass a callable. Plugins add names "
-                      "(`toolkit plugins` lists them).")
+                      "'format:<regex>', 'reward_model:<path>', 'judge:<url>', or an import path "
+                      "'package.module:function'; or pass a callable. Plugins add names (`toolkit plugins` lists "
+                      "them).")
+
+
+def _import_reward(spec: str, module: str, name: str) -> Callable[..., Any]:
+    """A reward function by import path, TRL's way of naming a custom reward in a config (`my_rewards:brevity`):
+    the module imported (from the current directory too), its attribute checked to be callable."""
+    import importlib
+    import sys
+
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a reward module next to the run file, as `python -m` would find it
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"reward_funcs: '{spec}': module '{module}' does not import ({e}); it must be importable "
+                          "from the current directory or the environment.") from e
+    func = getattr(mod, name, None)
+    if not callable(func):
+        raise ConfigError(f"reward_funcs: '{spec}': module '{module}' has no function '{name}'.")
+    return func
 
 
 def notify_step_metrics(trainer: str, step: int, metrics: Mapping[str, float]) -> None:
