@@ -534,3 +534,23 @@ def test_log_completions_prints_the_table_and_sends_it_to_tensorboard(tmp_path, 
             if tag.startswith("completions"):
                 texts += [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)]
     assert len(texts) == 2 and all(header in text for text in texts)
+
+
+def test_eval_dataset_is_evaluated_as_trl_does(tmp_path):
+    """GRPOTrainer(eval_dataset=...) with eval_strategy: sampled completions of the held-out prompts scored by the
+    reward functions, logged as eval_reward & co at each evaluation; the same seed each time."""
+    rows = prompts()
+    with pytest.raises(ConfigError, match="eval_strategy: 'steps' needs held-out prompts"):
+        make(tmp_path, rows=rows, eval_strategy="steps", eval_steps=1)
+    t = GRPOTrainer(tiny_model(), [length_reward], cfg(tmp_path, eval_strategy="steps", eval_steps=1),
+                    train_dataset=rows, eval_dataset=rows[:3], processing_class=tiny_tokenizer())
+    t.train()
+    evals = [h for h in t.state.log_history if "eval_reward" in h]
+    assert len(evals) == 2 and all(math.isfinite(h["eval_reward"]) for h in evals)
+    assert all(h["eval_completions/mean_length"] > 0 and "eval_rewards/length_reward/mean" in h for h in evals)
+    again = t.evaluate()
+    assert again["eval_reward"] == pytest.approx(t.evaluate()["eval_reward"])  # same seed, same weights
+    with pytest.raises(Exception, match="eval_dataset"):  # a column a reward needs, missing from the eval rows
+        GRPOTrainer(tiny_model(), [lambda prompts, completions, completion_ids, answer, **kw: [0.0] * len(completions)],
+                    cfg(tmp_path), train_dataset=[{"prompt": "y", "answer": "2"}] * 8,
+                    eval_dataset=[{"prompt": "x"}] * 2, processing_class=tiny_tokenizer())

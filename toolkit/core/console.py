@@ -30,6 +30,7 @@ CONSOLE_ENV = "TOOLKIT_CONSOLE"
 # (log key, label, format) in the order a person reads them; missing keys are skipped.
 _FIELDS = (
     ("loss", "loss", ".4f"), ("eval_loss", "eval_loss", ".4f"), ("reward", "reward", ".3f"),
+    ("eval_reward", "eval_reward", ".3f"),
     ("objective/scores", "score", ".3f"), ("rewards/accuracies", "pref_acc", ".3f"),
     ("eval_rewards/accuracies", "eval_pref_acc", ".3f"), ("accuracy", "pair_acc", ".3f"),
     ("eval_accuracy", "eval_pair_acc", ".3f"), ("heldout_accuracy", "heldout_acc", ".3f"),
@@ -72,8 +73,8 @@ def compact_line(logs: dict[str, Any], *, step: int, max_steps: int, seconds_per
         value = logs.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             text = f"{label} {value:{fmt}}"
-            if key == "reward" and isinstance(logs.get("reward_std"), (int, float)):
-                text += f" ±{logs['reward_std']:.2f}"
+            if key in ("reward", "eval_reward") and isinstance(logs.get(f"{key}_std"), (int, float)):
+                text += f" ±{logs[key + '_std']:.2f}"
             parts.append(text)
     skipped = logs.get("update_skipped")  # GRPO: steps whose rollout had no row in the loss left the weights alone
     if isinstance(skipped, (int, float)) and skipped > 0:

@@ -394,6 +394,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         model_init_kwargs: dict | None = None,
         ref_model: PreTrainedModel | None = None,
         environment: Callable[[], Any] | None = None,
+        eval_dataset: Any = None,
     ):
         args = args if args is not None else GRPOConfig()
         if not isinstance(args, GroupRolloutConfig):
@@ -409,6 +410,21 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.prepare_prompts(train_dataset, tokenizer, args)
+        self.eval_rows: list[dict[str, Any]] | None = None
+        self.eval_prompt_ids: list[list[int]] | None = None
+        if eval_dataset is None and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":
+            raise ConfigError(f"eval_strategy: '{getattr(args.eval_strategy, 'value', args.eval_strategy)}' needs "
+                              "held-out prompts: pass eval_dataset=... to the trainer, or set eval_strategy='no'.")
+        if eval_dataset is not None:  # TRL's evaluation: sampled completions of held-out prompts, scored
+            if self.environment_factory is not None:
+                raise ConfigError("eval_dataset: evaluation of multi-turn episodes is not supported yet; drop "
+                                  "eval_dataset (held-out accuracy of episodes: docs/agents.md).")
+            self.eval_rows, eval_fmt = prompt_rows(eval_dataset, tokenizer, trainer="GRPO")
+            check_reward_columns(self.reward_runner.funcs, self.reward_runner.names,
+                                 ["prompt", *eval_fmt.extra_columns], where="eval_dataset")
+            self.eval_prompt_ids, _ = tokenize_prompts(self.eval_rows, tokenizer,
+                                                       max_prompt_length=args.max_prompt_length,
+                                                       chat_template_kwargs=args.chat_template_kwargs)
         check_reward_columns(self.reward_runner.funcs, self.reward_runner.names,
                              ["prompt", *self.dataset_format.extra_columns], where="train_dataset")
         prompts_per_micro = args.per_device_train_batch_size // args.num_generations
@@ -442,6 +458,8 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
 
         super().__init__(model=model, args=args, data_collator=_index_collator,
                          train_dataset=Dataset.from_list([{"row_index": i} for i in range(len(self.rows))]),
+                         eval_dataset=(Dataset.from_list([{"row_index": i} for i in range(len(self.eval_rows))])
+                                       if self.eval_rows is not None else None),
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
         if self.ref_model is not None:
             # Trainer places only the policy; the frozen copy was made before that, on the CPU
@@ -658,6 +676,50 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
     def reward_names(self) -> list[str]:
         """The reward columns: the reward functions', or the environment's one."""
         return ["environment"] if self.environment_factory is not None else list(self.reward_runner.names)
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+                 ) -> dict[str, float]:
+        """TRL's GRPO evaluation: `num_generations` sampled completions of each held-out prompt (the eval_dataset
+        given to the trainer; each rank its share), scored by the reward functions; logged and returned as
+        `<prefix>_reward` (the weighted total's mean), `<prefix>_reward_std`, `<prefix>_rewards/<f>/mean` and
+        `<prefix>_completions/mean_length`. The same seed at every evaluation, so two evaluations differ by the
+        weights only. Held-out greedy accuracy on a task's answers is the command line's `report_accuracy`."""
+        if eval_dataset is not None:
+            raise ConfigError("evaluate(eval_dataset=...): give the eval_dataset to the trainer when building it "
+                              "(its prompts are checked and tokenized once, before any model loads).")
+        if self.eval_rows is None:
+            raise ConfigError("evaluate: the trainer was built without an eval_dataset; pass GRPOTrainer(..., "
+                              "eval_dataset=...) to evaluate (and eval_strategy to do it during training).")
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        mine = list(range(rank, len(self.eval_rows), world))
+        backend = self.evaluation_backend()
+        backend.sync_weights(self.model)
+        scored = generate_and_score(backend, [self.eval_prompt_ids[i] for i in mine],
+                                    [self.eval_rows[i] for i in mine], sampling=self.sampling,
+                                    n=self.args.num_generations, score=self.compute_rewards,
+                                    seed=generation_seed(self.args.seed, 10**9, rank))
+        after_generation(backend)
+        from accelerate.utils import gather_object
+
+        total = weighted_total(scored.rewards_per_func, self.reward_weights)
+        per_func = gather_object([scored.rewards_per_func.T.tolist()]) if world > 1 else [
+            scored.rewards_per_func.T.tolist()]
+        totals = [x for part in (gather_object([total.tolist()]) if world > 1 else [total.tolist()]) for x in part]
+        lengths = [len(c.token_ids) for g in scored.groups for c in g]
+        lengths = [x for part in (gather_object([lengths]) if world > 1 else [lengths]) for x in part]
+        rows = [r for part in per_func for r in part]
+        judged = torch.tensor(totals, dtype=torch.float32)
+        judged = judged[~torch.isnan(judged)]
+        metrics = {f"{metric_key_prefix}_reward": float(judged.mean()) if len(judged) else float("nan"),
+                   f"{metric_key_prefix}_reward_std": float(judged.std()) if len(judged) > 1 else 0.0,
+                   f"{metric_key_prefix}_completions/mean_length": sum(lengths) / max(len(lengths), 1)}
+        for f, name in enumerate(self.reward_names):
+            values = [r[f] for r in rows if not math.isnan(r[f])]
+            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = sum(values) / len(values) if values else float("nan")
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def evaluation_backend(self) -> GenerationBackend:
         """The backend held-out evaluation generates with (async GRPO's trainer process has none of its own)."""
