@@ -550,7 +550,32 @@ def test_eval_dataset_is_evaluated_as_trl_does(tmp_path):
     assert all(h["eval_completions/mean_length"] > 0 and "eval_rewards/length_reward/mean" in h for h in evals)
     again = t.evaluate()
     assert again["eval_reward"] == pytest.approx(t.evaluate()["eval_reward"])  # same seed, same weights
-    with pytest.raises(Exception, match="eval_dataset"):  # a column a reward needs, missing from the eval rows
+    with pytest.raises(DataError, match="eval_dataset"):  # a column a reward needs, missing from the eval rows
         GRPOTrainer(tiny_model(), [lambda prompts, completions, completion_ids, answer, **kw: [0.0] * len(completions)],
                     cfg(tmp_path), train_dataset=[{"prompt": "y", "answer": "2"}] * 8,
                     eval_dataset=[{"prompt": "x"}] * 2, processing_class=tiny_tokenizer())
+
+
+def test_evaluation_scores_held_out_rows_in_their_own_format_and_keeps_the_training_failure_count(tmp_path):
+    """The eval set may be plain text where training is conversational (and lack training's `answer`): it is scored
+    in its own format, by a runner of its own, so an evaluation neither stops the run nor resets the training
+    runner's consecutive failures. A best-model setting that would read eval_loss is refused up front."""
+    seen = []
+
+    def reward(prompts, completions, completion_ids, **kw):
+        seen.append(type(completions[0]).__name__)
+        return [float(len(ids)) for ids in completion_ids]
+
+    chat = [{"prompt": "What is 2 + 2?"}, {"prompt": "What is 3 + 5?"}]  # plain text; training rows are chat
+    t = GRPOTrainer(tiny_model(), [reward], cfg(tmp_path, max_steps=1), train_dataset=prompts(),
+                    eval_dataset=chat, processing_class=tiny_tokenizer())
+    t.train()
+    t.reward_runner.consecutive["reward"] = 2  # as if training's last two batches had failed
+    metrics = t.evaluate()
+    assert "list" in seen and "str" in seen  # training rows conversational, held-out rows plain text
+    assert math.isfinite(metrics["eval_reward"]) and t._eval_runner is not t.reward_runner
+    assert t.reward_runner.consecutive["reward"] == 2  # the evaluation's successes did not reset it
+    with pytest.raises(ConfigError, match="metric_for_best_model = 'reward'"):
+        GRPOTrainer(tiny_model(), [reward], cfg(tmp_path, eval_strategy="steps", load_best_model_at_end=True,
+                                                save_strategy="steps"),
+                    train_dataset=prompts(), eval_dataset=chat, processing_class=tiny_tokenizer())

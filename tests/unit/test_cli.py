@@ -138,6 +138,14 @@ def test_yaml_and_toml_run_files_give_the_same_keys_for_every_example(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="a mapping of keys to values"):
         load_run_file(bad)
+    # written by hand: YAML 1.1 would read 1e-5 as a string; tables of TrainingArguments stay tables
+    hand = tmp_path / "hand.yaml"
+    hand.write_text("learning_rate: 1e-5\nmax_steps: 3\nlora:\n  r: 8\nfsdp_config:\n  min_num_params: 10\n")
+    assert load_run_file(hand) == {"learning_rate": 1e-5, "max_steps": 3, "lora_r": 8,
+                                   "fsdp_config": {"min_num_params": 10}}
+    hand.write_text("on: 1\n")
+    with pytest.raises(ConfigError, match="keys that are not names"):
+        load_run_file(hand)
 
 
 def test_dotted_overrides_set_one_entry_of_a_table_or_a_section_key():
@@ -163,9 +171,12 @@ def test_trl_names_in_a_run_file_and_rewards_by_import_path(tmp_path, monkeypatc
         build_configs({"output_dir": str(tmp_path), "repetition_penalty": 1.3}, GRPOConfig)
     (tmp_path / "my_rewards.py").write_text("def brevity(prompts, completions, **kw):\n"
                                             "    return [-len(c) for c in completions]\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # found from the current directory, which is not left on sys.path
+    import sys
+
+    path_before = list(sys.path)
     assert resolve_reward("my_rewards:brevity")(["p"], ["abc"]) == [-3]
+    assert sys.path == path_before
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         resolve_reward("my_rewards:nope")
     with pytest.raises(ConfigError, match="does not import"):

@@ -81,6 +81,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         model_init_kwargs: dict | None = None,
         ref_model: Any = None,
         environment: Any = None,
+        eval_dataset: Any = None,
     ):
         args = args if args is not None else AsyncGRPOConfig()
         funcs = self._check_worker_arguments(args, reward_funcs, environment)
@@ -91,7 +92,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         super().__init__(model, funcs, args, train_dataset=train_dataset, processing_class=processing_class,
                          peft_config=peft_config, generation_backend=InWorkerBackend(), callbacks=callbacks,
                          optimizers=optimizers, model_init_kwargs=model_init_kwargs, ref_model=ref_model,
-                         environment=environment)
+                         environment=environment, eval_dataset=eval_dataset)
         if self.args.trainer_threads:
             torch.set_num_threads(self.args.trainer_threads)
         on_gpu = torch.cuda.is_available() and not args.use_cpu

@@ -198,9 +198,11 @@ def merge_overrides(values: dict[str, Any], overrides: dict[str, Any]) -> dict[s
         head, dot, sub = key.partition(".")
         if not dot:
             out[key] = value
-        elif head.endswith("_kwargs"):
+        elif _is_table(head):
             table = out.get(head)
-            out[head] = {**(table if isinstance(table, dict) else {}), sub: value}
+            if table is not None and not isinstance(table, dict):
+                raise ConfigError(f"command line: '--{key}' sets an entry of '{head}', which is {table!r}, not a table.")
+            out[head] = {**(table or {}), sub: value}
         elif "." in sub:
             raise ConfigError(f"command line: '--{key}': one dot only (a *_kwargs table's key, or a section's).")
         else:
@@ -247,13 +249,22 @@ def read_toml(path: str | Path, *, what: str = "file") -> dict[str, Any]:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML run file as a dict (the same keys as TOML); a missing file or bad YAML is a ConfigError naming it."""
+    import re
+
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        """YAML 1.1 reads `1e-5` (no dot) as a string; run files mean a number, as TOML does."""
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"--config: file '{path}' does not exist.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8-sig"))
+        data = yaml.load(path.read_text(encoding="utf-8-sig"), Loader=Loader)  # noqa: S506 - a SafeLoader
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config: '{path}' is not UTF-8 text ({e}); save it as UTF-8.") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config: '{path}' is not valid YAML: {e}") from None
     if data is None:
@@ -261,7 +272,16 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"--config: '{path}' holds a {type(data).__name__} at the top; a run file is a mapping of "
                           "keys to values.")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"--config: '{path}' has keys that are not names: {bad} (YAML reads on/off/yes/no and "
+                          "numbers as such; quote them).")
     return data
+
+
+def _is_table(key: str) -> bool:
+    """Keys whose value is one dict (kept whole): `*_kwargs`, TrainingArguments' `*_config` and `deepspeed`."""
+    return key.endswith(("_kwargs", "_config")) or key == "deepspeed"
 
 
 def flatten_sections(data: dict[str, Any], *, where: str) -> dict[str, Any]:
@@ -270,9 +290,9 @@ def flatten_sections(data: dict[str, Any], *, where: str) -> dict[str, Any]:
     source in errors."""
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict) and not key.endswith("_kwargs"):
+        if isinstance(value, dict) and not _is_table(key):
             for sub, inner in value.items():
-                if isinstance(inner, dict) and not sub.endswith("_kwargs"):
+                if isinstance(inner, dict) and not _is_table(sub):
                     raise ConfigError(f"{where}: section [{key}] holds another section [{key}.{sub}]; one level of "
                                       "sections only.")
                 flat = f"{key}_{sub}"

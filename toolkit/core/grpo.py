@@ -414,14 +414,20 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         self.eval_prompt_ids: list[list[int]] | None = None
         if eval_dataset is None and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":
             raise ConfigError(f"eval_strategy: '{getattr(args.eval_strategy, 'value', args.eval_strategy)}' needs "
-                              "held-out prompts: pass eval_dataset=... to the trainer, or set eval_strategy='no'.")
+                              "held-out prompts: pass eval_dataset=... to the trainer, or set eval_strategy='no' (on "
+                              "the command line held-out evaluation is eval_dataset with eval_every and "
+                              "report_accuracy).")
         if eval_dataset is not None:  # TRL's evaluation: sampled completions of held-out prompts, scored
             if self.environment_factory is not None:
                 raise ConfigError("eval_dataset: evaluation of multi-turn episodes is not supported yet; drop "
                                   "eval_dataset (held-out accuracy of episodes: docs/agents.md).")
-            self.eval_rows, eval_fmt = prompt_rows(eval_dataset, tokenizer, trainer="GRPO")
+            self.eval_rows, self.eval_format = prompt_rows(eval_dataset, tokenizer, trainer="GRPO")
             check_reward_columns(self.reward_runner.funcs, self.reward_runner.names,
-                                 ["prompt", *eval_fmt.extra_columns], where="eval_dataset")
+                                 ["prompt", *self.eval_format.extra_columns], where="eval_dataset")
+            if args.metric_for_best_model in ("loss", "eval_loss"):  # transformers' default with a best-model setting
+                raise ConfigError("metric_for_best_model: GRPO's evaluation logs eval_reward, not eval_loss; set "
+                                  "metric_for_best_model = 'reward' and greater_is_better = True (needed by "
+                                  "load_best_model_at_end or reduce_lr_on_plateau).")
             self.eval_prompt_ids, _ = tokenize_prompts(self.eval_rows, tokenizer,
                                                        max_prompt_length=args.max_prompt_length,
                                                        chat_template_kwargs=args.chat_template_kwargs)
@@ -697,7 +703,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         backend.sync_weights(self.model)
         scored = generate_and_score(backend, [self.eval_prompt_ids[i] for i in mine],
                                     [self.eval_rows[i] for i in mine], sampling=self.sampling,
-                                    n=self.args.num_generations, score=self.compute_rewards,
+                                    n=self.args.num_generations, score=self._score_held_out,
                                     seed=generation_seed(self.args.seed, 10**9, rank))
         after_generation(backend)
         from accelerate.utils import gather_object
@@ -720,6 +726,18 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def _score_held_out(self, rows: list[dict[str, Any]], completion_ids: list[list[int]]) -> torch.Tensor:
+        """[F, R] rewards of held-out completions, in the eval set's own format, by a runner of their own: a failure
+        here neither counts towards the training's reward_max_consecutive_failures nor resets it (NaN rows)."""
+        if not hasattr(self, "_eval_runner"):
+            runner = self.reward_runner
+            self._eval_runner = RewardRunner(list(runner.funcs), timeout=self.args.reward_timeout,
+                                             max_consecutive_failures=10**9, allow_empty=True)
+        outcome, _ = score_completions(self._eval_runner, self.processing_class, rows, completion_ids,
+                                       conversational=self.eval_format.conversational,
+                                       extra_columns=self.eval_format.extra_columns)
+        return torch.tensor(outcome.rewards, dtype=torch.float32)
 
     def evaluation_backend(self) -> GenerationBackend:
         """The backend held-out evaluation generates with (async GRPO's trainer process has none of its own)."""

@@ -321,19 +321,27 @@ def resolve_reward(spec: str | Callable[..., Any]) -> Callable[..., Any]:
 def _import_reward(spec: str, module: str, name: str) -> Callable[..., Any]:
     """A reward function by import path, TRL's way of naming a custom reward in a config (`my_rewards:brevity`):
     the module imported (from the current directory too), its attribute checked to be callable."""
-    import importlib
+    import inspect
     import sys
 
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # a reward module next to the run file, as `python -m` would find it
+    # a module in the current directory, as `python -m` would find it; the path is put back afterwards, so a local
+    # file cannot shadow later imports
+    added = os.getcwd() not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(os.getcwd())
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
         raise ConfigError(f"reward_funcs: '{spec}': module '{module}' does not import ({e}); it must be importable "
                           "from the current directory or the environment.") from e
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
     func = getattr(mod, name, None)
-    if not callable(func):
-        raise ConfigError(f"reward_funcs: '{spec}': module '{module}' has no function '{name}'.")
+    if not callable(func) or inspect.isclass(func):
+        raise ConfigError(f"reward_funcs: '{spec}': module '{module}' has no function '{name}'"
+                          + (" (it is a class: name a function, or an instance at module level)."
+                             if inspect.isclass(func) else "."))
     return func
 
 
