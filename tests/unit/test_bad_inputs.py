@@ -320,7 +320,8 @@ case("cli-hub-id-not-cached-offline", ConfigError, "model", "someone/not-a-cache
 case("cli-model-folder-without-config", ConfigError, "model", "empty-folder")(
     lambda t: ((t / "empty-folder").mkdir(), cli(t, "sft", "--dataset", "builtin:arithmetic", "--model",
                                                 str(t / "empty-folder"))))
-case("cli-sectioned-run-file", ConfigError, "flat")(
+# a section names the prefix of its keys ([lora] r = 8 is lora_r): one that is no key's prefix is named, with the fix
+case("cli-section-of-no-key", ConfigError, "training_learning_rate", "Did you mean 'learning_rate'")(
     lambda t: cli(t, "sft", run_file="[training]\nlearning_rate = 1e-5\n"))
 case("cli-run-file-bad-toml", ConfigError, "run.toml")(lambda t: cli(t, "sft", run_file="learning_rate = = 1\n"))
 case("cli-config-without-path", ConfigError, "--config")(lambda t: main(["sft", "--config", "--debug"]))
