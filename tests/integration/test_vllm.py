@@ -64,17 +64,23 @@ def test_greedy_generation_matches_transformers(engine, path, tok):
     ours = engine.generate(prompts, params, n=1)
     assert [g[0].token_ids for g in ours] == transformers_greedy(model, tok, prompts, params)
     # log-probs of the chosen tokens agree with the trainer's (top_k=1 truncates: the processed log-prob is 0)
-    sampled = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.7,
-                                                      stop_token_ids=(tok.eos_token_id,)), n=2)
+    assert sampler_trainer_gap(engine, model, prompts, tok) < 1e-3
+
+
+def sampler_trainer_gap(backend, model, prompts, tok) -> float:
+    """The largest gap between the sampler's log-probs of 2 sampled completions per prompt (temperature 0.7) and
+    the trainer's log-probs of the same ids."""
     from toolkit.core.packing import completion_logps, pack_completions
 
+    sampled = backend.generate(prompts, SamplingParams(max_tokens=8, temperature=0.7,
+                                                       stop_token_ids=(tok.eos_token_id,)), n=2)
     flat_p = [p for p, g in zip(prompts, sampled) for _ in g]
     flat_c = [c.token_ids for g in sampled for c in g]
     with torch.no_grad():
         trainer = completion_logps(model, pack_completions(flat_p, flat_c, pad_token_id=tok.pad_token_id,
                                                            padding_free=False), temperature=0.7)
     sampler = torch.tensor([x for g in sampled for c in g for x in c.logprobs])
-    assert (trainer - sampler).abs().max() < 1e-3
+    return float((trainer - sampler).abs().max())
 
 
 def test_weight_sync_makes_the_engine_follow_the_new_weights(engine, path, tok):
@@ -151,8 +157,6 @@ def _adapter_only_syncs_equal_merged_syncs(lora_engine, engine, path, tok):
     does, its sampling log-probs are the trainer's, and a sync moves under 5% of a full one's bytes."""
     from peft import LoraConfig, get_peft_model
 
-    from toolkit.core.packing import completion_logps, pack_completions
-
     model = get_peft_model(load_model(path), LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
                                                        task_type="CAUSAL_LM"))
     prompts, params = prompt_ids(tok), greedy(tok)
@@ -176,15 +180,7 @@ def _adapter_only_syncs_equal_merged_syncs(lora_engine, engine, path, tok):
         assert ours == [g_[0].token_ids for g_ in engine.generate(prompts, params)], f"sync {step}"
         assert ours == transformers_greedy(model, tok, prompts, params), f"sync {step}"
         outputs.append(ours)
-        sampled = lora_engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.7,
-                                                               stop_token_ids=(tok.eos_token_id,)), n=2)
-        flat_p = [p for p, g_ in zip(prompts, sampled) for _ in g_]
-        flat_c = [c.token_ids for g_ in sampled for c in g_]
-        with torch.no_grad():
-            trainer = completion_logps(model, pack_completions(flat_p, flat_c, pad_token_id=tok.pad_token_id,
-                                                               padding_free=False), temperature=0.7)
-        sampler = torch.tensor([x for g_ in sampled for c in g_ for x in c.logprobs])
-        assert (trainer - sampler).abs().max() < 1e-3, f"sync {step}"
+        assert sampler_trainer_gap(lora_engine, model, prompts, tok) < 1e-3, f"sync {step}"
     assert len({str(o) for o in outputs}) == 3  # each sync changed what the engine generates
     engine.sync_weights(load_model(path))  # restore for the next tests
     lora_engine.sync_weights(load_model(path))  # a plain model: a full load, the adapter dropped

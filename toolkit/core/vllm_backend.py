@@ -332,10 +332,7 @@ class _SyncEvery:
             del weights
             weights, groups = engine_weights(model), frozenset(changing_groups(model))
             outcome = _all_ranks_max(self._load_here(weights, False))
-        if outcome == _FAILED:
-            error, self._error = self._error, None
-            raise error if error is not None else ToolkitError(
-                "vLLM weight sync: another rank's upload failed (its log has the reason); this rank stops too.")
+        self._raise_if_failed(outcome, "vLLM weight sync: another rank's upload failed")
         self._after_sync()
         self._synced, self._groups = weakref.ref(model), groups
         # full fine-tuning: every sync sends every weight (what sleep mode's level 2 relies on)
@@ -343,6 +340,14 @@ class _SyncEvery:
 
     _error: BaseException | None = None
     _every_sync_full: bool = False
+
+    def _raise_if_failed(self, outcome: int, elsewhere: str) -> None:
+        """After the ranks shared their outcome (the worst): raise this rank's own error, or say `elsewhere` failed."""
+        if outcome != _FAILED:
+            return
+        error, self._error = self._error, None
+        raise error if error is not None else ToolkitError(
+            f"{elsewhere} (its log has the reason); this rank stops too.")
 
     def _load_here(self, weights: list[tuple[str, torch.Tensor]], partial: bool) -> int:
         """Load on this rank if it is a loading one; the outcome as a number every rank can agree on (the
@@ -754,10 +759,7 @@ class VLLMBackend(_SyncEvery):
             outcome = _DONE
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             self._error, outcome = e, _FAILED
-        if _all_ranks_max(outcome) == _FAILED:
-            error, self._error = self._error, None
-            raise error if error is not None else ToolkitError(
-                "vLLM adapter sync: another rank's load failed (its log has the reason); this rank stops too.")
+        self._raise_if_failed(_all_ranks_max(outcome), "vLLM adapter sync: another rank's load failed")
         if not self._said_mode:
             logger.info("vLLM LoRA sync: the adapter alone (%.1f MB a sync; the base weights, %.0f MB, loaded once).",
                         adapter_bytes / 2**20, base_bytes / 2**20)
@@ -1016,10 +1018,7 @@ class VLLMServerBackend(_SyncEvery):
                 self._base_of = weakref.ref(peft)
             except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
                 self._error, outcome = e, _FAILED
-        if _all_ranks_max(outcome) == _FAILED:
-            error, self._error = self._error, None
-            raise error if error is not None else ToolkitError(
-                "vLLM adapter upload: rank 0's upload failed (its log has the reason); this rank stops too.")
+        self._raise_if_failed(_all_ranks_max(outcome), "vLLM adapter upload: rank 0's upload failed")
         self._after_sync()
         if not self._said_mode:
             logger.info("vLLM server LoRA sync: the adapter alone (%.1f MB a sync; the base weights, %.0f MB, once).",
