@@ -150,3 +150,64 @@ def test_the_cli_pushes_a_lora_adapter_once_with_a_peft_card(tmp_path, hub):
     assert card.data.library_name == "peft" and "lora" in card.data.tags and "PEFT adapter" in card.text
     # a local folder has no Hub id: the card must not claim one (base_model stays unset, not a cache path)
     assert card.data.base_model is None
+
+
+def length_reward(completions, **kw):
+    return [float(len(c)) for c in completions]
+
+
+def quick_start_code(card_text):
+    """The card's quick-start block (the first python block after '## Quick start')."""
+    section = card_text.split("## Quick start", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_a_grpo_lora_card_is_the_record_of_the_run_and_its_adapter_names_the_hub_base(tmp_path, hub):
+    from toolkit.core.cli import main
+
+    model = from_embedded_cache(tmp_path)  # a folder written like the embedded cache: base_model is the Hub id
+    rc = main(["grpo", "--model", model.config._name_or_path, "--dataset", "builtin:arithmetic", "--dataset_size",
+               "8", "--eval_dataset", "", "--reward_funcs", '["tests.unit.test_model_card:length_reward"]',
+               "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
+               "--max_completion_length", "4", "--output_dir", str(tmp_path / "out"), "--save_strategy", "no",
+               "--disable_tqdm", "true", "--report_to", "none", "--push_to_hub", "true", "--hub_model_id",
+               "me/arith-grpo-lora", "--lora_r", "4", "--lora_target_modules", '["q_proj", "v_proj"]'])
+    assert rc == 0
+    (upload,) = hub
+    card = ModelCard(upload["card"])
+    text = card.text
+    assert card.data.library_name == "peft" and card.data.base_model == EMBEDDED_HUB_ID
+    code = quick_start_code(text)
+    assert 'model_id = "me/arith-grpo-lora"' in code and "AutoPeftModelForCausalLM" in code
+    import torch
+    import transformers
+
+    assert f"- transformers: {transformers.__version__}" in text and f"- torch: {torch.__version__}" in text
+    import hashlib
+    import inspect
+
+    digest = hashlib.sha256(inspect.getsource(length_reward).encode()).hexdigest()[:12]
+    assert f"| `length_reward` | `tests.unit.test_model_card.length_reward` | `{digest}` |" in text
+    assert "| `lr_scheduler_type` | `linear` |" in text and "SchedulerType" not in text
+    assert "`num_train_epochs`" not in text and "| `max_steps` | `2` |" in text  # max_steps governs
+    assert "| `importance_sampling_mode` | `truncate` |" in text and "| `beta` | `0.0` |" in text
+    assert "sampler/trainer log-prob gap" in text and "| train minutes |" in text and "| device | CPU" in text
+    # the pushed adapter names its base by Hub id, not by this machine's cache path
+    config = json.loads((tmp_path / "out" / "final" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == EMBEDDED_HUB_ID
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_cards_quick_start_runs_in_the_saved_folder(tmp_path, monkeypatch, lora):
+    model = from_embedded_cache(tmp_path)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    trainer = sft(model, tmp_path / "out")
+    trainer.save_model(str(tmp_path / "final"))
+    code = quick_start_code((tmp_path / "final" / "README.md").read_text())
+    assert ("AutoPeftModelForCausalLM" in code) == lora
+    monkeypatch.chdir(tmp_path / "final")  # the snippet loads "." (the folder holding the card) before a push
+    scope: dict = {}
+    exec(compile(code, "README.md quick start", "exec"), scope)
+    assert type(scope["model"]).__name__ == ("PeftModelForCausalLM" if lora else "LlamaForCausalLM")
+    assert scope["output"].shape[1] > scope["inputs"]["input_ids"].shape[1]  # it generated

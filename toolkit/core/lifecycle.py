@@ -45,7 +45,7 @@ from .checkpoint import (
 from .console import install_console
 from .distributed import warn_if_sharding_ignored
 from .errors import ConfigError, HubPushError
-from .model_card import write_model_card
+from .model_card import record_base_model, write_model_card
 from .plugins import notify_checkpoint_saved, notify_step_metrics
 
 logger = logging.getLogger(__name__)
@@ -203,6 +203,8 @@ class TrainerLifecycle:
         (Trainer creates the Hub repo first): a push that fails (no network, no token, a refused repo) leaves the
         model on disk, and the error says where it is."""
         self.save_model(_internal_call=True)
+        if self.args.should_save:
+            record_base_model(self.args.output_dir, self.model)  # the pushed adapter names its base by Hub id
         self._saved_for_push = True
         try:
             return super().push_to_hub(commit_message=commit_message, blocking=blocking,  # type: ignore[misc]

@@ -9,8 +9,11 @@ model it was dequantized from), `library_name`, `tags` (toolkit, the method, the
 
 from __future__ import annotations
 
-__all__ = ["METHODS", "base_model_id", "build_model_card", "write_model_card"]
+__all__ = ["METHODS", "base_model_id", "build_model_card", "record_base_model", "write_model_card"]
 
+import hashlib
+import inspect
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,6 +53,9 @@ METHODS["async-grpo"] = ("Asynchronous GRPO (generation in a separate worker, bo
 _KEY_SETTINGS = ("learning_rate", "lr_scheduler_type", "max_steps", "num_train_epochs", "per_device_train_batch_size",
                  "gradient_accumulation_steps", "max_length", "beta", "loss_type", "epsilon", "num_generations",
                  "max_completion_length", "temperature", "scale_rewards", "max_staleness", "seed")
+# The objective's settings (GRPO family, PPO): what a reader needs to judge an RL run.
+_RL_SETTINGS = ("epsilon_high", "kl_coef", "importance_sampling_mode", "importance_sampling_level",
+                "importance_sampling_cap", "importance_sampling_min", "generation_backend")
 
 
 def base_model_id(model: Any) -> str | None:
@@ -61,7 +67,18 @@ def base_model_id(model: Any) -> str | None:
         return None
     if is_embedded_checkpoint(source):
         return EMBEDDED_HUB_ID
+    cached = _hub_cache_id(source)
+    if cached:
+        return cached
     return source if _hub_id(source) else None
+
+
+def _hub_cache_id(path: str) -> str | None:
+    """The Hub id of a folder in the Hub cache (`.../models--owner--name/snapshots/<revision>`), else None."""
+    parts = Path(path).parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/", 1)
+    return None
 
 
 def _hub_id(name: str) -> bool:
@@ -131,12 +148,20 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
                       "(`peft.AutoPeftModelForCausalLM.from_pretrained`)."]
     if datasets:
         lines += ["", "## Data", "", *[f"- `{_shown(d)}`" for d in datasets]]
-    settings = [(k, getattr(trainer.args, k)) for k in _KEY_SETTINGS if getattr(trainer.args, k, None) is not None]
+    lines += ["", "## Quick start", "", *quick_start(adapter, model_name if model_name and _hub_id(model_name)
+                                                     else _pushed_id(trainer))]
     lines += ["", "## Training settings", "", "| setting | value |", "|---|---|",
-              *[f"| `{k}` | `{v}` |" for k, v in settings]]
+              *[f"| `{k}` | `{v}` |" for k, v in key_settings(trainer.args)]]
     state = getattr(trainer, "state", None)
     if state is not None and getattr(state, "global_step", 0):
         lines += [f"| optimizer steps done | `{state.global_step}` |"]
+    rewards = reward_functions(trainer)
+    if rewards:
+        lines += ["", "## Reward functions", "", "| name | source | sha256 of the source (12 hex) |", "|---|---|---|",
+                  *[f"| `{n}` | `{where}` | `{digest}` |" for n, where, digest in rewards]]
+    record = run_record(trainer)
+    if record:
+        lines += ["", "## How the run went", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in record]]
     if results:
         lines += ["", "## Results", "", "| metric | value |", "|---|---|",
                   *[f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in results.items()
@@ -144,12 +169,140 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
                     and k not in ("saved_to", "plot", "metrics", "summary_file", "model", "dataset", "pushed_to")]]
     if plot:
         lines += ["", f"![training curves]({plot})"]
+    lines += ["", "## Framework versions", "", *[f"- {name}: {version}" for name, version in framework_versions()]]
     lines += ["", "## Citation", ""]
     if citation:
         lines += ["```bibtex", citation, "```", ""]
     lines += ["```bibtex", "@software{toolkit,", "  title  = {{toolkit: post-training for language models}},",
               f"  note   = {{version {__version__}}}", "}", "```"]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+
+
+def _pushed_id(trainer: Any) -> str | None:
+    """The Hub repo the trainer pushes to (push_to_hub with hub_model_id), or None."""
+    args = trainer.args
+    repo = (getattr(trainer, "hub_model_id", None) or getattr(args, "hub_model_id", None)) \
+        if getattr(args, "push_to_hub", False) else None
+    return repo if repo and _hub_id(repo) else None
+
+
+def quick_start(adapter: bool, repo: str | None) -> list[str]:
+    """Markdown lines: load the model (a PEFT adapter with its base, or a full model) and generate once. `repo`:
+    the Hub id, or None for a card read next to its files (the snippet then loads the folder it is run from)."""
+    where = f'"{repo}"' if repo else '"."  # the folder holding this card (or its Hub id once pushed)'
+    load = ("from peft import AutoPeftModelForCausalLM  # loads the base model named in adapter_config.json\n"
+            "from transformers import AutoTokenizer\n\n"
+            f"model_id = {where}\n"
+            "model = AutoPeftModelForCausalLM.from_pretrained(model_id)"
+            if adapter else
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f"model_id = {where}\n"
+            "model = AutoModelForCausalLM.from_pretrained(model_id)")
+    return ["```python", load,
+            "tokenizer = AutoTokenizer.from_pretrained(model_id)",
+            'messages = [{"role": "user", "content": "What is 12 + 30?"}]',
+            "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\","
+            " return_dict=True)",
+            "output = model.generate(**inputs, max_new_tokens=32, do_sample=False)",
+            'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+            "```"]
+
+
+def key_settings(args: Any) -> list[tuple[str, Any]]:
+    """The settings a reader needs to judge or repeat a run, as they read in a config file: enums by their value
+    (`linear`, not `SchedulerType.LINEAR`); epochs only where they govern (max_steps <= 0); the objective's
+    settings (loss type, clip ranges, KL, importance sampling) where the config has them."""
+    out = []
+    for k in (*_KEY_SETTINGS, *_RL_SETTINGS):
+        v = getattr(args, k, None)
+        if v is None or (k == "num_train_epochs" and (getattr(args, "max_steps", 0) or 0) > 0):
+            continue
+        if k == "max_steps" and (v or 0) <= 0:
+            continue
+        out.append((k, getattr(v, "value", v)))
+    return out
+
+
+def reward_functions(trainer: Any) -> list[tuple[str, str, str]]:
+    """(name, module.qualname, sha256 of the source's first 12 hex) per reward function of an RL trainer: what
+    scored the run, and a fingerprint that changes when the function's code does ('-' where the source is not
+    readable, e.g. a builtin or a function defined in a notebook that is gone)."""
+    runner = getattr(trainer, "reward_runner", None)
+    out = []
+    for fn, name in zip(getattr(runner, "funcs", []) or [], getattr(runner, "names", []) or []):
+        target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+        where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', name)}"
+        try:
+            digest = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:12]
+        except (OSError, TypeError):
+            digest = "-"
+        out.append((name, where, digest))
+    return out
+
+
+def run_record(trainer: Any) -> list[tuple[str, str]]:
+    """What the log says about the run (rows for the card): minutes, device, the sampler/trainer log-prob gap
+    (mean and worst over the run), staleness (async GRPO), the first and last reward."""
+    history = list(getattr(getattr(trainer, "state", None), "log_history", None) or [])
+    rows: list[tuple[str, str]] = []
+
+    def series(key: str) -> list[float]:
+        return [float(h[key]) for h in history if isinstance(h.get(key), (int, float)) and h[key] == h[key]]
+
+    runtime = series("train_runtime")
+    if runtime:
+        rows.append(("train minutes", f"{runtime[-1] / 60:.2f}"))
+    rows.append(("device", _device_name(trainer)))
+    reward = series("reward")
+    if reward:
+        rows.append(("reward, first -> last logged step", f"{reward[0]:.3f} -> {reward[-1]:.3f}"))
+    gap, worst = series("sampler/logp_abs_diff_mean"), series("sampler/logp_abs_diff_max")
+    if gap:
+        rows.append(("sampler/trainer log-prob gap (mean over steps; worst token)",
+                     f"{sum(gap) / len(gap):.2e}; {max(worst) if worst else float('nan'):.2e}"))
+    stale = series("async/staleness")
+    if stale:
+        rows.append(("staleness in optimizer steps (mean; max)", f"{sum(stale) / len(stale):.2f}; {max(stale):.0f}"))
+    return rows if len(rows) > 1 or runtime else []
+
+
+def _device_name(trainer: Any) -> str:
+    import platform
+
+    import torch
+
+    device = getattr(getattr(trainer, "args", None), "device", None)
+    if device is not None and getattr(device, "type", "") == "cuda" and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(device)} x {max(getattr(trainer.args, 'world_size', 1), 1)}"
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def framework_versions() -> list[tuple[str, str]]:
+    """The versions a run depends on, as installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = [("toolkit", __version__)]
+    for dist in ("transformers", "torch", "peft", "accelerate", "datasets", "vllm"):
+        try:
+            out.append((dist, version(dist)))
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def record_base_model(folder: str | Path, model: Any) -> None:
+    """Write the base model's Hub id into a saved adapter's `adapter_config.json` before it is pushed, when the id
+    is known (PEFT records the path the base was loaded from: for the embedded model or a Hub snapshot, a cache
+    folder on this machine that means nothing to a reader of the pushed adapter). Only pushes rewrite it: a local
+    save keeps the path, so reloading it here works offline. A local base without a Hub id keeps its path."""
+    path = Path(folder) / "adapter_config.json"
+    hub_id = base_model_id(model)
+    if not path.exists() or not hub_id:
+        return
+    config = json.loads(path.read_text())
+    if config.get("base_model_name_or_path") != hub_id:
+        config["base_model_name_or_path"] = hub_id
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def write_model_card(trainer: Any, folder: str | Path, **kwargs: Any) -> Path | None:
