@@ -20,7 +20,8 @@ the test suite, see pyproject.toml and docs/architecture.md, which lists every m
     sft, dpo, grpo, ppo, rollout_worker, report
     worker_handle, async_grpo_config
     async_grpo                       (extends grpo)
-    cli, config, vllm_server, pipeline   entry points
+    cli, config, runs, vllm_server,      entry points (runs: run files from Python, toolkit.load_run)
+    pipeline
 
 Imports are lazy: `import toolkit` loads nothing heavy (the command line's `--help` answers in well under two
 seconds); the first public name used imports the public modules, as an eager import did.
@@ -38,7 +39,7 @@ from typing import Any
 
 #: The modules whose `__all__` make up `toolkit.core` (and `toolkit`), in layer order.
 PUBLIC_MODULES = ("errors", "numerics", "objectives", "data", "generation", "rewards", "models", "checkpoint",
-                  "rollout", "hookspecs", "plugins", "sft", "dpo", "grpo", "ppo", "async_grpo")
+                  "rollout", "hookspecs", "plugins", "sft", "dpo", "grpo", "ppo", "async_grpo", "runs")
 
 _public: dict[str, object] | None = None
 

@@ -49,34 +49,9 @@ from .distributed import (
     warn_if_fewer_processes_than_asked,
 )
 from .errors import ConfigError, ToolkitError
+from .runs import build_trainer, load_dataset_spec, load_datasets
 
 logger = logging.getLogger("toolkit")
-
-
-def load_dataset_spec(spec: str, run: RunArgs, *, split: str, kind: str = "prompt_completion") -> Any:
-    """`builtin:arithmetic`, a .json/.jsonl file, or a Hub dataset id (where a network exists)."""
-    if not spec:
-        return None
-    if spec.startswith("builtin:"):
-        from .tasks import task_splits
-
-        name = spec.split(":", 1)[1]
-        if name == "sorting" and "numeric_match" in run.reward_funcs:
-            raise ConfigError("reward_funcs: builtin:sorting's answer is a list of numbers and numeric_match reads only "
-                              "the last one (it would reward ending with the largest number); use reward_funcs = "
-                              "[\"number_list_match\"].")
-        train, held_out = task_splits(name, run.dataset_size, run.eval_size, max_value=run.task_max_value,
-                                      max_terms=run.task_max_terms, kind=kind)
-        return train if split == "train" else held_out
-    if Path(spec).suffix in (".json", ".jsonl"):
-        return spec  # the data layer reads files itself and names the line of a broken one
-    if Path(spec).exists():
-        raise ConfigError(f"dataset: '{spec}' is a local {'folder' if Path(spec).is_dir() else 'file'} that is not "
-                          ".json/.jsonl; convert it (e.g. pandas.read_csv(...).to_json(path, orient='records', "
-                          "lines=True)). Anything else is read as a Hub dataset id.")
-    from datasets import load_dataset
-
-    return load_dataset(spec, split=split)
 
 
 def _parse(argv: list[str], config_cls: type) -> tuple[RunArgs, Any] | None:
@@ -93,14 +68,6 @@ def _parse(argv: list[str], config_cls: type) -> tuple[RunArgs, Any] | None:
         values.update(load_run_file(argv[i + 1]))
         argv = argv[:i] + argv[i + 2:]
     return build_configs(merge_overrides(values, parse_overrides(argv)), config_cls)
-
-
-def _datasets(run: RunArgs, kind: str) -> tuple[Any, Any]:
-    if not run.dataset:
-        raise ConfigError("dataset: no training data given; set `dataset = ...` in the run file or pass --dataset.")
-    train = load_dataset_spec(run.dataset, run, split="train", kind=kind)
-    held_out = load_dataset_spec(run.eval_dataset, run, split="test", kind=kind) if run.eval_dataset else None
-    return train, held_out
 
 
 def _print_summary(title: str, summary: dict[str, Any]) -> None:
@@ -121,7 +88,7 @@ def run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: s
     if parsed is None:
         return 0
     run, cfg = parsed
-    train, held_out = _datasets(run, kind)
+    train, held_out = load_datasets(run, kind)
     started = time.perf_counter()
     trainer = make_trainer(run, cfg, train, held_out)
     summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset}
@@ -226,54 +193,48 @@ def _publish(trainer: Any, cfg: Any, run: RunArgs, final_dir: Path, summary: dic
 
 
 def run_sft(argv: list[str]) -> int:
-    from .sft import SFTConfig, SFTTrainer
+    from .sft import SFTConfig
 
     def make(run, cfg, train, held_out):
-        return SFTTrainer(run.model, cfg, train_dataset=train, eval_dataset=held_out,
-                          peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg))
+        return build_trainer("sft", run, cfg, train, held_out)
 
     return run_offline(argv, SFTConfig, make, kind="prompt_completion", title="SFT")
 
 
 def run_dpo(argv: list[str]) -> int:
-    from .dpo import DPOConfig, DPOTrainer
+    from .dpo import DPOConfig
 
     def make(run, cfg, train, held_out):
-        return DPOTrainer(run.model, args=cfg, train_dataset=train, eval_dataset=held_out,
-                          peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg))
+        return build_trainer("dpo", run, cfg, train, held_out)
 
     return run_offline(argv, DPOConfig, make, kind="preference", title="DPO",
                         eval_keys=("eval_rewards/accuracies", "eval_rewards/margins"))
 
 
 def run_grpo(argv: list[str]) -> int:
-    from .grpo import GRPOConfig, GRPOTrainer
+    from .grpo import GRPOConfig
 
-    def make(run, cfg, train, callbacks):
-        return GRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=run.peft_config(),
-                           model_init_kwargs=run.model_init_kwargs(cfg), callbacks=callbacks)
+    def make(run, cfg, train, callbacks):  # held-out accuracy is measured by the callbacks, not evaluate()
+        return build_trainer("grpo", run, cfg, train, callbacks=callbacks)
 
     return run_online(argv, GRPOConfig, make, title="GRPO", reward_key="reward", step_name="optimizer step")
 
 
 def run_async_grpo(argv: list[str]) -> int:
-    from .async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from .async_grpo import AsyncGRPOConfig
 
     def make(run, cfg, train, callbacks):
-        return AsyncGRPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train,
-                                peft_config=run.peft_config(), model_init_kwargs=run.model_init_kwargs(cfg),
-                                callbacks=callbacks)
+        return build_trainer("async-grpo", run, cfg, train, callbacks=callbacks)
 
     return run_online(argv, AsyncGRPOConfig, make, title="Async GRPO", reward_key="reward",
                        step_name="optimizer step")
 
 
 def run_ppo(argv: list[str]) -> int:
-    from .ppo import PPOConfig, PPOTrainer
+    from .ppo import PPOConfig
 
     def make(run, cfg, train, callbacks):
-        return PPOTrainer(run.model, list(run.reward_funcs), cfg, train_dataset=train, peft_config=run.peft_config(),
-                          model_init_kwargs=run.model_init_kwargs(cfg), callbacks=callbacks)
+        return build_trainer("ppo", run, cfg, train, callbacks=callbacks)
 
     return run_online(argv, PPOConfig, make, title="PPO", reward_key="objective/scores", step_name="PPO update")
 
@@ -290,7 +251,7 @@ def run_online(argv: list[str], config_cls: type, make_trainer: Any, *, title: s
     if parsed is None:
         return 0
     run, cfg = parsed
-    train, held_out = _datasets(run, kind)
+    train, held_out = load_datasets(run, kind)
     started = time.perf_counter()
     callbacks = []
     accuracy = None
