@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 import toolkit
 from toolkit.core.errors import ConfigError
-from toolkit.core.grpo import GRPOConfig, GRPOTrainer
+from toolkit.core.grpo import GRPOTrainer
 from toolkit.core.sft import SFTConfig, SFTTrainer
 from toolkit.testing import tiny_model, tiny_tokenizer
 

@@ -201,8 +201,8 @@ def quick_start(adapter: bool, repo: str | None) -> list[str]:
     return ["```python", load,
             "tokenizer = AutoTokenizer.from_pretrained(model_id)",
             'messages = [{"role": "user", "content": "What is 12 + 30?"}]',
-            "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\","
-            " return_dict=True)",
+            ("inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\","
+             " return_dict=True)"),
             "output = model.generate(**inputs, max_new_tokens=32, do_sample=False)",
             'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
             "```"]
