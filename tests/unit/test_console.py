@@ -83,3 +83,52 @@ def test_counted_warnings_still_reach_stderr_where_nothing_else_is_configured(ca
     finally:
         toolkit_logger.removeHandler(counter)
         root.handlers[:] = saved
+
+
+def test_a_short_run_shows_its_first_and_last_loss_whatever_logging_steps_says(tmp_path, capsys):
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(8)]
+    cfg = SFTConfig(output_dir=str(tmp_path), max_steps=5, logging_steps=10, per_device_train_batch_size=2,
+                    report_to="none", save_strategy="no")
+    trainer = SFTTrainer(tiny_model(), cfg, train_dataset=rows, processing_class=tiny_tokenizer())
+    trainer.train()
+    logged = [h["step"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == [1, 5]
+    out = capsys.readouterr().out
+    assert "step 1/5 | loss " in out and "step 5/5 | loss " in out
+    cfg = SFTConfig(output_dir=str(tmp_path), max_steps=6, logging_steps=3, per_device_train_batch_size=2,
+                    report_to="none", save_strategy="no")
+    trainer = SFTTrainer(tiny_model(), cfg, train_dataset=rows, processing_class=tiny_tokenizer())
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 3, 6]  # the last step once
+
+
+SCRIPT = """
+from toolkit.core.sft import SFTConfig, SFTTrainer
+from toolkit.testing import tiny_model, tiny_tokenizer
+cfg = SFTConfig(output_dir={out!r}, max_steps=1, report_to="none", save_strategy="no")
+SFTTrainer(tiny_model(), cfg, train_dataset=[{{"prompt": "1+1=", "completion": "2"}}] * 4,
+           processing_class=tiny_tokenizer())
+import logging
+logging.basicConfig(level=logging.INFO)   # configured later: toolkit's lines must not print twice
+logging.getLogger("toolkit.core.sft").info("after basicConfig")
+"""
+
+
+def test_the_start_up_summary_shows_where_nothing_configured_logging(tmp_path):
+    """A notebook or a plain script configures no logging: Python would drop toolkit's INFO lines."""
+    import subprocess
+    import sys
+
+    def run(**env):
+        import os
+
+        proc = subprocess.run([sys.executable, "-c", SCRIPT.format(out=str(tmp_path))], capture_output=True, text=True,
+                              env={**os.environ, **env}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout + proc.stderr
+
+    out = run()
+    assert "[toolkit] SFT loss settings:" in out
+    assert out.count("after basicConfig") == 1
+    quiet = run(TOOLKIT_VERBOSITY="warning")
+    assert "SFT loss settings" not in quiet

@@ -8,17 +8,20 @@ the few that tell whether learning happens are lost. Every trainer installs `Com
 The last field is the health verdict: `ok`, or how many warnings toolkit logged since the previous line
 (the warnings themselves are above it). The full dict of every log goes to `output_dir/metrics.jsonl`
 (one JSON object per line, rank 0) and to the trackers (`report_to`). The progress bar stays. Set
-`TOOLKIT_CONSOLE=full` to get transformers' dict lines back. Notebook progress tables are left alone.
+`TOOLKIT_CONSOLE=full` to get transformers' dict lines back. In a notebook transformers' progress table stays and the
+lines are printed under it.
 """
 
 from __future__ import annotations
 
-__all__ = ["CONSOLE_ENV", "CompactConsole", "MetricsFile", "compact_line", "install_console"]
+__all__ = ["CONSOLE_ENV", "VERBOSITY_ENV", "CompactConsole", "FirstAndLastStepLogs", "MetricsFile", "compact_line",
+           "install_console", "show_logs"]
 
 import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 CONSOLE_ENV = "TOOLKIT_CONSOLE"
+VERBOSITY_ENV = "TOOLKIT_VERBOSITY"
 
 # (log key, label, format) in the order a person reads them; missing keys are skipped.
 _FIELDS = (
@@ -159,6 +163,49 @@ class CompactConsole(TrainerCallback):
         logging.getLogger("toolkit").removeHandler(self.counter)
 
 
+class FirstAndLastStepLogs(TrainerCallback):
+    """Log the first optimizer step and the last one: with transformers' `logging_steps` (10 here and in TRL) a
+    5-step run never shows a loss, and a long run shows none for its first minutes, when a person most wants to
+    see that the loss is finite and moving. The steps between follow `logging_steps` unchanged."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.logging_strategy != "steps":
+            return control
+        last_logged = max((h.get("step", 0) for h in state.log_history if "loss" in h), default=0)
+        if state.global_step == 1 or (state.global_step == state.max_steps and last_logged < state.global_step):
+            control.should_log = True
+        return control
+
+
+class _OwnHandler(logging.StreamHandler):
+    """The handler `show_logs` gives the "toolkit" logger (marked, so it is added once)."""
+
+
+def show_logs() -> None:
+    """Show toolkit's INFO lines (the start-up summary, held-out accuracy, what was chosen and why) where nobody
+    configured logging: a notebook or a plain script, where Python prints only WARNING and up. Called when a trainer
+    is built. In such a process the "toolkit" logger gets a handler of its own (stdout, at TOOLKIT_VERBOSITY:
+    info by default, warning or error to quieten it) and stops propagating, as transformers does with its own
+    logger, so a later `logging.basicConfig` does not print every line twice. A process that configured logging
+    (the `toolkit` command, pytest, an application) keeps its own handlers and levels."""
+    logger = logging.getLogger("toolkit")
+    if any(isinstance(h, _OwnHandler) for h in logger.handlers):
+        return
+    if logging.getLogger().handlers or any(not isinstance(h, _WarningCounter) for h in logger.handlers):
+        return
+    name = os.environ.get(VERBOSITY_ENV, "info").upper()
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        logger.warning("%s=%s is not a logging level (debug, info, warning, error); using info.", VERBOSITY_ENV,
+                       name.lower())
+        level = logging.INFO
+    handler = _OwnHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[toolkit] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
 class _BarOnly(ProgressCallback):
     """transformers' progress bars (training and evaluation), without the dict lines."""
 
@@ -170,6 +217,7 @@ def install_console(trainer: Any) -> None:
     """`MetricsFile` always; and transformers' dict printing swapped for `CompactConsole` (unless
     TOOLKIT_CONSOLE=full, or a notebook/custom progress display is in place)."""
     trainer.add_callback(MetricsFile())
+    trainer.add_callback(FirstAndLastStepLogs())
     if os.environ.get(CONSOLE_ENV, "").lower() == "full":
         return
     handler = trainer.callback_handler
@@ -180,6 +228,7 @@ def install_console(trainer: Any) -> None:
         trainer.remove_callback(ProgressCallback)
         progress = _BarOnly()
         trainer.add_callback(progress)
-    else:
-        return  # a notebook table or a custom progress callback: leave the display to it
+    elif not any(type(cb).__name__ == "NotebookProgressCallback" for cb in handler.callbacks):
+        return  # a custom progress callback: leave the display to it
+    # (a notebook keeps transformers' table, which shows the loss only; the line below it adds reward, entropy, ...)
     trainer.add_callback(CompactConsole(progress))

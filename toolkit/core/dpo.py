@@ -37,6 +37,7 @@ from .attention import packed_layout, supports_varlen, use_varlen_attention
 from .data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from .errors import ConfigError, DataError, TrainingHealthError
 from .trl_names import accepting_trl_names
+from .console import show_logs
 from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
     BF16_HELP,
@@ -142,6 +143,7 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         model_init_kwargs: dict | None = None,
         data_collator: Any = None,
     ):
+        show_logs()  # the start-up summary below is seen in a notebook too (console.show_logs)
         args = args if args is not None else DPOConfig()
         if not isinstance(args, DPOConfig):
             raise ConfigError(f"args: DPOTrainer needs a DPOConfig, got {type(args).__name__}.")

@@ -56,6 +56,7 @@ from .distributed import any_rank, env_world_size
 from .errors import ConfigError, TrainingHealthError
 from .trl_names import accepting_trl_names
 from .generation import Completion, GenerationBackend, SamplingParams, after_generation
+from .console import show_logs
 from .lifecycle import TrainerLifecycle
 from .models import (
     DEFAULT_MODEL,
@@ -396,6 +397,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         environment: Callable[[], Any] | None = None,
         eval_dataset: Any = None,
     ):
+        show_logs()  # the start-up summary below is seen in a notebook too (console.show_logs)
         args = args if args is not None else GRPOConfig()
         if not isinstance(args, GroupRolloutConfig):
             raise ConfigError(f"args: {type(self).__name__} needs a GRPOConfig, got {type(args).__name__}.")

@@ -42,7 +42,7 @@ from .checkpoint import (
     resume_already_finished,
     save_trainer_checkpoint,
 )
-from .console import install_console
+from .console import install_console, show_logs
 from .distributed import warn_if_sharding_ignored
 from .errors import ConfigError, HubPushError
 from .model_card import record_base_model, write_model_card
@@ -67,6 +67,7 @@ class TrainerLifecycle:
     method_card: tuple[str, str] | None = None
 
     def __init__(self, *args: Any, callbacks: list | None = None, **kwargs: Any):
+        show_logs()  # a notebook sees the start-up summary (nothing configured logging there)
         self._metric_values: dict[str, dict[str, list[Any]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         callbacks = list(callbacks or []) + [CompleteCheckpointCallback(on_complete=self._checkpoint_complete)]
         super().__init__(*args, callbacks=callbacks, **kwargs)

@@ -58,6 +58,7 @@ from .data import prompt_rows, tokenize_prompts
 from .distributed import env_world_size, refuse_sharding
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import after_generation
+from .console import show_logs
 from .lifecycle import STAGING, TrainerLifecycle
 from .model_card import write_model_card
 from .models import (
@@ -324,6 +325,7 @@ class PPOTrainer(TrainerLifecycle, Trainer):
         callbacks: list | None = None,
         model_init_kwargs: dict | None = None,
     ):
+        show_logs()  # the start-up summary below is seen in a notebook too (console.show_logs)
         args = args if args is not None else PPOConfig()
         if not isinstance(args, PPOConfig):
             raise ConfigError(f"args: PPOTrainer needs a PPOConfig, got {type(args).__name__}.")

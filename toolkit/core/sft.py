@@ -51,6 +51,7 @@ from .data import (
 )
 from .errors import ConfigError, DataError, TrainingHealthError
 from .trl_names import accepting_trl_names
+from .console import show_logs
 from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
     BF16_HELP,
@@ -261,6 +262,7 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         formatting_func: Any = None,
         **kwargs: Any,
     ):
+        show_logs()  # the start-up summary below is seen in a notebook too (console.show_logs)
         args = args if args is not None else SFTConfig()
         if not isinstance(args, SFTConfig):
             raise ConfigError(f"args: SFTTrainer needs an SFTConfig, got {type(args).__name__}.")
