@@ -19,7 +19,25 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+EXPERIMENTAL = ("CPOConfig", "KTOConfig", "ORPOConfig", "OnlineDPOConfig", "GKDConfig", "RewardConfig")
+
+
+def _table(config: str, fields: dict) -> list[str]:
+    out = [f"## `{config}`", "", "| TRL field | fate | accepted values | ours / instead |", "|---|---|---|---|"]
+    for name, entry in sorted(fields.items()):
+        values = "any" if entry.fate == "same" else ", ".join(f"`{v!r}`" for v in entry.accepts) or "none"
+        out.append(f"| `{name}` | {_FATES[entry.fate]} | {values} | {_cell(entry.instead)} |")
+    return [*out, ""]
+
+
 def render() -> str:
+    import os
+    import warnings
+
+    os.environ.setdefault("TOOLKIT_EXPERIMENTAL_SILENCE", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import toolkit.experimental._trl_names  # noqa: F401  (adds the experimental configs' tables)
     from toolkit.core.trl_names import TRL_FIELDS
 
     out = ["# TRL's config names", "",
@@ -37,13 +55,16 @@ def render() -> str:
            "- **refused**: any value but the one shown (TRL's default, where it is what we do) is refused, with "
            "the alternative.", ""]
     for config in ("SFTConfig", "DPOConfig", "GRPOConfig"):
-        out += [f"## `{config}`", "", "| TRL field | fate | accepted values | ours / instead |", "|---|---|---|---|"]
-        for name, entry in sorted(TRL_FIELDS[config].items()):
-            values = "any" if entry.fate == "same" else ", ".join(f"`{v!r}`" for v in entry.accepts) or "none"
-            out.append(f"| `{name}` | {_FATES[entry.fate]} | {values} | {_cell(entry.instead)} |")
-        out.append("")
+        out += _table(config, TRL_FIELDS[config])
     out += ["`AsyncGRPOConfig` takes `GRPOConfig`'s table (TRL's async GRPO is experimental there).", "",
-            "## Same name, other default or meaning", "",
+            "## The experimental trainers' configs", "",
+            "`toolkit.experimental`'s configs take their TRL counterparts' names the same way (TRL's `CPOConfig`, "
+            "`ORPOConfig`, `OnlineDPOConfig` and `GKDConfig` live in `trl.experimental`; `KTOConfig` and "
+            "`RewardConfig` in `trl`). Tables in `toolkit/experimental/_trl_names.py`; "
+            "`tests/experimental/test_trl_names_experimental.py` walks TRL's classes.", ""]
+    for config in EXPERIMENTAL:
+        out += _table(config, TRL_FIELDS[config])
+    out += ["## Same name, other default or meaning", "",
             "- `GRPOConfig.generation_batch_size`: TRL's is how many completions one generation step makes (None: "
             "derived from the batch); ours is the most sequences the transformers backend decodes at once (a memory "
             "cap, no effect on what is trained; None: 256). A generation batch here is always one optimizer step's "

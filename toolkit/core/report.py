@@ -7,13 +7,15 @@ __all__ = [
     "curve_stability",
     "heldout_accuracy",
     "heldout_by_rewards",
+    "source_commit",
     "write_report",
 ]
 
 import contextlib
 import json
-import time
 import logging
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +219,33 @@ def curve_stability(rewards: list[tuple[int, float]], accuracy: list[tuple[int, 
     return out
 
 
+def source_commit() -> str | None:
+    """The git commit toolkit's source is at (12 hex), or None outside a checkout: reports name what they ran."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _run_headline(summary: dict[str, Any], accuracy: list[tuple[int, float]], reward_key: str,
+                  rewards: list[float]) -> str:
+    """The plot's title: held-out accuracy before -> after (only where it was measured), the reward's first and
+    last logged value, minutes, commit."""
+    parts = []
+    before, after = summary.get("heldout_accuracy_before"), summary.get("heldout_accuracy_after")
+    if accuracy and before is not None and after is not None:
+        parts.append(f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}%")
+    if rewards:
+        parts.append(f"{reward_key.split('/')[-1]} {rewards[0]:.2f} -> {rewards[-1]:.2f}")
+    if summary.get("minutes") is not None:
+        parts.append(f"{summary['minutes']:.1f} min")
+    commit = source_commit()
+    if commit:
+        parts.append(f"commit {commit}")
+    return " | ".join(parts) or "training reward"
+
+
 def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summary: dict[str, Any], *,
                  reward_key: str = "reward", title: str = "GRPO", step_name: str = "optimizer step") -> dict[str, Any]:
     """Write metrics.jsonl, summary.json and report.png under out_dir/report; return their paths."""
@@ -263,7 +292,7 @@ def write_report(trainer, out_dir: Path, accuracy: list[tuple[int, float]], summ
         ax.set_ylim(min([-0.02, *rewards]), max([1.02, *rewards]))
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left")
-        ax.set_title(f"{title}: reward and held-out accuracy")
+        ax.set_title(f"{title}: {_run_headline(summary, accuracy, reward_key, rewards)}", fontsize=10)
         fig.tight_layout()
         fig.savefig(report / "report.png", dpi=110)
         plt.close(fig)

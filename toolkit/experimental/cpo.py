@@ -37,6 +37,7 @@ from toolkit.core.hookspecs import hookimpl
 from toolkit.core.objectives import PreferenceLoss, PreferenceLossInputs
 from toolkit.core.objectives.settings import NoSettings, SettingsError
 from toolkit.core.plugins import registry
+from ._trl_names import accepting_trl_names
 
 _CITATION = """@inproceedings{xu2024contrastive,
   title     = {{Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in Machine Translation}},
@@ -105,6 +106,7 @@ if not registry().pm.has_plugin(_PLUGIN_NAME):
     registry().register(_Plugin(), name=_PLUGIN_NAME)
 
 
+@accepting_trl_names  # TRL's CPOConfig names: taken or refused (toolkit/experimental/_trl_names.py)
 @dataclass
 class CPOConfig(DPOConfig):
     """Settings of `CPOTrainer`: DPOConfig's fields (no reference model) plus CPO's. `loss_type` is one of

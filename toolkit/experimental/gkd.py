@@ -57,6 +57,7 @@ from toolkit.core.models import (
 from toolkit.core.numerics import upcast_region
 from toolkit.core.packing import completion_hidden
 from toolkit.core.rollout import generation_seed
+from ._trl_names import accepting_trl_names
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ def _chunk_jsd(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bia
     return generalized_jsd(student, teacher, beta, temperature).sum()
 
 
+@accepting_trl_names  # TRL's GKDConfig names: taken or refused (toolkit/experimental/_trl_names.py)
 @dataclass
 class GKDConfig(GroupRolloutConfig):
     """Settings of `GKDTrainer`: the GRPO family's sampling, reward and batching fields (`GroupRolloutConfig`) plus
@@ -117,6 +119,9 @@ class GKDConfig(GroupRolloutConfig):
         "help": "Generalised JSD interpolation: 0 = KL(teacher||student), 1 = KL(student||teacher) (reverse KL)."})
     teacher_model_name_or_path: str | None = field(default=None, metadata={
         "help": "The teacher: a local path or embedded model name (the tokenizer must be the student's)."})
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "Turn the policy's dropout off before training (TRL's default for this trainer): the sampler and the "
+                "trainer then score completions with the same network."})
 
     def __post_init__(self):
         super().__post_init__()

@@ -34,6 +34,7 @@ import torch
 from toolkit.core.data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from toolkit.core.dpo import DPOConfig, DPOTrainer
 from toolkit.core.errors import ConfigError, DataError, TrainingHealthError
+from ._trl_names import accepting_trl_names
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def kto_losses(logratios: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor, 
     return torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses))
 
 
+@accepting_trl_names  # TRL's KTOConfig names: taken or refused (toolkit/experimental/_trl_names.py)
 @dataclass
 class KTOConfig(DPOConfig):
     """Settings of `KTOTrainer`: DPOConfig's fields plus KTO's (TRL's names and defaults: beta 0.1, weights 1).

@@ -42,6 +42,7 @@ from toolkit.core.numerics import tokens_to_rows
 from toolkit.core.objectives import PreferenceLossInputs, resolve_preference_loss_settings
 from toolkit.core.packing import completion_logps
 from toolkit.core.plugins import registry
+from ._trl_names import accepting_trl_names
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ _CITATION = """@article{guo2024direct,
 }"""
 
 
+@accepting_trl_names  # TRL's OnlineDPOConfig names: taken or refused (toolkit/experimental/_trl_names.py)
 @dataclass
 class OnlineDPOConfig(GroupRolloutConfig):
     """Settings of `OnlineDPOTrainer`: the GRPO family's sampling, reward and batching fields (`GroupRolloutConfig`)
@@ -76,6 +78,9 @@ class OnlineDPOConfig(GroupRolloutConfig):
     loss_kwargs: dict | None = field(default=None, metadata={
         "help": "The preference loss's own settings (a plugin loss's), checked against its settings dataclass."})
     label_smoothing: float = field(default=0.0, metadata={"help": "cDPO label smoothing (sigmoid, robust)."})
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "Turn the policy's dropout off before training (TRL's default for this trainer): the sampler and the "
+                "trainer then score completions with the same network."})
     zero_variance_filter: bool = field(default=True, metadata={
         "help": "Leave pairs whose completions scored the same out of the loss (no preference). False: keep "
                 "them with the first completion as chosen (TRL's behaviour)."})

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from toolkit.core.dpo import DPOConfig, DPOTrainer
 from toolkit.core.errors import ConfigError, TrainingHealthError
 from toolkit.core.packing import completion_logps, pack_completions
+from ._trl_names import accepting_trl_names
 
 _CITATION = """@inproceedings{hong2024orpo,
   title     = {{ORPO: Monolithic Preference Optimization without Reference Model}},
@@ -52,6 +53,7 @@ def odds_ratio_terms(chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.T
     return F.logsigmoid(log_odds), log_odds
 
 
+@accepting_trl_names  # TRL's ORPOConfig names: taken or refused (toolkit/experimental/_trl_names.py)
 @dataclass
 class ORPOConfig(DPOConfig):
     """Settings of `ORPOTrainer`: DPOConfig's fields (no reference model); `beta` weighs the odds-ratio term

@@ -54,6 +54,8 @@ from toolkit.core.models import (
     sequence_classifier_parts,
 )
 
+from ._trl_names import accepting_trl_names
+
 logger = logging.getLogger(__name__)
 
 _CITATION = """@inproceedings{ouyang2022training,
@@ -64,6 +66,7 @@ _CITATION = """@inproceedings{ouyang2022training,
 }"""
 
 
+@accepting_trl_names  # TRL's RewardConfig names: taken or refused (toolkit/experimental/_trl_names.py)
 @dataclass
 class RewardConfig(TrainingArguments):
     """Settings of `RewardTrainer`: every `transformers.TrainingArguments` field plus the ones below."""
