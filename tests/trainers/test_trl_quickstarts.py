@@ -4,6 +4,8 @@ pages' "Quick start", TRL 1.x); the Hub model id is swapped for a tiny offline m
 answers TRL's dataset ids with offline rows of the same columns. Everything else (default configs, a string
 `ref_model`, TRL's own `accuracy_reward`) is what a TRL user's code passes."""
 
+import math
+
 import datasets
 import pytest
 
@@ -99,4 +101,4 @@ def test_trls_quickstart_runs_with_only_the_import_changed(name, tmp_path, monke
     exec(compile(code, name, "exec"), scope)  # noqa: S102 (TRL's documented snippet, as data)
     trainer = scope["trainer"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert trainer.state.global_step > 0 and losses and all(loss == loss for loss in losses)
+    assert trainer.state.global_step > 0 and losses and all(math.isfinite(loss) for loss in losses)
