@@ -431,6 +431,36 @@ def test_async_grpo_worker_generates_with_vllm(tmp_path, path):
     assert all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs)
 
 
+def test_async_grpo_worker_syncs_the_lora_adapter_alone(tmp_path, path):
+    """Async GRPO with a LoRA policy and lora_sync='adapter': the worker's engine gets the base weights once and then
+    the adapter alone at every publish (under 5% of a merged sync's bytes); at staleness 0 every round is sampled
+    with the trainer's adapter of that step, so the sampler matches the trainer although lr 1e-3 moves it far."""
+    from peft import LoraConfig
+
+    from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.core.tasks import arithmetic
+    from toolkit.core.vllm_backend import engine_weights
+
+    rows = arithmetic(16, seed=0, max_value=20, max_terms=2, kind="prompt_only")
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=8, temperature=0.7, learning_rate=1e-3, save_strategy="no",
+                          report_to="none", disable_tqdm=True, generation_backend="vllm", max_staleness=0,
+                          generation_backend_kwargs={"max_model_len": 256, "lora_sync": "adapter"},
+                          worker_start_timeout=600, warm_start=False)
+    t = AsyncGRPOTrainer(path, ["numeric_match"], cfg, train_dataset=rows,
+                         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert t._worker_lora_rank() == 8
+    published = t._engine_state(full=False)
+    assert published and all(k.startswith("lora:") for k in published)
+    adapter_bytes = sum(v.numel() * v.element_size() for v in published.values())
+    merged_bytes = sum(v.numel() * v.element_size() for _, v in engine_weights(t.model))
+    assert adapter_bytes <= 0.05 * merged_bytes, (adapter_bytes, merged_bytes)
+    t.train()
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert len(logs) == 3 and all(h["async/staleness_max"] == 0 for h in logs)
+    assert all(h["sampler/logp_abs_diff_mean"] < 1e-2 for h in logs), [h["sampler/logp_abs_diff_mean"] for h in logs]
+
+
 class Chat:
     """Three turns: after each answer the user asks for another; the episode's reward is the last answer's length
     mod 3 (varied within a group)."""

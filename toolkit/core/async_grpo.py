@@ -48,12 +48,20 @@ from .async_grpo_config import AsyncGRPOConfig
 from .grpo import GRPOTrainer, Rollout, _accepts_keyword
 from .models import DEFAULT_MODEL, unwrap_model
 from .rollout import RoundSampler, generate_and_score, generation_seed
-from .rollout_worker import EpisodeSpec, ScoredRound, WorkerSpec, choose_worker_device
+from .rollout_worker import (
+    ADAPTER_PREFIX,
+    BASE_PREFIX,
+    EpisodeSpec,
+    ScoredRound,
+    WorkerSpec,
+    choose_worker_device,
+)
 from .worker_handle import InWorkerBackend, WorkerHandle, check_sendable, environment_for_worker
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer"]
 
 logger = logging.getLogger(__name__)
+_UNDECIDED = object()
 
 STATE_FILE = "async_grpo_state.json"
 
@@ -127,6 +135,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._warm = False           # generating rounds here until the worker is ready (warm_start)
         self._warm_rounds = 0        # rounds generated in this process
         self._warm_copy = None       # the warm start's cast generation copy (generation_backend_kwargs.dtype)
+        self._lora_plan: Any = _UNDECIDED  # _worker_lora_rank's answer, once decided
+        self._backend_kwargs: dict[str, Any] | None = None  # _worker_backend_kwargs, computed once
         self._superseded = 0         # worker rounds discarded because this process had generated them (Handoff)
         self._failures_done: dict[str, int] = {}  # reward failures counted by earlier workers
         self._failures_now: dict[str, int] = {}   # the running worker's running totals
@@ -169,10 +179,66 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------- the worker
 
-    def _engine_state(self) -> dict[str, torch.Tensor]:
-        from .vllm_backend import engine_weights  # generic: merged PEFT weights in checkpoint naming
+    def _engine_state(self, *, full: bool = True) -> dict[str, torch.Tensor]:
+        """The weights the worker loads: merged PEFT weights in checkpoint naming; or, with adapter-only LoRA sync
+        (`_worker_lora_rank`), the adapter's tensors (`lora:` + PEFT's names, in the engine's dtype) and, when
+        `full` (a worker's start), the base weights once (`base:` + engine names)."""
+        if self._worker_lora_rank() is None:
+            from .vllm_backend import engine_weights  # generic: merged PEFT weights in checkpoint naming
 
-        return dict(engine_weights(self.model))
+            return dict(engine_weights(self.model))
+        from .vllm_backend import adapter_files, base_engine_weights
+
+        dtype = getattr(torch, str(self._worker_backend_kwargs().get("dtype", "float32")))
+        state = {ADAPTER_PREFIX + k: v for k, v in adapter_files(self.model, dtype)[0].items()}
+        if full:
+            state.update({BASE_PREFIX + k: v for k, v in base_engine_weights(self.model)})
+        return state
+
+    def _worker_lora_config(self) -> dict[str, Any] | None:
+        """The adapter_config the worker's engine loads each published adapter with (adapter-only sync), or None."""
+        if self._worker_lora_rank() is None:
+            return None
+        from .vllm_backend import adapter_files
+
+        return adapter_files(self.model, torch.float32)[1]
+
+    def _worker_lora_rank(self) -> int | None:
+        """The LoRA rank of the worker engine's adapter slot when the worker syncs the adapter alone, else None
+        (merged blocks, or no LoRA): vLLM in the worker, a PEFT LoRA model, and `lora_sync` "adapter" (or "auto"
+        with the worker's engine on a GPU: on vLLM's CPU engine LoRA generation is slower than the sync saves,
+        `vllm_backend.lora_sync_mode`). Decided once; "adapter" on a model that cannot sync that way is refused
+        by name, "auto" falls back to merged and says why."""
+        if self._lora_plan is not _UNDECIDED:
+            return self._lora_plan
+        plan = None
+        args = self.args
+        requested = (args.generation_backend_kwargs or {}).get("lora_sync", "auto")
+        if args.generation_backend == "vllm":
+            from .vllm_backend import adapter_sync_refusal, engine_lora_rank, lora_sync_mode, peft_lora_rank
+
+            rank = peft_lora_rank(self.model)
+            mode = lora_sync_mode(requested, on_gpu=self.worker_device.startswith("cuda"))
+            if rank is None and requested == "adapter":
+                raise ConfigError("generation_backend_kwargs.lora_sync = 'adapter': the model has no LoRA adapter "
+                                  "(pass peft_config, or leave lora_sync unset).")
+            if rank is not None and mode == "adapter":
+                slot = engine_lora_rank(rank)
+                reason = adapter_sync_refusal(self.model, slot)
+                if reason is not None and requested == "adapter":
+                    raise ConfigError(f"generation_backend_kwargs.lora_sync = 'adapter': {reason}. Set it to 'auto' "
+                                      "or 'merged' to send the adapters merged into whole blocks.")
+                if reason is not None:
+                    logger.warning("async GRPO: the worker's vLLM engine gets merged blocks, not the adapter alone, "
+                                   "because %s.", reason)
+                else:
+                    plan = slot
+            if rank is not None:
+                logger.info("async GRPO: LoRA weights reach the worker's vLLM engine %s.",
+                            "as the adapter alone (the base weights once)" if plan else
+                            "merged into whole blocks (lora_sync='adapter' to send the adapter alone)")
+        self._lora_plan = plan
+        return plan
 
     def _worker_spec(self) -> WorkerSpec:
         """What the worker process runs: GRPO's rollout settings for this rank, and its own backend."""
@@ -198,7 +264,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             varlen=self.padding_free, rank=self.accelerator.process_index,
             num_processes=self.accelerator.num_processes, inflight=args.inflight_weight_updates,
             scoring_concurrency=args.scoring_concurrency, rounds_per_generation=args.rounds_per_generation,
-            episodes=episodes, device=self.worker_device)
+            episodes=episodes, device=self.worker_device, lora_config=self._worker_lora_config())
 
     def _start_worker(self) -> None:
         first_start = self.worker.started_at is None
@@ -220,7 +286,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def publish_weights(self) -> None:
         """Copy the current weights into shared memory and bump the version (= the optimizer step)."""
         if self.worker.running:
-            self.worker.publish(self._engine_state(), self.state.global_step)
+            self.worker.publish(self._engine_state(full=False), self.state.global_step)
 
     def evaluation_backend(self):
         """Held-out evaluation generates in this process with the training model (the worker owns the real
@@ -247,6 +313,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return self._warm_copy
 
     def _worker_backend_kwargs(self) -> dict[str, Any]:
+        """The worker backend's settings (computed once: the GPU defaults log what they chose)."""
+        if self._backend_kwargs is None:
+            self._backend_kwargs = self._compute_worker_backend_kwargs()
+        return dict(self._backend_kwargs)
+
+    def _compute_worker_backend_kwargs(self) -> dict[str, Any]:
         args = self.args
         kwargs = dict(args.generation_backend_kwargs or {})
         if args.generation_backend == "vllm":
@@ -258,6 +330,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
             kwargs.setdefault("seed", args.seed)
             # the worker generates round after round while the trainer trains: nothing to give back in between
             kwargs.setdefault("sleep_mode", False)
+            rank = self._worker_lora_rank()
+            if rank is not None:  # an engine with LoRA support; the worker loads the adapter itself
+                kwargs.update(max_lora_rank=rank, lora_sync="adapter")
+            else:
+                kwargs.pop("lora_sync", None)  # merged weights: the worker's engine loads them whole
             if self.worker_device.startswith("cuda"):
                 from .vllm_backend import gpu_engine_kwargs
 

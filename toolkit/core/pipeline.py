@@ -238,12 +238,13 @@ def _plot(root: Path, results: list[dict[str, Any]], total: dict[str, Any]) -> N
         ax_acc.grid(alpha=0.3)
         if points:
             steps, values = zip(*points)
-            ax_sig.plot(steps, values, color="tab:blue", alpha=0.35 if len(values) >= 10 else 1.0,
-                        marker="" if len(values) > 20 else ".", label=f"{label} (per logged step)")
-            if len(values) >= 10:
+            smoothed = len(values) >= 20  # a short series is shown as it is
+            ax_sig.plot(steps, values, color="tab:blue", alpha=0.35 if smoothed else 1.0,
+                        marker="" if smoothed else ".", label=f"{label} (each logged step)")
+            if smoothed:
                 smooth = [sum(values[max(0, i - 9):i + 1]) / len(values[max(0, i - 9):i + 1])
                           for i in range(len(values))]
-                ax_sig.plot(steps, smooth, color="tab:blue", label="10-step average")
+                ax_sig.plot(steps, smooth, color="tab:blue", label="mean of the last 10 logged values")
             ax_sig.legend(fontsize=8, loc="best")
         ax_sig.set(xlabel=f"{r['command']} step", ylabel=label)
         ax_sig.grid(alpha=0.3)

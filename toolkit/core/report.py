@@ -220,12 +220,18 @@ def curve_stability(rewards: list[tuple[int, float]], accuracy: list[tuple[int, 
 
 
 def source_commit() -> str | None:
-    """The git commit toolkit's source is at (12 hex), or None outside a checkout: reports name what they ran."""
+    """The git commit toolkit's source is at (12 hex; "-dirty" when tracked files have uncommitted changes), or None
+    outside a checkout: reports name what they ran."""
+    here = Path(__file__).resolve().parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                              timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                timeout=10, cwd=here).stdout.strip()
+        # uncommitted changes to tracked files: the commit alone does not describe the code that ran
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=here).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+    return (commit + ("-dirty" if dirty else "")) or None
 
 
 def _run_headline(summary: dict[str, Any], accuracy: list[tuple[int, float]], reward_key: str,

@@ -37,8 +37,11 @@ from .generation import TransformersBackend, _generation_dtype
 from .rewards import RewardRunner, score_completions
 from .rollout import RoundSampler, generation_seed
 
-__all__ = ["EpisodeSpec", "Handoff", "Progress", "RolloutWorker", "ScoredRound", "WorkerSpec", "round_sampler",
-           "worker_main"]
+__all__ = ["ADAPTER_PREFIX", "BASE_PREFIX", "EpisodeSpec", "Handoff", "Progress", "RolloutWorker", "ScoredRound",
+           "WorkerSpec", "round_sampler", "worker_main"]
+
+# Adapter-only LoRA sync (WorkerSpec.lora_config): the published tensors' names say what each is
+ADAPTER_PREFIX, BASE_PREFIX = "lora:", "base:"
 
 
 @dataclass
@@ -240,6 +243,9 @@ class WorkerSpec:
     rounds_per_generation: int = 1
     episodes: EpisodeSpec | None = None
     device: str = "cpu"          # where the worker's model decodes (worker_device)
+    # adapter-only LoRA sync into the worker's vLLM engine: the adapter_config; the published weights are then the
+    # adapter's tensors (ADAPTER_PREFIX + PEFT's names) and, from the start only, the base (BASE_PREFIX + engine names)
+    lora_config: dict[str, Any] | None = None
 
 
 def choose_worker_device(requested: str | None, *, cuda: bool, gpus: int, trainer_index: int = 0,
@@ -316,6 +322,7 @@ class RolloutWorker:
         self.spec, self.shared, self.version, self.lock = spec, shared, version, lock
         self.out_q, self.stop, self.handoff, self.progress = out_q, stop, handoff, progress
         self.held = -1  # the version of the weights the backend holds
+        self.base_loaded = False  # adapter-only sync: the base weights went into the engine
         self.runner = RewardRunner(spec.reward_funcs, timeout=spec.reward_timeout,
                                    max_consecutive_failures=spec.reward_max_failures,
                                    allow_empty=spec.episodes is not None)
@@ -371,13 +378,22 @@ class RolloutWorker:
                                    static_decode=spec.backend_kwargs.get("static_decode"))
 
     def load_weights(self) -> None:
-        """The published weights into the model or engine (the caller holds the lock)."""
+        """The published weights into the model or engine (the caller holds the lock). Adapter-only sync: the base
+        weights the first time, then the adapter alone, as a new LoRA in the engine."""
         if self.spec.backend == "transformers":
             _load_strict(self.model, self.shared)
             return
         # vLLM reports no per-step progress; a weight upload counts as bounded by worker_start_timeout
         with self.progress.bounded(self.spec.start_timeout):
-            self.backend.load_weights(list(self.shared.items()))
+            if self.spec.lora_config is None:
+                self.backend.load_weights(list(self.shared.items()))
+                return
+            if not self.base_loaded:
+                self.backend.load_weights([(k[len(BASE_PREFIX):], v) for k, v in self.shared.items()
+                                           if k.startswith(BASE_PREFIX)])
+                self.base_loaded = True
+            self.backend.load_adapter({k[len(ADAPTER_PREFIX):]: v for k, v in self.shared.items()
+                                       if k.startswith(ADAPTER_PREFIX)}, self.spec.lora_config)
 
     def refresh_weights(self) -> int | None:
         """Between decode steps (in-flight updates): newer weights if published and the lock is free now (the trainer

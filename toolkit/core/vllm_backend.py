@@ -31,6 +31,7 @@ __all__ = [
     "VLLMServerBackend",
     "adapter_files",
     "adapter_sync_refusal",
+    "base_engine_weights",
     "changing_groups",
     "check_vllm_build",
     "colocated_engine_defaults",
@@ -43,6 +44,7 @@ __all__ = [
     "peft_lora_rank",
     "require_vllm",
     "safetensors_stream",
+    "tensor_parallel_groups",
     "vllm_build",
     "vllm_context_length",
 ]
@@ -271,6 +273,16 @@ def engine_weights(model: torch.nn.Module, *, only: Collection[str] | None = Non
             for name, t in select(_named_state(model)[2])]
 
 
+def tensor_parallel_groups(world_size: int, tp: int) -> list[list[int]]:
+    """The trainer ranks that share one colocated engine of tensor-parallel size `tp`: consecutive ranks, as vLLM's
+    external_launcher and TRL's colocate mode group them ([[0, 1], [2, 3]] for 4 ranks at tp 2), so a group sits
+    on one node's neighbouring GPUs."""
+    if tp < 1 or world_size % tp:
+        raise ConfigError(f"generation_backend_kwargs.tensor_parallel_size: {tp} does not divide the {world_size} "
+                          "training processes; each engine's shards live in tp neighbouring processes.")
+    return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
+
+
 def _vllm_sampling(params: SamplingParams, n: int):
     from vllm import SamplingParams as VSP
 
@@ -455,6 +467,12 @@ def _peft_model(model: torch.nn.Module) -> torch.nn.Module | None:
     while hasattr(model, "module"):
         model = model.module
     return model if hasattr(model, "merge_adapter") and hasattr(model, "peft_config") else None
+
+
+def base_engine_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A PEFT model's base weights, unmerged, as (engine name, tensor) pairs: what an engine that applies the adapter
+    as a LoRA holds (adapter-only sync)."""
+    return [(name, t.detach()) for name, t in _named_state(model)[2]]
 
 
 def peft_lora_rank(model: torch.nn.Module) -> int | None:
@@ -665,6 +683,7 @@ class VLLMBackend(_SyncEvery):
             engine_kwargs.setdefault("enable_sleep_mode", True)
         if sync_every < 1:
             raise ConfigError(f"generation_backend_kwargs.sync_every: must be >= 1, got {sync_every}.")
+        self._tp_group, self._tp_size = self._external_launcher(engine_kwargs)
         # In-process engine core: weight reloads run through collective_rpc in this process.
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ConfigError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for the colocated vLLM backend (weights are "
@@ -700,6 +719,32 @@ class VLLMBackend(_SyncEvery):
         self._asleep: set[str] = set()  # what sleep released and no wake_up has brought back: weights, kv_cache
         self._weights_discarded = False  # slept at level 2 and no full load since
         self._last_sync_full = False
+
+    @staticmethod
+    def _external_launcher(engine_kwargs: dict[str, Any]) -> tuple[Any, int]:
+        """Several training processes on GPUs: one engine per rank through vLLM's `external_launcher` (the engine's
+        workers are the trainer's own processes, which torchrun or accelerate started; no second process tree, no
+        second NCCL world), with `tensor_parallel_size` ranks sharing one engine's shards. Returns the process group
+        of this rank's engine and its size (None, 1 without tensor parallelism). One process (a server, a one-GPU
+        trainer) keeps vLLM's own executor, which starts workers for tp > 1. The engine on vLLM's CPU build keeps
+        its own executor too (tested that way with several ranks); the GPU path is written against vLLM's
+        documented external_launcher and not yet run on GPUs (docs/vllm.md)."""
+        import torch.distributed as dist
+
+        tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        on_gpu = _engine_on_gpu()
+        if tp > 1 and not on_gpu:
+            raise ConfigError(f"tensor_parallel_size = {tp}: vLLM's CPU engine runs in one process here; tensor "
+                              "parallelism needs GPUs (one training process per GPU under torchrun / accelerate "
+                              "launch, or `toolkit vllm-serve --tensor_parallel_size N` on a GPU machine).")
+        if world == 1 or not on_gpu:
+            return None, 1  # one process: with tp > 1 vLLM starts its own workers for the other GPUs
+        engine_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        if tp == 1:
+            return None, 1
+        group, _ = dist.new_subgroups_by_enumeration(tensor_parallel_groups(world, tp))
+        return group, tp
 
     def sleep(self) -> None:
         """After a rollout's generation (the trainers call it): with sleep mode, the engine releases its GPU memory
@@ -751,8 +796,7 @@ class VLLMBackend(_SyncEvery):
             if self._base_of is None or self._base_of() is not peft:
                 # the base weights once, unmerged (the engine may have started from another checkpoint than the one
                 # the trainer's base came from), then only adapters
-                base = [(name, t.detach()) for name, t in _named_state(peft)[2]]
-                self.load_weights(base, partial=False)
+                self.load_weights(base_engine_weights(peft), partial=False)
                 base_bytes = self.last_sync_bytes
             adapter_bytes = self._load_adapter(peft)
             self._base_of = weakref.ref(peft)  # only once the adapter is in: a failure leaves no bare base in use
@@ -845,6 +889,8 @@ class VLLMBackend(_SyncEvery):
                  seed: int | None = None) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
+        if self._tp_group is not None:
+            return self._generate_tensor_parallel(prompts, params, n)
         if not prompts:  # e.g. a rank whose episodes ended while another rank's go on: nothing to ask the engine
             self.last_stats = GenerationStats()
             return []
@@ -865,6 +911,35 @@ class VLLMBackend(_SyncEvery):
                ) -> concurrent.futures.Future:
         """Queue a generation; the engine serves queued requests in order while the caller continues."""
         return self._pool.submit(self.generate, prompts, params, n=n, seed=seed)
+
+    def _generate_tensor_parallel(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int
+                                  ) -> list[list[Completion]]:
+        """Tensor parallelism: every rank of the engine's group must give the engine the same requests, so each
+        rank's prompts (with its own sampling settings) are gathered in the group, all ranks generate all of them,
+        and each keeps its own share, in order. A rank with no prompts still takes part (the others wait on it)."""
+        import torch.distributed as dist
+        from vllm.inputs import TokensPrompt
+
+        if self._weights_discarded:
+            raise ToolkitError("vLLM: the engine slept at level 2 (its weights were dropped) and no weights were "
+                               "loaded since; call sync_weights before generating.")
+        started = time.perf_counter()
+        shares: list[Any] = [None] * self._tp_size
+        dist.all_gather_object(shares, ([list(p) for p in prompts], params, n), group=self._tp_group)
+        every = [p for share, _, _ in shares for p in share]
+        sampling = [_vllm_sampling(share_params, share_n) for share, share_params, share_n in shares for _ in share]
+        mine = dist.get_group_rank(self._tp_group, dist.get_rank())
+        start = sum(len(share) for share, _, _ in shares[:mine])
+        outs: list[Any] = []
+        if every:
+            with self._lock:
+                self._wake_locked(("weights", "kv_cache"))
+                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in every], sampling, use_tqdm=False,
+                                         lora_request=self._lora_request)
+        result = [_completions(o) for o in outs[start:start + len(prompts)]]
+        self.last_stats = GenerationStats(seconds=time.perf_counter() - started,
+                                          generated_tokens=sum(len(c.token_ids) for g in result for c in g))
+        return result
 
 
 # --------------------------------------------------------------------------------------------------

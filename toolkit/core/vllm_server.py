@@ -509,6 +509,8 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max_model_len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tensor_parallel_size", type=int, default=1,
+                    help="GPUs the engine's shards spread over (vLLM starts a worker per GPU; GPU builds only)")
     ap.add_argument("--kv_cache_gib", type=int, default=1, help="KV cache on a CPU build of vLLM (whole GiB)")
     ap.add_argument("--dtype", default="float32",
                     help="engine weights: float32 (the default, as the trainer's weights) or bfloat16 / auto on a GPU")
@@ -551,6 +553,7 @@ def serve(argv: list[str]) -> int:
                           dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                           enforce_eager=not args.no_enforce_eager, max_lora_rank=args.max_lora_rank or None,
                           lora_sync="adapter" if args.max_lora_rank else "merged",
+                          tensor_parallel_size=args.tensor_parallel_size,
                           sleep_mode=False)  # serves clients whenever they ask: nothing to give back in between
     # warmed before the port listens: a client's /health then finds nothing rather than a socket nobody answers
     if kept:
