@@ -31,7 +31,10 @@ def toolkit_register_advantage_estimators():
 
 @hookimpl
 def toolkit_register_rewards():
-    return {"numeric_match": numeric_match, "number_list_match": number_list_match}
+    from .gym_tasks import reasoning_gym_reward  # (reasoning-gym itself is imported when a row is scored)
+
+    return {"numeric_match": numeric_match, "number_list_match": number_list_match,
+            "reasoning_gym": reasoning_gym_reward}
 
 
 @hookimpl

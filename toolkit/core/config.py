@@ -68,8 +68,15 @@ class RunArgs:
                                                                    "(multiplication: of the first factor)."})
     task_max_terms: int = field(default=2, metadata={"help": "builtin tasks: most numbers in an arithmetic "
                                                                   "problem; how many numbers to sort (2-8)."})
+    task_kwargs: dict | None = field(default=None, metadata={
+        "help": "reasoning_gym:<task> datasets: the task's own settings (its config class's fields, e.g. "
+                "{min_terms = 2, max_terms = 3} for chain_sum)."})
+    task_seed: int = field(default=0, metadata={
+        "help": "reasoning_gym:<task> datasets: the generator's seed (held-out rows use another, and no held-out "
+                "question is trained on)."})
     reward_funcs: list = field(default_factory=lambda: ["numeric_match"], metadata={
-        "help": "Reward functions by name ('numeric_match', 'number_list_match', 'format:<regex>'): RL "
+        "help": "Reward functions by name ('numeric_match', 'number_list_match', 'reasoning_gym', "
+                "'format:<regex>'): RL "
                 "trains on them; every trainer's held-out accuracy uses them."})
     eval_every: int = field(default=0, metadata={
         "help": "RL with eval_dataset: held-out greedy accuracy every this many steps (0 = before/after only)."})

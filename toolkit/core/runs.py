@@ -47,7 +47,8 @@ def _classes(command: str) -> tuple[type, type, str]:
 
 
 def load_dataset_spec(spec: str, run: RunArgs, *, split: str, kind: str = "prompt_completion") -> Any:
-    """`builtin:arithmetic`, a .json/.jsonl file, or a Hub dataset id (where a network exists)."""
+    """`builtin:arithmetic`, `reasoning_gym:<task>` (with `task_kwargs`, `task_seed`), a .json/.jsonl file, or a Hub
+    dataset id (where a network exists)."""
     if not spec:
         return None
     if spec.startswith("builtin:"):
@@ -60,6 +61,15 @@ def load_dataset_spec(spec: str, run: RunArgs, *, split: str, kind: str = "promp
                               "[\"number_list_match\"].")
         train, held_out = task_splits(name, run.dataset_size, run.eval_size, max_value=run.task_max_value,
                                       max_terms=run.task_max_terms, kind=kind)
+        return train if split == "train" else held_out
+    if spec.startswith("reasoning_gym:"):
+        from .gym_tasks import gym_splits
+
+        if kind not in ("prompt_only", "prompt_completion"):
+            raise ConfigError(f"dataset: '{spec}' gives prompt-only (RL) or prompt-completion (SFT) rows; a "
+                              f"{kind} trainer needs other data.")
+        train, held_out = gym_splits(spec.split(":", 1)[1], run.dataset_size, run.eval_size, seed=run.task_seed,
+                                     settings=run.task_kwargs, kind=kind)
         return train if split == "train" else held_out
     if Path(spec).suffix in (".json", ".jsonl"):
         return spec  # the data layer reads files itself and names the line of a broken one
