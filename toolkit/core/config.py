@@ -68,12 +68,6 @@ class RunArgs:
                                                                    "(multiplication: of the first factor)."})
     task_max_terms: int = field(default=2, metadata={"help": "builtin tasks: most numbers in an arithmetic "
                                                                   "problem; how many numbers to sort (2-8)."})
-    task_kwargs: dict | None = field(default=None, metadata={
-        "help": "reasoning_gym:<task> datasets: the task's own settings (its config class's fields, e.g. "
-                "{min_terms = 2, max_terms = 3} for chain_sum)."})
-    task_seed: int = field(default=0, metadata={
-        "help": "reasoning_gym:<task> datasets: the generator's seed (held-out rows use another, and no held-out "
-                "question is trained on)."})
     reward_funcs: list = field(default_factory=lambda: ["numeric_match"], metadata={
         "help": "Reward functions by name ('numeric_match', 'number_list_match', 'reasoning_gym', "
                 "'format:<regex>'): RL "
@@ -84,6 +78,12 @@ class RunArgs:
         "help": "Attention kernel the model loads with: '' (transformers' choice: sdpa), 'sdpa', 'eager', "
                 "'flash_attention_2', 'flash_attention_3' (CUDA, with the flash-attn package), 'flex_attention', or "
                 "a kernels-hub name 'org/repo'. Packed rows stay apart with each (docs/distributed.md)."})
+    task_kwargs: dict | None = field(default=None, metadata={
+        "help": "reasoning_gym:<task> datasets: the task's own settings (its config class's fields, e.g. "
+                "{min_terms = 2, max_terms = 3} for chain_sum)."})
+    task_seed: int = field(default=0, metadata={
+        "help": "reasoning_gym:<task> datasets: the generator's seed (held-out rows use another, and no held-out "
+                "question is trained on)."})
 
     def __post_init__(self):
         if self.load_in_4bit and self.lora_r <= 0:
