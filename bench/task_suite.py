@@ -162,12 +162,15 @@ def main() -> int:
         print(path.with_suffix(".txt").read_text())
         return 0
     started = time.perf_counter()
+    # recorded before the first task: the code every task runs (toolkit/, bench/, examples/ must stay as they are
+    # while the suite runs; docs and tests may change)
+    prov = provenance()
     results = []
     for task in args.tasks:
         print(f"== {task}", flush=True)
         results.append(run_task(task))
         print(table(results[-1:]).splitlines()[2], flush=True)
-    data = {"provenance": provenance(), "sft_recipe": SFT, "rl_recipe": GRPO, "results": results,
+    data = {"provenance": prov, "sft_recipe": SFT, "rl_recipe": GRPO, "results": results,
             "benchmark_minutes": round((time.perf_counter() - started) / 60, 1)}
     render(data, path)
     print(path.with_suffix(".txt").read_text())
