@@ -132,3 +132,4 @@ def test_the_start_up_summary_shows_where_nothing_configured_logging(tmp_path):
     assert out.count("after basicConfig") == 1
     quiet = run(TOOLKIT_VERBOSITY="warning")
     assert "SFT loss settings" not in quiet
+    assert "SFT loss settings" not in run(RANK="1")  # under torchrun only rank 0 tells the story

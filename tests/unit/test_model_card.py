@@ -30,7 +30,9 @@ def hub(monkeypatch):
         folder = Path(folder_path)
         files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()
                        and not any(part.startswith("checkpoint-") or part.startswith("_") for part in p.relative_to(folder).parts))
-        uploads.append({"repo_id": repo_id, "files": files, "card": (folder / "README.md").read_text()})
+        adapter = folder / "adapter_config.json"
+        uploads.append({"repo_id": repo_id, "files": files, "card": (folder / "README.md").read_text(),
+                        "adapter_config": json.loads(adapter.read_text()) if adapter.exists() else None})
         return f"https://huggingface.co/{repo_id}"
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
@@ -64,6 +66,10 @@ def test_base_model_of_the_embedded_copy_is_its_hub_id_and_local_paths_are_not_i
     assert base_model_id(plain) is None  # a folder on this machine means nothing on the Hub
     plain.config._name_or_path = "someone/some-model"
     assert base_model_id(plain) == "someone/some-model"
+    snapshot = tmp_path / "hub" / "models--someone--some-model" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    plain.config._name_or_path = str(snapshot)  # a model loaded from its Hub cache folder: the id it came from
+    assert base_model_id(plain) == "someone/some-model"
 
 
 def test_save_model_writes_a_card_with_method_base_model_and_settings(tmp_path):
@@ -82,6 +88,8 @@ def test_push_to_hub_uploads_a_full_model_with_trls_keywords(tmp_path, hub):
     (upload,) = hub
     assert "model.safetensors" in upload["files"] and "tokenizer.json" in upload["files"]
     card = ModelCard(upload["card"])
+    # transformers passes the bare repo name as model_name; the snippet names the full id the model went to
+    assert f'model_id = "{trainer.hub_model_id}"' in quick_start_code(card.text) and "/" in trainer.hub_model_id
     assert card.data.datasets == ["someone/arith"] and "my-tag" in card.data.tags
     assert card.data.base_model == EMBEDDED_HUB_ID and card.data.model_name == "arith-sft"
     assert "Group Relative" not in card.text and "Supervised fine-tuning" in card.text
@@ -98,6 +106,27 @@ def test_push_to_hub_of_an_adapter_uploads_the_adapter_and_says_so(tmp_path, hub
     assert card.data.library_name == "peft" and card.data.base_model == EMBEDDED_HUB_ID
     assert "lora" in card.data.tags and f"base_model:adapter:{EMBEDDED_HUB_ID}" in card.data.tags
     assert "PEFT adapter" in card.text
+    assert upload["adapter_config"]["base_model_name_or_path"] == EMBEDDED_HUB_ID  # pushed: the Hub id
+    local = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert local["base_model_name_or_path"] != EMBEDDED_HUB_ID  # kept: the folder it was loaded from
+
+
+def test_reward_fingerprints_tell_apart_what_the_functions_were_built_with():
+    import functools
+    import types
+
+    from toolkit.core.model_card import reward_functions
+    from toolkit.core.rewards import format_reward
+
+    def scaled(completions, scale=1.0, **kw):
+        return [scale * len(c) for c in completions]
+
+    funcs = [functools.partial(scaled, scale=2.0), functools.partial(scaled, scale=3.0),
+             format_reward(r"^\d+$"), format_reward(r"^[a-z]+$")]
+    runner = types.SimpleNamespace(funcs=funcs, names=["a", "b", "c", "d"])
+    rows = reward_functions(types.SimpleNamespace(reward_runner=runner))
+    digests = [d for _, _, d in rows]
+    assert rows[0][1].endswith("scaled") and "-" not in digests and len(set(digests)) == 4
 
 
 def test_an_rl_card_names_the_method_and_its_citation(tmp_path):
@@ -191,10 +220,13 @@ def test_a_grpo_lora_card_is_the_record_of_the_run_and_its_adapter_names_the_hub
     assert "| `lr_scheduler_type` | `linear` |" in text and "SchedulerType" not in text
     assert "`num_train_epochs`" not in text and "| `max_steps` | `2` |" in text  # max_steps governs
     assert "| `importance_sampling_mode` | `truncate` |" in text and "| `beta` | `0.0` |" in text
-    assert "sampler/trainer log-prob gap" in text and "| train minutes |" in text and "| device | CPU" in text
-    # the pushed adapter names its base by Hub id, not by this machine's cache path
-    config = json.loads((tmp_path / "out" / "final" / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == EMBEDDED_HUB_ID
+    assert "sampler/trainer log-prob gap" in text and "| train minutes |" in text and "| device | " in text
+    # the pushed adapter names its base by Hub id, not by this machine's cache path; the local copy keeps the path,
+    # so the folder still reloads here, offline, on the weights it was trained on
+    assert upload["adapter_config"]["base_model_name_or_path"] == EMBEDDED_HUB_ID
+    local = json.loads((tmp_path / "out" / "final" / "adapter_config.json").read_text())
+    assert local["base_model_name_or_path"] == model.config._name_or_path
+    assert "trained on toolkit's embedded copy" in code
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -50,6 +50,10 @@ def test_sections_dotted_overrides_and_command_line_tokens(tmp_path, model_dir):
     same = toolkit.load_run(values, "grpo", overrides=["--lora.r", "8", "--loss_kwargs.behaviour_cap", "3.0",
                                                       "--learning_rate", "3e-6"])
     assert same.config == spec.config and same.args == spec.args
+    sections = toolkit.load_run(values, "grpo", overrides={"lora": {"r": 8}, "loss_kwargs": {"behaviour_cap": 3.0,
+                                                                                             "proximal": "exact"},
+                                                          "learning_rate": 3e-6})
+    assert sections.config == spec.config and sections.args == spec.args
     trainer = spec.make_trainer()
     assert isinstance(trainer, GRPOTrainer) and trainer.reward_runner.names == ["numeric_match"]
     assert trainer.eval_dataset is not None  # GRPO's evaluate() gets the held-out rows

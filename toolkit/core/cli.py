@@ -183,12 +183,12 @@ def _publish(trainer: Any, cfg: Any, run: RunArgs, final_dir: Path, summary: dic
         return
     from huggingface_hub import HfApi
 
-    from .model_card import record_base_model
+    from .model_card import hub_base_model
 
-    record_base_model(final_dir, trainer.model)  # the pushed adapter names its base by Hub id
     repo = trainer.hub_model_id  # created by Trainer at start (init_hf_repo)
-    HfApi().upload_folder(repo_id=repo, folder_path=str(final_dir), commit_message=f"toolkit {title}: final model",
-                          token=cfg.hub_token, revision=cfg.hub_revision)
+    with hub_base_model(final_dir, trainer.model):  # the pushed adapter names its base by Hub id
+        HfApi().upload_folder(repo_id=repo, folder_path=str(final_dir), commit_message=f"toolkit {title}: final model",
+                              token=cfg.hub_token, revision=cfg.hub_revision)
     summary["pushed_to"] = f"https://huggingface.co/{repo}"
 
 

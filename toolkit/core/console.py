@@ -164,21 +164,27 @@ class CompactConsole(TrainerCallback):
 
 
 class FirstAndLastStepLogs(TrainerCallback):
-    """Log the first optimizer step and the last one: with transformers' `logging_steps` (10 here and in TRL) a
+    """Log the first optimizer step and the last one: with `logging_steps = 10` (SFT and DPO here, and TRL) a
     5-step run never shows a loss, and a long run shows none for its first minutes, when a person most wants to
-    see that the loss is finite and moving. The steps between follow `logging_steps` unchanged."""
+    see that the loss is finite and moving. The steps between follow `logging_steps` unchanged. (PPO runs its own
+    loop and logs every update.)"""
 
     def on_step_end(self, args, state, control, **kwargs):
-        if args.logging_strategy != "steps":
-            return control
-        last_logged = max((h.get("step", 0) for h in state.log_history if "loss" in h), default=0)
-        if state.global_step == 1 or (state.global_step == state.max_steps and last_logged < state.global_step):
-            control.should_log = True
+        if args.logging_strategy == "steps" and state.global_step in (1, state.max_steps):
+            control.should_log = True  # (Trainer logs a step once however many callbacks ask)
         return control
 
 
 class _OwnHandler(logging.StreamHandler):
     """The handler `show_logs` gives the "toolkit" logger (marked, so it is added once)."""
+
+
+class _LevelFormatter(logging.Formatter):
+    """`[toolkit] message`, with the level named from WARNING up (`[toolkit] WARNING: ...`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return f"[toolkit] {record.levelname}: {text}" if record.levelno >= logging.WARNING else f"[toolkit] {text}"
 
 
 def show_logs() -> None:
@@ -199,8 +205,10 @@ def show_logs() -> None:
         logger.warning("%s=%s is not a logging level (debug, info, warning, error); using info.", VERBOSITY_ENV,
                        name.lower())
         level = logging.INFO
+    if os.environ.get("RANK", "0") != "0":  # a script under torchrun / accelerate launch: rank 0 tells the story
+        level = max(level, logging.WARNING)
     handler = _OwnHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("[toolkit] %(message)s"))
+    handler.setFormatter(_LevelFormatter())
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
@@ -214,8 +222,9 @@ class _BarOnly(ProgressCallback):
 
 
 def install_console(trainer: Any) -> None:
-    """`MetricsFile` always; and transformers' dict printing swapped for `CompactConsole` (unless
-    TOOLKIT_CONSOLE=full, or a notebook/custom progress display is in place)."""
+    """`MetricsFile` and `FirstAndLastStepLogs` always; and transformers' dict printing swapped for `CompactConsole`
+    (unless TOOLKIT_CONSOLE=full, or a custom progress display is in place). In a notebook transformers' table
+    stays and the compact lines print under it (the table shows the loss only)."""
     trainer.add_callback(MetricsFile())
     trainer.add_callback(FirstAndLastStepLogs())
     if os.environ.get(CONSOLE_ENV, "").lower() == "full":

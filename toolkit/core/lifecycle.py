@@ -42,10 +42,10 @@ from .checkpoint import (
     resume_already_finished,
     save_trainer_checkpoint,
 )
-from .console import install_console, show_logs
+from .console import install_console
 from .distributed import warn_if_sharding_ignored
 from .errors import ConfigError, HubPushError
-from .model_card import record_base_model, write_model_card
+from .model_card import hub_base_model, write_model_card
 from .plugins import notify_checkpoint_saved, notify_step_metrics
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,6 @@ class TrainerLifecycle:
     method_card: tuple[str, str] | None = None
 
     def __init__(self, *args: Any, callbacks: list | None = None, **kwargs: Any):
-        show_logs()  # a notebook sees the start-up summary (nothing configured logging there)
         self._metric_values: dict[str, dict[str, list[Any]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         callbacks = list(callbacks or []) + [CompleteCheckpointCallback(on_complete=self._checkpoint_complete)]
         super().__init__(*args, callbacks=callbacks, **kwargs)
@@ -204,12 +203,11 @@ class TrainerLifecycle:
         (Trainer creates the Hub repo first): a push that fails (no network, no token, a refused repo) leaves the
         model on disk, and the error says where it is."""
         self.save_model(_internal_call=True)
-        if self.args.should_save:
-            record_base_model(self.args.output_dir, self.model)  # the pushed adapter names its base by Hub id
         self._saved_for_push = True
         try:
-            return super().push_to_hub(commit_message=commit_message, blocking=blocking,  # type: ignore[misc]
-                                       token=token, revision=revision, **kwargs)
+            with hub_base_model(self.args.output_dir, self.model):  # the pushed adapter names its base by Hub id
+                return super().push_to_hub(commit_message=commit_message, blocking=blocking,  # type: ignore[misc]
+                                           token=token, revision=revision, **kwargs)
         except Exception as e:
             where = Path(self.args.output_dir).resolve()
             raise HubPushError(f"push_to_hub: the push failed ({type(e).__name__}: {e}). The trained model is saved "

@@ -9,13 +9,15 @@ model it was dequantized from), `library_name`, `tags` (toolkit, the method, the
 
 from __future__ import annotations
 
-__all__ = ["METHODS", "base_model_id", "build_model_card", "record_base_model", "write_model_card"]
+__all__ = ["METHODS", "base_model_id", "build_model_card", "hub_base_model", "write_model_card"]
 
+import contextlib
+import functools
 import hashlib
 import inspect
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +150,8 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
                       "(`peft.AutoPeftModelForCausalLM.from_pretrained`)."]
     if datasets:
         lines += ["", "## Data", "", *[f"- `{_shown(d)}`" for d in datasets]]
-    lines += ["", "## Quick start", "", *quick_start(adapter, model_name if model_name and _hub_id(model_name)
-                                                     else _pushed_id(trainer))]
+    lines += ["", "## Quick start", "", *quick_start(adapter, _repo_id(trainer, model_name), base=base,
+                                                     causal_lm=_is_causal_lm(trainer.model))]
     lines += ["", "## Training settings", "", "| setting | value |", "|---|---|",
               *[f"| `{k}` | `{v}` |" for k, v in key_settings(trainer.args)]]
     state = getattr(trainer, "state", None)
@@ -178,18 +180,41 @@ def build_model_card(trainer: Any, *, model_name: str | None = None, dataset_nam
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
 
 
-def _pushed_id(trainer: Any) -> str | None:
-    """The Hub repo the trainer pushes to (push_to_hub with hub_model_id), or None."""
-    args = trainer.args
-    repo = (getattr(trainer, "hub_model_id", None) or getattr(args, "hub_model_id", None)) \
-        if getattr(args, "push_to_hub", False) else None
-    return repo if repo and _hub_id(repo) else None
+def _repo_id(trainer: Any, model_name: str | None) -> str | None:
+    """The Hub repo the model is (or is being) pushed to: the trainer's `hub_model_id` once Trainer set it (any
+    push_to_hub call), else the config's; a `model_name` only when it is a full owner/name id (transformers passes
+    the bare repo name there). None: the card describes a local folder."""
+    for candidate in (getattr(trainer, "hub_model_id", None), getattr(trainer.args, "hub_model_id", None),
+                      model_name):
+        if candidate and "/" in str(candidate) and _hub_id(str(candidate)):
+            return str(candidate)
+    return None
 
 
-def quick_start(adapter: bool, repo: str | None) -> list[str]:
-    """Markdown lines: load the model (a PEFT adapter with its base, or a full model) and generate once. `repo`:
-    the Hub id, or None for a card read next to its files (the snippet then loads the folder it is run from)."""
+def _is_causal_lm(model: Any) -> bool:
+    architectures = getattr(getattr(unwrap_model(model), "config", None), "architectures", None) or []
+    return not any(str(a).endswith("ForSequenceClassification") for a in architectures)
+
+
+def quick_start(adapter: bool, repo: str | None, *, base: str | None = None, causal_lm: bool = True) -> list[str]:
+    """Markdown lines: load the model (a PEFT adapter with its base, or a full model) and generate once (a reward
+    model: score a text). `repo`: the Hub id, or None for a card read next to its files (the snippet then loads
+    the folder it is run from)."""
     where = f'"{repo}"' if repo else '"."  # the folder holding this card (or its Hub id once pushed)'
+    if not causal_lm:
+        return ["```python", "import torch",
+                "from transformers import AutoModelForSequenceClassification, AutoTokenizer", "",
+                f"model_id = {where}",
+                "model = AutoModelForSequenceClassification.from_pretrained(model_id)",
+                "tokenizer = AutoTokenizer.from_pretrained(model_id)",
+                'inputs = tokenizer("What is 12 + 30? 42", return_tensors="pt")',
+                "with torch.no_grad():",
+                "    print(model(**inputs).logits[0, 0].item())  # the reward",
+                "```"]
+    note = []
+    if adapter and base == EMBEDDED_HUB_ID:
+        note = ["# The adapter was trained on toolkit's embedded copy of the base model (dequantized from a Q4_1",
+                "# GGUF); on the Hub's original weights it behaves close to, not exactly as, it did in training."]
     load = ("from peft import AutoPeftModelForCausalLM  # loads the base model named in adapter_config.json\n"
             "from transformers import AutoTokenizer\n\n"
             f"model_id = {where}\n"
@@ -198,7 +223,7 @@ def quick_start(adapter: bool, repo: str | None) -> list[str]:
             "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
             f"model_id = {where}\n"
             "model = AutoModelForCausalLM.from_pretrained(model_id)")
-    return ["```python", load,
+    return ["```python", *note, load,
             "tokenizer = AutoTokenizer.from_pretrained(model_id)",
             'messages = [{"role": "user", "content": "What is 12 + 30?"}]',
             ("inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\","
@@ -224,20 +249,41 @@ def key_settings(args: Any) -> list[tuple[str, Any]]:
 
 
 def reward_functions(trainer: Any) -> list[tuple[str, str, str]]:
-    """(name, module.qualname, sha256 of the source's first 12 hex) per reward function of an RL trainer: what
-    scored the run, and a fingerprint that changes when the function's code does ('-' where the source is not
-    readable, e.g. a builtin or a function defined in a notebook that is gone)."""
+    """(name, module.qualname, a 12-hex sha256) per reward function of an RL trainer: what scored the run, and a
+    fingerprint of its source plus what it was built with (a partial's arguments, a closure's or an object's plain
+    settings such as a format regex or a reward model's path); '-' where the source is not readable (a builtin, a
+    function defined in a notebook that is gone). A reward model's weights are not hashed: its path is."""
     runner = getattr(trainer, "reward_runner", None)
     out = []
     for fn, name in zip(getattr(runner, "funcs", []) or [], getattr(runner, "names", []) or []):
+        bound = ""
+        while isinstance(fn, functools.partial):  # the function and the arguments bound to it
+            bound += repr((fn.args, sorted(fn.keywords.items())))
+            fn = fn.func
         target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
         where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', name)}"
+        # a closure (format:<regex>) or an object (a reward model, a judge) is told apart by what it holds
+        held = [_plain(c.cell_contents) for c in (getattr(fn, "__closure__", None) or ())]
+        if not inspect.isfunction(fn) and hasattr(fn, "__dict__"):
+            held += [_plain(v) for _, v in sorted(vars(fn).items())]
+        settings = bound + repr([h for h in held if h is not None])
         try:
-            digest = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:12]
+            # the source alone when nothing was bound (a plain function's digest is sha256 of its source)
+            source = inspect.getsource(target) + (settings if settings != "[]" else "")
+            digest = hashlib.sha256(source.encode()).hexdigest()[:12]
         except (OSError, TypeError):
             digest = "-"
         out.append((name, where, digest))
     return out
+
+
+def _plain(value: Any) -> Any:
+    """A setting a reward was built with, as text for its fingerprint (a compiled regex by its pattern); None for
+    anything else (a model, a tokenizer, a function)."""
+    if isinstance(value, (str, int, float, bool, tuple)):
+        return repr(value)
+    pattern = getattr(value, "pattern", None)
+    return repr(pattern) if isinstance(pattern, (str, bytes)) else None
 
 
 def run_record(trainer: Any) -> list[tuple[str, str]]:
@@ -290,19 +336,28 @@ def framework_versions() -> list[tuple[str, str]]:
     return out
 
 
-def record_base_model(folder: str | Path, model: Any) -> None:
-    """Write the base model's Hub id into a saved adapter's `adapter_config.json` before it is pushed, when the id
-    is known (PEFT records the path the base was loaded from: for the embedded model or a Hub snapshot, a cache
-    folder on this machine that means nothing to a reader of the pushed adapter). Only pushes rewrite it: a local
-    save keeps the path, so reloading it here works offline. A local base without a Hub id keeps its path."""
+@contextlib.contextmanager
+def hub_base_model(folder: str | Path, model: Any) -> Iterator[None]:
+    """While pushing `folder`: a saved adapter's `adapter_config.json` names its base by Hub id where one is known
+    (PEFT records the path the base was loaded from: for the embedded model or a Hub snapshot, a cache folder on
+    this machine that means nothing to a reader of the pushed adapter). The local file is restored afterwards, so
+    reloading the folder here (a pipeline's next stage, offline) still finds the base it was trained on."""
     path = Path(folder) / "adapter_config.json"
     hub_id = base_model_id(model)
     if not path.exists() or not hub_id:
+        yield
         return
-    config = json.loads(path.read_text())
-    if config.get("base_model_name_or_path") != hub_id:
-        config["base_model_name_or_path"] = hub_id
-        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    original = path.read_text()
+    config = json.loads(original)
+    if config.get("base_model_name_or_path") == hub_id:
+        yield
+        return
+    config["base_model_name_or_path"] = hub_id
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    try:
+        yield
+    finally:
+        path.write_text(original)
 
 
 def write_model_card(trainer: Any, folder: str | Path, **kwargs: Any) -> Path | None:

@@ -224,6 +224,10 @@ def source_commit() -> str | None:
     outside a checkout: reports name what they ran."""
     here = Path(__file__).resolve().parent
     try:
+        # only a checkout of toolkit itself: an installed wheel inside some other repository is not that repository
+        if subprocess.run(["git", "ls-files", "--error-unmatch", Path(__file__).name], capture_output=True,
+                          timeout=10, cwd=here).returncode != 0:
+            return None
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
                                 timeout=10, cwd=here).stdout.strip()
         # uncommitted changes to tracked files: the commit alone does not describe the code that ran

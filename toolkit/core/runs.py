@@ -95,21 +95,27 @@ def build_trainer(command: str, run: RunArgs, config: Any, train_dataset: Any, e
                   **kwargs: Any) -> Any:
     """The trainer of `command` as the command line builds it: the run's model (loaded with its
     model_init_kwargs), LoRA settings and, for RL, reward functions; `kwargs` add or replace constructor arguments
-    (callbacks, processing_class, ...)."""
+    (callbacks, processing_class, an already loaded `model`, ...)."""
     _, trainer_cls, _ = _classes(command)
+    model = kwargs.pop("model", run.model)
     base: dict[str, Any] = {"args": config, "train_dataset": train_dataset, "peft_config": run.peft_config(),
                             "model_init_kwargs": run.model_init_kwargs(config)}
     if eval_dataset is not None and "eval_dataset" in inspect.signature(trainer_cls.__init__).parameters:
         base["eval_dataset"] = eval_dataset  # (PPO takes none: its held-out accuracy is the command's callback)
     if command in ("grpo", "async-grpo", "ppo"):
         base["reward_funcs"] = list(run.reward_funcs)
-    return trainer_cls(run.model, **{**base, **kwargs})
+    return trainer_cls(model, **{**base, **kwargs})
 
 
 @dataclasses.dataclass
 class RunSpec:
     """A run file read as its command reads it: `args` (model, data, LoRA, rewards: the keys that are not the
-    trainer's config), `config` (the trainer's config class), the datasets, and `make_trainer()`."""
+    trainer's config), `config` (the trainer's config class), the datasets, and `make_trainer()`.
+
+    What the command does beyond building these is the caller's from Python: `trainer.train(
+    resume_from_checkpoint=spec.config.resume_from_checkpoint)`; the command also measures held-out greedy
+    accuracy before and after (`report_accuracy`, `eval_every`), saves to output_dir/final with the card, and
+    pushes once with `push_to_hub`."""
 
     command: str
     args: RunArgs
@@ -119,8 +125,8 @@ class RunSpec:
 
     def make_trainer(self, **kwargs: Any) -> Any:
         """The trainer the command would train (kwargs add or replace constructor arguments, e.g. `callbacks`).
-        RL trainers get the held-out data as `eval_dataset` (their `evaluate()`); the command measures held-out
-        accuracy with its own callback instead."""
+        GRPO and async GRPO also get the held-out data as `eval_dataset` (their `evaluate()`; PPO takes none); the
+        command measures held-out accuracy with its own callback instead."""
         return build_trainer(self.command, self.args, self.config, self.train_dataset, self.eval_dataset, **kwargs)
 
 
@@ -138,8 +144,8 @@ def load_run(source: str | Path | Mapping[str, Any], command: str,
     else:
         values = load_run_file(source)
     if overrides is not None:
-        if isinstance(overrides, Mapping):
-            extra = dict(overrides)
+        if isinstance(overrides, Mapping):  # sections allowed here too: {"lora": {"r": 8}} is lora_r
+            extra = flatten_sections(dict(overrides), where="load_run(overrides)")
         elif isinstance(overrides, (str, bytes)):
             raise ConfigError("load_run: overrides is a dict or a list of command-line tokens "
                               "(['--max_steps', '5']), not one string.")

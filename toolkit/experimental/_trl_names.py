@@ -5,11 +5,13 @@ as `toolkit.core.trl_names` does for the core configs. Importing this module add
 decorated with `accepting_trl_names`, imported from here so the tables are in place first.
 
 Entries TRL's configs share with the core ones (trust_remote_code, dataset_num_proc, the vLLM settings, ...) are
-the core tables' own entries, looked up by name: one fate per name wherever it appears.
+the core tables' own entries, looked up by name; a name whose meaning differs for a trainer (trust_remote_code for
+the reward model, which loads no causal LM; max_length and packing for GKD) has an entry of its own.
 """
 
 from __future__ import annotations
 
+from toolkit.core.errors import ConfigError
 from toolkit.core.trl_names import TRL_FIELDS, TrlField, accepting_trl_names
 
 __all__ = ["accepting_trl_names"]
@@ -22,7 +24,9 @@ def _pick(config: str, *names: str) -> dict[str, TrlField]:
 
 
 def _to_max_completion_length(value: object, kwargs: dict) -> dict:
-    return {"max_completion_length": int(value)}  # type: ignore[call-overload]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"max_new_tokens (TRL's name of max_completion_length): a positive integer, got {value!r}.")
+    return {"max_completion_length": value}
 
 
 _ENCODER_DECODER = TrlField("default", "nothing: decoder-only causal language models only", accepts=(None, False))
@@ -31,7 +35,8 @@ _GENERATE_DURING_EVAL = TrlField("refused", "evaluation reports the loss and the
 _MAX_COMPLETION_LENGTH = TrlField("default", "max_length (prompt + completion; a pair that is too long is cut at the "
                                   "completions' end)", accepts=(None,))
 _MAX_NEW_TOKENS = TrlField("same", "max_completion_length", _to_max_completion_length)
-_PROMPT_CAP = "nothing: prompts are kept whole and completions stop at max_completion_length"
+_PROMPT_CAP = ("nothing: a prompt longer than max_prompt_length is cut from the left and completions stop at "
+               "max_completion_length (no cap on their sum)")
 
 _CPO = {
     **_pick("DPOConfig", "trust_remote_code", "dataset_num_proc"),

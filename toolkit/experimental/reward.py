@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 from transformers import PreTrainedModel, Trainer, TrainingArguments, set_seed
 
+from toolkit.core.console import show_logs
 from toolkit.core.data import as_rows, detect_format, normalize_rows, tokenize_for_preference, validate
 from toolkit.core.errors import ConfigError, DataError, TrainingHealthError
 from toolkit.core.lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
@@ -144,6 +145,7 @@ class RewardTrainer(TrainerLifecycle, Trainer):
         optimizers: tuple = (None, None),
         model_init_kwargs: dict | None = None,
     ):
+        show_logs()  # the start-up summary below is seen in a notebook too (console.show_logs)
         args = args if args is not None else RewardConfig()
         if not isinstance(args, RewardConfig):
             raise ConfigError(f"args: RewardTrainer needs a RewardConfig, got {type(args).__name__}.")
