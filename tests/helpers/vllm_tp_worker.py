@@ -22,8 +22,8 @@ class RecordingLLM:
         self.seen: list = []
 
     def generate(self, prompts, sampling, use_tqdm=False, lora_request=None):
-        self.seen.append({"prompts": [list(p) for p in prompts],
-                          "n": [s.n for s in sampling], "temperature": [s.temperature for s in sampling]})
+        self.seen.append({"prompts": [list(p) for p in prompts], "n": [s.n for s in sampling],
+                          "temperature": [s.temperature for s in sampling], "seed": [s.seed for s in sampling]})
         out = []
         for p, s in zip(prompts, sampling):
             c = types.SimpleNamespace(token_ids=list(p)[:2], finish_reason="length",
@@ -47,15 +47,18 @@ def main(model_path: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     install_fake_vllm()
-    backend = vllm_backend.VLLMBackend(model_path, tensor_parallel_size=2, sleep_mode=False)
+    # each rank computed its own memory share (from its own free memory); the engine gets the group's smallest
+    backend = vllm_backend.VLLMBackend(model_path, tensor_parallel_size=2, sleep_mode=False,
+                                       gpu_memory_utilization=0.3 if rank == 0 else 0.5)
     record = {"kwargs": {k: backend.llm.kwargs.get(k) for k in ("distributed_executor_backend",
-                                                                 "tensor_parallel_size")}}
+                                                                 "tensor_parallel_size", "gpu_memory_utilization")},
+              "lockstep": backend.decodes_in_lockstep}
     # rank 0 asks for two prompts at temperature 0.5, n=2; rank 1 for one at 0.9, n=2; then rank 1 for none
     mine = [[10, 11, 12], [20, 21, 22]] if rank == 0 else [[30, 31, 32]]
     params = SamplingParams(max_tokens=2, temperature=0.5 if rank == 0 else 0.9)
-    got = backend.generate(mine, params, n=2)
+    got = backend.generate(mine, params, n=2, seed=100 * (rank + 1))
     record["first"] = [[c.token_ids for c in g] for g in got]
-    got = backend.generate([[40, 41]] if rank == 0 else [], params, n=2)
+    got = backend.submit([[40, 41]] if rank == 0 else [], params, n=2).result()  # runs now, on this thread
     record["second"] = [[c.token_ids for c in g] for g in got]
     record["seen"] = backend.llm.seen
     with open(f"{out}.{rank}.json", "w") as f:

@@ -7,6 +7,7 @@ back, and a rank with nothing to generate still takes part."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -24,6 +25,8 @@ def test_tensor_parallel_groups_are_neighbouring_ranks():
     assert tensor_parallel_groups(2, 1) == [[0], [1]]
     with pytest.raises(ConfigError, match="3 does not divide the 4 training processes"):
         tensor_parallel_groups(4, 3)
+    with pytest.raises(ConfigError, match="at least 1, got 0"):
+        tensor_parallel_groups(4, 0)
 
 
 def test_two_ranks_share_one_engine_and_each_gets_its_share(tmp_path):
@@ -34,17 +37,22 @@ def test_two_ranks_share_one_engine_and_each_gets_its_share(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(HELPERS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = tmp_path / "rank"
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29541",
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(port),
                            str(HELPERS / "vllm_tp_worker.py"), str(folder), str(out)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank.{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
-        assert r["kwargs"] == {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 2}
-        # the same requests on both ranks, rank 0's first, each with its own rank's settings
+        assert r["kwargs"] == {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 2,
+                               "gpu_memory_utilization": 0.3} and r["lockstep"]
+        # the same requests on both ranks, rank 0's first, each with its own rank's settings and a seed per request
         assert r["seen"][0] == {"prompts": [[10, 11, 12], [20, 21, 22], [30, 31, 32]], "n": [2, 2, 2],
-                                "temperature": [0.5, 0.5, 0.9]}
-        assert r["seen"][1]["prompts"] == [[40, 41]]
+                                "temperature": [0.5, 0.5, 0.9], "seed": [100, 101, 200]}
+        assert r["seen"][1]["prompts"] == [[40, 41]] and r["seen"][1]["seed"][0] is not None
+    assert ranks[0]["seen"] == ranks[1]["seen"]
     assert ranks[0]["first"] == [[[10, 11], [10, 11]], [[20, 21], [20, 21]]]
     assert ranks[1]["first"] == [[[30, 31], [30, 31]]]
     assert ranks[0]["second"] == [[[40, 41], [40, 41]]] and ranks[1]["second"] == []

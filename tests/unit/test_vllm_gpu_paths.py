@@ -238,3 +238,30 @@ def test_async_grpo_s_vllm_worker_sees_only_its_own_gpu():
     assert visible_devices_for("cuda", "3") == "3"
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=4"):
         visible_devices_for("cuda:1", "4")
+
+
+def test_async_worker_loads_the_base_once_then_adapters_and_a_restarted_worker_the_base_again():
+    """RolloutWorker.load_weights with adapter-only sync (WorkerSpec.lora_config): the first load sends the base
+    weights and the adapter, every later one the adapter alone; a new worker on the same shared weights (a restart)
+    starts with the base again. The real engine runs this in tests/integration/test_vllm.py."""
+    import contextlib
+
+    from toolkit.core.rollout_worker import ADAPTER_PREFIX, BASE_PREFIX, RolloutWorker
+
+    calls = []
+    backend = types.SimpleNamespace(load_weights=lambda w: calls.append(("base", sorted(n for n, _ in w))),
+                                    load_adapter=lambda t, c: calls.append(("adapter", sorted(t), c["r"])))
+    shared = {BASE_PREFIX + "w": torch.zeros(2), ADAPTER_PREFIX + "a.lora_A.weight": torch.ones(2)}
+
+    def worker():
+        return types.SimpleNamespace(
+            spec=types.SimpleNamespace(backend="vllm", lora_config={"r": 8}, start_timeout=1.0), backend=backend,
+            shared=shared, base_loaded=False,
+            progress=types.SimpleNamespace(bounded=lambda seconds: contextlib.nullcontext()))
+
+    first = worker()
+    RolloutWorker.load_weights(first)
+    RolloutWorker.load_weights(first)
+    RolloutWorker.load_weights(worker())  # a restarted worker: a new process, the same shared weights
+    assert calls == [("base", ["w"]), ("adapter", ["a.lora_A.weight"], 8), ("adapter", ["a.lora_A.weight"], 8),
+                     ("base", ["w"]), ("adapter", ["a.lora_A.weight"], 8)]

@@ -63,6 +63,15 @@ __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer"]
 logger = logging.getLogger(__name__)
 _UNDECIDED = object()
 
+
+def _engine_dtype(name: Any) -> torch.dtype:
+    """The worker engine's dtype as torch's (generation_backend_kwargs.dtype: a name or a torch.dtype; "auto" and
+    anything unknown: float32, the weights' own here)."""
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
 STATE_FILE = "async_grpo_state.json"
 
 
@@ -189,7 +198,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return dict(engine_weights(self.model))
         from .vllm_backend import adapter_files, base_engine_weights
 
-        dtype = getattr(torch, str(self._worker_backend_kwargs().get("dtype", "float32")))
+        dtype = _engine_dtype(self._worker_backend_kwargs().get("dtype", "float32"))
         state = {ADAPTER_PREFIX + k: v for k, v in adapter_files(self.model, dtype)[0].items()}
         if full:
             state.update({BASE_PREFIX + k: v for k, v in base_engine_weights(self.model)})
@@ -199,9 +208,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """The adapter_config the worker's engine loads each published adapter with (adapter-only sync), or None."""
         if self._worker_lora_rank() is None:
             return None
-        from .vllm_backend import adapter_files
+        from .vllm_backend import adapter_config
 
-        return adapter_files(self.model, torch.float32)[1]
+        return adapter_config(self.model)
 
     def _worker_lora_rank(self) -> int | None:
         """The LoRA rank of the worker engine's adapter slot when the worker syncs the adapter alone, else None
@@ -223,7 +232,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 raise ConfigError("generation_backend_kwargs.lora_sync = 'adapter': the model has no LoRA adapter "
                                   "(pass peft_config, or leave lora_sync unset).")
             if rank is not None and mode == "adapter":
-                slot = engine_lora_rank(rank)
+                from .vllm_backend import _VLLM_LORA_RANKS
+
+                slot = engine_lora_rank(min(rank, _VLLM_LORA_RANKS[-1]))  # above vLLM's largest: refused below
                 reason = adapter_sync_refusal(self.model, slot)
                 if reason is not None and requested == "adapter":
                     raise ConfigError(f"generation_backend_kwargs.lora_sync = 'adapter': {reason}. Set it to 'auto' "
@@ -321,6 +332,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _compute_worker_backend_kwargs(self) -> dict[str, Any]:
         args = self.args
         kwargs = dict(args.generation_backend_kwargs or {})
+        if int(kwargs.get("tensor_parallel_size", 1) or 1) > 1:
+            raise ConfigError("generation_backend_kwargs.tensor_parallel_size: async GRPO's rollout worker is one "
+                              "process on one device, so its engine cannot be tensor-parallel; use "
+                              "generation_backend = 'vllm-server' with `toolkit vllm-serve --tensor_parallel_size N`.")
         if args.generation_backend == "vllm":
             base = self.model.get_base_model() if hasattr(self.model, "peft_config") else unwrap_model(self.model)
             kwargs.setdefault("model_path", base.config._name_or_path)

@@ -385,7 +385,7 @@ def _pipeline(argv: list[str]) -> int:
         for spec, split in ((run.dataset, "train"), (run.eval_dataset, "test")):
             if spec and Path(spec).suffix in (".json", ".jsonl") and not Path(spec).expanduser().exists():
                 raise ConfigError(f"dataset: '{spec}' (a {command} stage) does not exist.")
-            if spec.startswith("builtin:") or Path(spec).suffix in (".json", ".jsonl"):
+            if spec.startswith(("builtin:", "reasoning_gym:")) or Path(spec).suffix in (".json", ".jsonl"):
                 # read now (milliseconds): an impossible size or a wrong format fails before stage 1
                 _check_stage_data(command, load_dataset_spec(spec, run, split=split, kind=kind), funcs,
                                   run.reward_funcs, train=split == "train")

@@ -760,13 +760,20 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         # several ranks: episodes end at different turns on different ranks. With DDP each rank decodes on its
         # own; a sharded (FSDP2) model all-gathers in every forward, so every rank then runs a turn while any
         # rank has an episode left, and its backend pads the forwards (TransformersBackend; a plugin backend that
-        # runs the sharded training model must keep its forwards in step the same way, see GenerationBackend)
+        # runs the sharded training model must keep its forwards in step the same way, see GenerationBackend).
+        # A vLLM engine shared by tensor-parallel ranks needs the same: every rank of its group asks it each turn.
+        if getattr(backend, "decodes_in_lockstep", False):
+            def keep_going(flag: bool) -> bool:
+                return any_rank(self.accelerator, flag)
+        else:
+            def keep_going(flag: bool) -> bool:
+                return any_rank_if_sharded(flag, self.model)
         return run_episodes(fresh_environments(self.environment_factory, len(rows)), list(rows), sample,
                             self.episode_delta,
                             max_turns=args.max_turns, max_tokens=args.max_episode_tokens,
                             stop_token_ids=sampling.stop_token_ids, concurrency=args.environment_concurrency,
                             step_timeout=args.environment_step_timeout,
-                            any_rank=lambda flag: any_rank_if_sharded(flag, self.model), timings=timings,
+                            any_rank=keep_going, timings=timings,
                             answer_reserve=args.max_completion_length)
 
     @torch.no_grad()

@@ -21,13 +21,20 @@ __all__ = ["GYM_PROMPT_SUFFIX", "gym_answer", "gym_rows", "gym_splits", "reasoni
 
 import functools
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from .errors import ConfigError
 
+logger = logging.getLogger(__name__)
+_SAID: set[str] = set()  # tasks whose verifier raised (warned once each)
+
 GYM_PROMPT_SUFFIX = "Give only the final answer, with no explanation."
 _HELD_OUT_SEED = 1_000_003  # held-out rows come from seed + this (the builtin tasks' convention)
+# reasoning-gym draws item i from Random(seed + i): seeds 0 and 1 would give the same problems shifted by one. A
+# task_seed is therefore spaced this far apart in generator seeds (and held-out rows sit 1_000_003 above them).
+_SEED_STRIDE = 10_000_019
 
 
 def require_reasoning_gym() -> Any:
@@ -75,7 +82,11 @@ def gym_rows(task: str, n: int, *, seed: int = 0, settings: dict[str, Any] | Non
     rows: list[dict[str, Any]] = []
     seen = set(exclude or ())
     for index in range(size):
-        entry = data[index]
+        try:
+            entry = data[index]
+        except Exception as e:  # a task that builds its items on access: the settings are the likely cause
+            raise ConfigError(f"task_kwargs: reasoning_gym's '{task}' could not build item {index} with the "
+                              f"settings {json.loads(settings_json)} ({type(e).__name__}: {e}).") from e
         question = str(entry["question"])
         if question in seen:
             continue
@@ -98,10 +109,12 @@ def gym_rows(task: str, n: int, *, seed: int = 0, settings: dict[str, Any] | Non
 
 def gym_splits(task: str, n_train: int, n_eval: int, *, seed: int = 0, settings: dict[str, Any] | None = None,
                kind: str = "prompt_only") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Disjoint train and held-out rows of a reasoning-gym task (no held-out question is trained on)."""
-    held_out = gym_rows(task, n_eval, seed=seed + _HELD_OUT_SEED, settings=settings, kind=kind) if n_eval else []
+    """Disjoint train and held-out rows of a reasoning-gym task (no held-out question is trained on). `seed`
+    (task_seed) picks the problems: different seeds give different problems (see _SEED_STRIDE)."""
+    base = seed * _SEED_STRIDE
+    held_out = gym_rows(task, n_eval, seed=base + _HELD_OUT_SEED, settings=settings, kind=kind) if n_eval else []
     questions = {r["prompt"][0]["content"].rsplit("\n\n", 1)[0] for r in held_out}
-    return gym_rows(task, n_train, seed=seed, settings=settings, kind=kind, exclude=questions), held_out
+    return gym_rows(task, n_train, seed=base, settings=settings, kind=kind, exclude=questions), held_out
 
 
 def gym_answer(text: str) -> str:
@@ -129,7 +142,16 @@ def reasoning_gym_reward(prompts: Sequence[Any], completions: Sequence[Any], com
         spec = json.loads(ref)
         data = _dataset(spec["task"], _settings_json(spec["settings"]), int(spec["seed"]), int(spec["size"]))
         entry = data[int(spec["index"])]
-        out.append(float(data.score_answer(answer=gym_answer(_text(completion)), entry=entry)))
+        answer = gym_answer(_text(completion))
+        try:
+            out.append(float(data.score_answer(answer=answer, entry=entry)))
+        except Exception as e:  # noqa: BLE001 - a verifier that chokes on one malformed answer: that answer is wrong
+            if spec["task"] not in _SAID:
+                _SAID.add(spec["task"])
+                logger.warning("reasoning_gym reward: %s's score_answer raised %s: %s on the answer %r; such "
+                               "answers score 0.0 (said once per task).", spec["task"], type(e).__name__, e,
+                               answer[:80])
+            out.append(0.0)
     return out
 
 

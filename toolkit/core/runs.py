@@ -86,6 +86,10 @@ def load_datasets(run: RunArgs, kind: str) -> tuple[Any, Any]:
     """(train, held-out) of a run, as its command loads them."""
     if not run.dataset:
         raise ConfigError("dataset: no training data given; set `dataset = ...` in the run file or pass --dataset.")
+    gym = any(str(spec).startswith("reasoning_gym:") for spec in (run.dataset, run.eval_dataset))
+    if not gym and (run.task_kwargs or run.task_seed):
+        raise ConfigError("task_kwargs / task_seed: they set up reasoning_gym:<task> datasets, and this run has none "
+                          f"(dataset = {run.dataset!r}); remove them or use a reasoning_gym:<task> dataset.")
     train = load_dataset_spec(run.dataset, run, split="train", kind=kind)
     held_out = load_dataset_spec(run.eval_dataset, run, split="test", kind=kind) if run.eval_dataset else None
     return train, held_out

@@ -29,6 +29,7 @@ __all__ = [
     "TOKEN_ENV",
     "VLLMBackend",
     "VLLMServerBackend",
+    "adapter_config",
     "adapter_files",
     "adapter_sync_refusal",
     "base_engine_weights",
@@ -277,18 +278,21 @@ def tensor_parallel_groups(world_size: int, tp: int) -> list[list[int]]:
     """The trainer ranks that share one colocated engine of tensor-parallel size `tp`: consecutive ranks, as vLLM's
     external_launcher and TRL's colocate mode group them ([[0, 1], [2, 3]] for 4 ranks at tp 2), so a group sits
     on one node's neighbouring GPUs."""
-    if tp < 1 or world_size % tp:
+    if tp < 1:
+        raise ConfigError(f"generation_backend_kwargs.tensor_parallel_size: at least 1, got {tp}.")
+    if world_size % tp:
         raise ConfigError(f"generation_backend_kwargs.tensor_parallel_size: {tp} does not divide the {world_size} "
                           "training processes; each engine's shards live in tp neighbouring processes.")
     return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
 
 
-def _vllm_sampling(params: SamplingParams, n: int):
+def _vllm_sampling(params: SamplingParams, n: int, *, seed: int | None = None):
     from vllm import SamplingParams as VSP
 
+    extra = {} if seed is None else {"seed": int(seed) % 2**31}
     return VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
                max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-               logprobs=0, detokenize=False, skip_special_tokens=False)
+               logprobs=0, detokenize=False, skip_special_tokens=False, **extra)
 
 
 def _completions(request_output) -> list[Completion]:
@@ -561,9 +565,13 @@ def adapter_files(peft: torch.nn.Module, dtype: torch.dtype) -> tuple[dict[str, 
     adapter = peft.active_adapter
     tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous()
                for k, v in get_peft_model_state_dict(peft, adapter_name=adapter).items()}
-    config = json.loads(json.dumps(peft.peft_config[adapter].to_dict(),
-                                   default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
-    return tensors, config
+    return tensors, adapter_config(peft)
+
+
+def adapter_config(peft: torch.nn.Module) -> dict[str, Any]:
+    """The active adapter's adapter_config as plain JSON values (what vLLM reads next to the tensors)."""
+    return json.loads(json.dumps(peft.peft_config[peft.active_adapter].to_dict(),
+                                 default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
 
 
 def colocated_engine_defaults(*, on_gpu: bool, weights_dtype: torch.dtype, bf16: bool, resident_bytes: int | None,
@@ -683,7 +691,10 @@ class VLLMBackend(_SyncEvery):
             engine_kwargs.setdefault("enable_sleep_mode", True)
         if sync_every < 1:
             raise ConfigError(f"generation_backend_kwargs.sync_every: must be >= 1, got {sync_every}.")
+        engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self._tp_group, self._tp_size = self._external_launcher(engine_kwargs)
+        gpu_memory_utilization = engine_kwargs.pop("gpu_memory_utilization")
+        self._tp_calls = 0  # tensor parallelism: requests without a seed get one from this count, equal on every rank
         # In-process engine core: weight reloads run through collective_rpc in this process.
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ConfigError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for the colocated vLLM backend (weights are "
@@ -744,6 +755,12 @@ class VLLMBackend(_SyncEvery):
         if tp == 1:
             return None, 1
         group, _ = dist.new_subgroups_by_enumeration(tensor_parallel_groups(world, tp))
+        # one engine, one memory budget: the group's smallest share, so every rank sizes the same KV cache (a rank
+        # that computed a larger one from its own free memory would schedule, and so sample, differently)
+        share = torch.tensor([float(engine_kwargs.get("gpu_memory_utilization", 0.1))], dtype=torch.float64,
+                             device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(share, op=dist.ReduceOp.MIN, group=group)
+        engine_kwargs["gpu_memory_utilization"] = float(share.item())
         return group, tp
 
     def sleep(self) -> None:
@@ -890,7 +907,7 @@ class VLLMBackend(_SyncEvery):
         from vllm.inputs import TokensPrompt
 
         if self._tp_group is not None:
-            return self._generate_tensor_parallel(prompts, params, n)
+            return self._generate_tensor_parallel(prompts, params, n, seed)
         if not prompts:  # e.g. a rank whose episodes ended while another rank's go on: nothing to ask the engine
             self.last_stats = GenerationStats()
             return []
@@ -909,11 +926,26 @@ class VLLMBackend(_SyncEvery):
 
     def submit(self, prompts, params: SamplingParams, *, n: int = 1, seed: int | None = None
                ) -> concurrent.futures.Future:
-        """Queue a generation; the engine serves queued requests in order while the caller continues."""
+        """Queue a generation; the engine serves queued requests in order while the caller continues. Under tensor
+        parallelism it runs now, on the caller's thread: its collectives must run on this rank's CUDA device (a
+        pool thread's current device is 0) and in the same order as the other ranks' calls."""
+        if self._tp_group is not None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                done.set_result(self.generate(prompts, params, n=n, seed=seed))
+            except Exception as e:  # noqa: BLE001 - handed to the caller through the future, as the pool does
+                done.set_exception(e)
+            return done
         return self._pool.submit(self.generate, prompts, params, n=n, seed=seed)
 
-    def _generate_tensor_parallel(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int
-                                  ) -> list[list[Completion]]:
+    @property
+    def decodes_in_lockstep(self) -> bool:
+        """Whether every rank of this engine's tensor-parallel group must call generate together (multi-turn
+        episodes then keep all ranks taking turns while any has an episode left)."""
+        return self._tp_group is not None
+
+    def _generate_tensor_parallel(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
+                                  seed: int | None) -> list[list[Completion]]:
         """Tensor parallelism: every rank of the engine's group must give the engine the same requests, so each
         rank's prompts (with its own sampling settings) are gathered in the group, all ranks generate all of them,
         and each keeps its own share, in order. A rank with no prompts still takes part (the others wait on it)."""
@@ -924,12 +956,17 @@ class VLLMBackend(_SyncEvery):
             raise ToolkitError("vLLM: the engine slept at level 2 (its weights were dropped) and no weights were "
                                "loaded since; call sync_weights before generating.")
         started = time.perf_counter()
+        self._tp_calls += 1
+        # every request carries its own seed, the same on every rank: vLLM's sampler would otherwise draw from each
+        # process's global generator, which training advances differently per rank, and the ranks would diverge
+        base = seed if seed is not None else 1_000_003 * self._tp_calls
         shares: list[Any] = [None] * self._tp_size
-        dist.all_gather_object(shares, ([list(p) for p in prompts], params, n), group=self._tp_group)
-        every = [p for share, _, _ in shares for p in share]
-        sampling = [_vllm_sampling(share_params, share_n) for share, share_params, share_n in shares for _ in share]
+        dist.all_gather_object(shares, ([list(p) for p in prompts], params, n, base), group=self._tp_group)
+        every = [p for share, _, _, _ in shares for p in share]
+        sampling = [_vllm_sampling(share_params, share_n, seed=share_seed + i)
+                    for share, share_params, share_n, share_seed in shares for i in range(len(share))]
         mine = dist.get_group_rank(self._tp_group, dist.get_rank())
-        start = sum(len(share) for share, _, _ in shares[:mine])
+        start = sum(len(share) for share, _, _, _ in shares[:mine])
         outs: list[Any] = []
         if every:
             with self._lock:
