@@ -106,6 +106,8 @@ BENCHES = [
     Bench("agent_rollouts", "agent_rollouts.py", "long", 35, json_flag=False, traced=False,
           needs=[("outputs/tools/0-sft/final", "toolkit pipeline --config examples/tools_pipeline.toml")],
           inputs=("examples/tools_pipeline.toml", "examples/tools_warmup_sft.toml", "examples/grpo_tools.toml")),
+    Bench("task_suite", "task_suite.py", "long", 45, json_flag=False, traced=False,
+          inputs=("examples/task_suite_sft.toml", "examples/task_suite_grpo.toml")),
     Bench("distillation", "distillation.py", "long", 1, traced=False,
           needs=[("outputs/grpo-arithmetic/report", "toolkit grpo --config examples/grpo_arithmetic.toml"),
                  ("outputs/gkd-arithmetic/report", "toolkit gkd --config examples/gkd_arithmetic.toml")],
@@ -583,7 +585,9 @@ def table_rows() -> list[list[str]]:
                        ("async_staleness_steady", "held-out accuracy at max_staleness 4 against 0, 4 prompts per "
                                                   "step and a decaying lr, seeds 1-10"),
                        ("learning_vs_trl", "held-out accuracy per training minute vs TRL GRPO"),
-                       ("distillation", "GKD student vs GRPO teacher, accuracy per training minute")):
+                       ("distillation", "GKD student vs GRPO teacher, accuracy per training minute"),
+                       ("task_suite", "one SFT-then-GRPO recipe on 8 reasoning-gym tasks: held-out accuracy before, "
+                                      "after SFT, after RL")):
         d = _load(name)
         if d:
             rows.append([name, what, f"see results/{name}.txt", "", "", "-", _when(d)])
