@@ -196,7 +196,8 @@ def test_a_grpo_lora_card_is_the_record_of_the_run_and_its_adapter_names_the_hub
 
     model = from_embedded_cache(tmp_path)  # a folder written like the embedded cache: base_model is the Hub id
     rc = main(["grpo", "--model", model.config._name_or_path, "--dataset", "builtin:arithmetic", "--dataset_size",
-               "8", "--eval_dataset", "", "--reward_funcs", '["tests.unit.test_model_card:length_reward"]',
+               "8", "--eval_dataset", "builtin:arithmetic", "--eval_size", "4",
+               "--reward_funcs", '["tests.unit.test_model_card:length_reward"]',
                "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
                "--max_completion_length", "4", "--output_dir", str(tmp_path / "out"), "--save_strategy", "no",
                "--disable_tqdm", "true", "--report_to", "none", "--push_to_hub", "true", "--hub_model_id",
@@ -221,6 +222,8 @@ def test_a_grpo_lora_card_is_the_record_of_the_run_and_its_adapter_names_the_hub
     assert "`num_train_epochs`" not in text and "| `max_steps` | `2` |" in text  # max_steps governs
     assert "| `importance_sampling_mode` | `truncate` |" in text and "| `beta` | `0.0` |" in text
     assert "sampler/trainer log-prob gap" in text and "| train minutes |" in text and "| device | " in text
+    # the results: held-out accuracy before and after (here: builtin:arithmetic, checked by its number), minutes
+    assert "| heldout_accuracy_before |" in text and "| heldout_accuracy_after |" in text and "| minutes |" in text
     # the pushed adapter names its base by Hub id, not by this machine's cache path; the local copy keeps the path,
     # so the folder still reloads here, offline, on the weights it was trained on
     assert upload["adapter_config"]["base_model_name_or_path"] == EMBEDDED_HUB_ID
