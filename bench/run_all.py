@@ -106,7 +106,7 @@ BENCHES = [
     Bench("agent_rollouts", "agent_rollouts.py", "long", 35, json_flag=False, traced=False,
           needs=[("outputs/tools/0-sft/final", "toolkit pipeline --config examples/tools_pipeline.toml")],
           inputs=("examples/tools_pipeline.toml", "examples/tools_warmup_sft.toml", "examples/grpo_tools.toml")),
-    Bench("task_suite", "task_suite.py", "long", 45, json_flag=False, traced=False,
+    Bench("task_suite", "task_suite.py", "long", 45, json_flag=False,
           inputs=("examples/task_suite_sft.toml", "examples/task_suite_grpo.toml")),
     Bench("distillation", "distillation.py", "long", 1, traced=False,
           needs=[("outputs/grpo-arithmetic/report", "toolkit grpo --config examples/grpo_arithmetic.toml"),
