@@ -190,7 +190,7 @@ class _LevelFormatter(logging.Formatter):
 def show_logs() -> None:
     """Show toolkit's INFO lines (the start-up summary, held-out accuracy, what was chosen and why) where nobody
     configured logging: a notebook or a plain script, where Python prints only WARNING and up. Called when a trainer
-    is built. In such a process the "toolkit" logger gets a handler of its own (stdout, at TOOLKIT_VERBOSITY:
+    is built. In such a process the "toolkit" logger gets a handler of its own (stderr, at TOOLKIT_VERBOSITY:
     info by default, warning or error to quieten it) and stops propagating, as transformers does with its own
     logger, so a later `logging.basicConfig` does not print every line twice. A process that configured logging
     (the `toolkit` command, pytest, an application) keeps its own handlers and levels."""
@@ -207,7 +207,7 @@ def show_logs() -> None:
         level = logging.INFO
     if os.environ.get("RANK", "0") != "0":  # a script under torchrun / accelerate launch: rank 0 tells the story
         level = max(level, logging.WARNING)
-    handler = _OwnHandler(sys.stdout)
+    handler = _OwnHandler(sys.stderr)  # stdout stays the program's own (a script may print data there)
     handler.setFormatter(_LevelFormatter())
     logger.addHandler(handler)
     logger.setLevel(level)
