@@ -7,7 +7,8 @@ embedded SmolLM2-135M-Instruct before, after SFT, after RL, and minutes, per tas
 
     python bench/task_suite.py                      # the suite (about 45 minutes on 2 cores)
     python bench/task_suite.py --tasks chain_sum    # one task
-    python bench/task_suite.py --diagnose           # pass@k of the base and SFT models, the 3 weakest tasks
+    python bench/task_suite.py --diagnose           # pass@k of the base, SFT and RL models, the 3 weakest tasks
+    python bench/task_suite.py --diagnose --tasks leg_counting products   # ... of these tasks' own run
 
 Writes bench/results/task_suite.{json,txt} (the suite; --tasks writes task_suite_<names>.*) with the commit and
 machine; --diagnose adds its table to the suite's files.
@@ -132,7 +133,7 @@ def render(data: dict, path: Path) -> None:
             "the embedded SmolLM2-135M-Instruct.\n\n" + table(data["results"]) + "\n")
     if data.get("diagnosis"):
         text += ("\npass@k at temperature 1 on the same held-out problems (8 samples each), the three weakest "
-                 "tasks after RL:\n\n| task | model | pass@1 | pass@8 |\n|---|---|---|---|\n")
+                 "tasks after RL (base model, after SFT, after RL):\n\n| task | model | pass@1 | pass@8 |\n|---|---|---|---|\n")
         for d in data["diagnosis"]:
             text += f"| {d['task']} | {d['model']} | {100 * d['pass@1']:.1f}% | {100 * d['pass@8']:.1f}% |\n"
     path.with_suffix(".txt").write_text(text)
@@ -142,7 +143,7 @@ def render(data: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    ap.add_argument("--diagnose", action="store_true", help="pass@k for the three weakest tasks of the suite's results")
+    ap.add_argument("--diagnose", action="store_true", help="pass@k of the base, SFT and RL models for the three weakest tasks of the results file (the suite's, or --tasks's)")
     args = ap.parse_args()
     suite = args.tasks == list(TASKS)
     path = RESULTS / ("task_suite" if suite else "task_suite_" + "_".join(args.tasks))
@@ -153,7 +154,14 @@ def main() -> int:
 
         data["diagnosis"] = []
         for r in weakest:
-            for name, model in (("base", str(embedded_model_path())), ("SFT", str(OUT / r["task"] / "0-sft" / "final"))):
+            models = (("base", str(embedded_model_path())), ("SFT", str(OUT / r["task"] / "0-sft" / "final")),
+                      ("RL", str(OUT / r["task"] / "1-grpo" / "final")))
+            missing = [m for _, m in models[1:] if not Path(m).is_dir()]
+            if missing:
+                raise SystemExit(f"--diagnose reads the models the suite saved, and {missing[0]} is not there: run "
+                                 f"`python bench/task_suite.py --tasks {r['task']}` first (then --diagnose with the "
+                                 "same --tasks)")
+            for name, model in models:
                 d = {"task": r["task"], "model": name, **pass_at_k(model, r["task"])}
                 print(d, flush=True)
                 data["diagnosis"].append(d)
