@@ -108,6 +108,17 @@ def pass_at_k(model_path: str, task: str, *, k: int = 8, n_prompts: int = 64, ma
             f"pass@{k}": sum(any(s) for s in solved) / len(solved)}
 
 
+def rl_training_signal(metrics: Path, window: int = 5) -> dict:
+    """What the RL stage had to learn from, from its own log: the training reward over the first and last
+    `window` steps, and the share of groups that were tied (all samples scored alike, so no gradient) on average."""
+    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [s for s in steps if "reward" in s]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {"reward_first": mean([s["reward"] for s in steps[:window]]),
+            "reward_last": mean([s["reward"] for s in steps[-window:]]),
+            "tied_groups": mean([s.get("frac_reward_zero_std", float("nan")) for s in steps])}
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| task | kind | before | after SFT | after RL | RL gain | minutes |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -133,9 +144,14 @@ def render(data: dict, path: Path) -> None:
             "the embedded SmolLM2-135M-Instruct.\n\n" + table(data["results"]) + "\n")
     if data.get("diagnosis"):
         text += ("\npass@k at temperature 1 on the same held-out problems (8 samples each), the three weakest "
-                 "tasks after RL (base model, after SFT, after RL):\n\n| task | model | pass@1 | pass@8 |\n|---|---|---|---|\n")
+                 "tasks after RL (base model, after SFT, after RL); for the RL stage, its training reward over the first "
+                 "and last 5 steps and the share of tied groups (no gradient):\n\n"
+                 "| task | model | pass@1 | pass@8 | RL reward first -> last 5 steps | tied groups |\n"
+                 "|---|---|---|---|---|---|\n")
         for d in data["diagnosis"]:
-            text += f"| {d['task']} | {d['model']} | {100 * d['pass@1']:.1f}% | {100 * d['pass@8']:.1f}% |\n"
+            rl = (f"{d['reward_first']:.3f} -> {d['reward_last']:.3f} | {100 * d['tied_groups']:.0f}%"
+                  if "reward_first" in d else " | ")
+            text += f"| {d['task']} | {d['model']} | {100 * d['pass@1']:.1f}% | {100 * d['pass@8']:.1f}% | {rl} |\n"
     path.with_suffix(".txt").write_text(text)
     path.with_suffix(".json").write_text(json.dumps(data, indent=2))
 
@@ -163,6 +179,8 @@ def main() -> int:
                                  "same --tasks)")
             for name, model in models:
                 d = {"task": r["task"], "model": name, **pass_at_k(model, r["task"])}
+                if name == "RL":
+                    d.update(rl_training_signal(OUT / r["task"] / "1-grpo" / "metrics.jsonl"))
                 print(d, flush=True)
                 data["diagnosis"].append(d)
         data["diagnosis_provenance"] = provenance()
