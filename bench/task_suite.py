@@ -95,7 +95,7 @@ def pass_at_k(model_path: str, task: str, *, k: int = 8, n_prompts: int = 64, ma
     _, held = gym_splits(task, 512, n_prompts, settings=TASKS[task][1])
     model, tok = load_model(model_path).eval(), load_tokenizer(model_path)
     rows, _ = prompt_rows(held, tok, trainer="eval_dataset")
-    prompts, _ = tokenize_prompts(rows, tok)
+    prompts, _ = tokenize_prompts(rows, tok, max_prompt_length=None)
     backend = TransformersBackend(model, pad_token_id=tok.pad_token_id, max_batch_size=128)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=1.0, stop_token_ids=(tok.eos_token_id,))
     groups = backend.generate(prompts, params, n=k, seed=0)
