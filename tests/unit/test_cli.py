@@ -365,6 +365,23 @@ def test_any_eval_dataset_is_scored_by_the_runs_rewards(tmp_path, capsys):
     assert summary["heldout_mean_reward_before"] == pytest.approx(summary["heldout_accuracy_before"])  # 0/1 reward
 
 
+def test_sft_and_dpo_measure_heldout_accuracy_every_eval_every_steps(tmp_path):
+    """eval_every on an offline trainer: the summary's accuracy_history has the steps before, every N and after
+    (the last measurement is not repeated when the final step is one of them), and the pipeline's report reads it."""
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    common = ["--model", str(tmp_path / "m"), "--dataset", "builtin:arithmetic", "--eval_dataset", "builtin:arithmetic",
+              "--dataset_size", "16", "--eval_size", "4", "--per_device_train_batch_size", "4", "--save_strategy", "no",
+              "--disable_tqdm", "true", "--eval_every", "2"]
+    assert main(["sft", "--max_steps", "3", "--output_dir", str(tmp_path / "s")] + common) == 0
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert [step for step, _ in summary["accuracy_history"]] == [0, 2, 3]
+    assert summary["accuracy_history"][0][1] == summary["heldout_accuracy_before"]
+    assert summary["accuracy_history"][-1][1] == summary["heldout_accuracy_after"]
+    assert main(["dpo", "--max_steps", "2", "--output_dir", str(tmp_path / "d")] + common) == 0
+    assert [step for step, _ in json.loads((tmp_path / "d" / "summary.json").read_text())["accuracy_history"]] == [0, 2]
+
+
 def test_sft_and_dpo_report_heldout_accuracy_by_rewards_for_data_with_an_answer(tmp_path, caplog):
     """Any eval data with an `answer` column (or a builtin task) gets held-out greedy accuracy before and after,
     scored by the run's reward functions; data without one is named and skipped, eval loss still reported."""

@@ -93,9 +93,13 @@ def run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: s
     trainer = make_trainer(run, cfg, train, held_out)
     summary: dict[str, Any] = {"model": run.model, "dataset": run.dataset}
     accuracy = _offline_accuracy(run, held_out) if generates and run.report_accuracy else None
+    history: list[tuple[int, float]] = []
     if accuracy is not None:
         summary["heldout_accuracy_before"] = accuracy(trainer)
+        history.append((0, summary["heldout_accuracy_before"]))
         logger.info("held-out greedy accuracy before training: %.3f", summary["heldout_accuracy_before"])
+        if run.eval_every > 0:
+            trainer.add_callback(_accuracy_every(run.eval_every, trainer, accuracy, history))
         if hasattr(trainer, "heldout_episode_stats"):
             summary["heldout_episodes_before"] = dict(trainer.heldout_episode_stats)
     if held_out is not None:
@@ -115,7 +119,11 @@ def run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: s
         for key in eval_keys:
             summary[key.replace("eval_rewards/", "eval_reward_") + "_after"] = after.get(key)
     if accuracy is not None:
-        summary["heldout_accuracy_after"] = accuracy(trainer)
+        step = trainer.state.global_step
+        summary["heldout_accuracy_after"] = history[-1][1] if history[-1][0] == step else accuracy(trainer)
+        if history[-1][0] != step:
+            history.append((step, summary["heldout_accuracy_after"]))
+        summary["accuracy_history"] = history  # the pipeline's report draws it
     final_dir = Path(cfg.output_dir) / "final"
     # Trainer saves on rank 0 only (should_save); _internal_call: no push from here (_publish pushes once)
     trainer.save_model(str(final_dir), _internal_call=True)
@@ -126,6 +134,24 @@ def run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: s
         _publish(trainer, cfg, run, final_dir, summary, title)
         _print_summary(title, summary)
     return 0
+
+
+def _accuracy_every(every: int, trainer: Any, measure: Any, history: list[tuple[int, float]]) -> Any:
+    """SFT/DPO with `eval_every`: a callback measuring held-out greedy accuracy every `every` optimizer steps,
+    appended to `history` (the model goes back to train mode after)."""
+    from transformers import TrainerCallback
+
+    class AccuracyEveryNSteps(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step % every:
+                return
+            was_training = trainer.model.training
+            value = measure(trainer)
+            trainer.model.train(was_training)
+            history.append((state.global_step, value))
+            logger.info("held-out greedy accuracy at step %d: %.3f", state.global_step, value)
+
+    return AccuracyEveryNSteps()
 
 
 def _offline_accuracy(run: RunArgs, held_out: Any) -> Any:
