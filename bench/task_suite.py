@@ -116,7 +116,7 @@ def rl_training_signal(metrics: Path, window: int = 5) -> dict:
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     return {"reward_first": mean([s["reward"] for s in steps[:window]]),
             "reward_last": mean([s["reward"] for s in steps[-window:]]),
-            "tied_groups": mean([s.get("frac_reward_zero_std", float("nan")) for s in steps])}
+            "tied_groups": mean([s["frac_reward_zero_std"] for s in steps if "frac_reward_zero_std" in s])}
 
 
 def table(rows: list[dict]) -> str:

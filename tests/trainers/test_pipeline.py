@@ -41,7 +41,7 @@ def files(tmp_path, grpo_extra=""):
     pipeline = tmp_path / "pipeline.toml"
     pipeline.write_text(f'''output_dir = "{tmp_path / 'out'}"
 stages = [
-  {{command = "sft", config = "{tmp_path / 'sft.toml'}"}},
+  {{command = "sft", config = "{tmp_path / 'sft.toml'}", overrides = {{eval_every = 1}}}},
   {{command = "grpo", config = "{tmp_path / 'grpo.toml'}", overrides = {{eval_every = 1}}}},
 ]
 ''')
@@ -58,6 +58,8 @@ def test_stages_run_in_sequence_from_the_previous_model(tmp_path, capsys):
     # the RL stage started from the SFT stage's model: its "before" is the SFT stage's "after"
     assert grpo["heldout_accuracy_before"] == pytest.approx(sft["heldout_accuracy_after"])
     assert [s for s, _ in grpo["accuracy_history"]] == [0, 1, 2]
+    # SFT's eval_every curve reaches the pipeline summary (and its report's column) too
+    assert [s for s, _ in sft["accuracy_history"]] == [0, 1, 2]
     assert summary["final_model"].endswith("1-grpo/final") and (out / "1-grpo" / "final" / "model.safetensors").exists()
     assert (out / "report.png").stat().st_size > 1000
     assert "=== pipeline summary ===" in capsys.readouterr().out

@@ -367,7 +367,7 @@ def test_any_eval_dataset_is_scored_by_the_runs_rewards(tmp_path, capsys):
 
 def test_sft_and_dpo_measure_heldout_accuracy_every_eval_every_steps(tmp_path):
     """eval_every on an offline trainer: the summary's accuracy_history has the steps before, every N and after
-    (the last measurement is not repeated when the final step is one of them), and the pipeline's report reads it."""
+    (the last step is measured once, after training, on the model that is saved)."""
     tiny_model().save_pretrained(tmp_path / "m")
     tiny_tokenizer().save_pretrained(tmp_path / "m")
     common = ["--model", str(tmp_path / "m"), "--dataset", "builtin:arithmetic", "--eval_dataset", "builtin:arithmetic",

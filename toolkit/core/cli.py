@@ -73,6 +73,8 @@ def _parse(argv: list[str], config_cls: type) -> tuple[RunArgs, Any] | None:
 def _print_summary(title: str, summary: dict[str, Any]) -> None:
     print(f"\n=== {title} summary ===")
     for k, v in summary.items():
+        if k == "accuracy_history":  # one line per evaluation is in the log already
+            continue
         print(f"{k:>28}: {v:.4f}" if isinstance(v, float) else f"{k:>28}: {v}")
 
 
@@ -100,6 +102,9 @@ def run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: s
         logger.info("held-out greedy accuracy before training: %.3f", summary["heldout_accuracy_before"])
         if run.eval_every > 0:
             trainer.add_callback(_accuracy_every(run.eval_every, trainer, accuracy, history))
+    elif run.eval_every > 0:
+        logger.info("eval_every = %d: no held-out accuracy is measured in this run (see above), so none every %d "
+                    "steps either.", run.eval_every, run.eval_every)
         if hasattr(trainer, "heldout_episode_stats"):
             summary["heldout_episodes_before"] = dict(trainer.heldout_episode_stats)
     if held_out is not None:
@@ -119,10 +124,10 @@ def run_offline(argv: list[str], config_cls: type, make_trainer: Any, *, kind: s
         for key in eval_keys:
             summary[key.replace("eval_rewards/", "eval_reward_") + "_after"] = after.get(key)
     if accuracy is not None:
-        step = trainer.state.global_step
-        summary["heldout_accuracy_after"] = history[-1][1] if history[-1][0] == step else accuracy(trainer)
-        if history[-1][0] != step:
-            history.append((step, summary["heldout_accuracy_after"]))
+        # measured after train(), never taken from the last step's callback: load_best_model_at_end may have
+        # swapped the model since, and this is the model saved to final/
+        summary["heldout_accuracy_after"] = accuracy(trainer)
+        history.append((trainer.state.global_step, summary["heldout_accuracy_after"]))
         summary["accuracy_history"] = history  # the pipeline's report draws it
     final_dir = Path(cfg.output_dir) / "final"
     # Trainer saves on rank 0 only (should_save); _internal_call: no push from here (_publish pushes once)
@@ -143,8 +148,8 @@ def _accuracy_every(every: int, trainer: Any, measure: Any, history: list[tuple[
 
     class AccuracyEveryNSteps(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if state.global_step % every:
-                return
+            if state.global_step % every or state.global_step >= state.max_steps:
+                return  # the last step is measured after train(), on the model it saves
             was_training = trainer.model.training
             value = measure(trainer)
             trainer.model.train(was_training)

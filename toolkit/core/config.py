@@ -74,7 +74,7 @@ class RunArgs:
                 "trains on them; every trainer's held-out accuracy uses them."})
     eval_every: int = field(default=0, metadata={
         "help": "With eval_dataset: held-out greedy accuracy every this many optimizer steps (0 = before/after only); "
-                "RL, SFT and DPO."})
+                "RL, SFT, DPO and the experimental trainers on fixed data."})
     attn_implementation: str = field(default="", metadata={
         "help": "Attention kernel the model loads with: '' (transformers' choice: sdpa), 'sdpa', 'eager', "
                 "'flash_attention_2', 'flash_attention_3' (CUDA, with the flash-attn package), 'flex_attention', or "
