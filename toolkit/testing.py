@@ -213,3 +213,101 @@ class JudgeServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiny vision-language models (random weights, processors built offline): two families with different
+# image-token handling, so every vision code path is tested against both.
+#   Qwen2-VL: dynamic resolution (an image becomes grid_t*grid_h*grid_w/merge^2 `<|image_pad|>` tokens, so
+#             the count depends on the image's size), M-RoPE 3-D positions, pixel patches flattened per batch.
+#   Idefics3 (SmolVLM): a fixed number of `<image>` tokens per image between `<fake_token_around_image>`
+#             markers, plain 1-D positions, pixel values [batch, images, C, H, W] with a pixel mask.
+# ------------------------------------------------------------------------------------------------
+
+# The chat template loops over content parts: {"type": "image"} becomes the family's placeholder, which the
+# processor then expands to the image's tokens.
+def _vision_chat_template(image_placeholder: str) -> str:
+    return (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}{{ '" + image_placeholder + "' }}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "{{ '<|im_end|>' + '\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+
+
+def _text_config(tok, hidden_size: int) -> dict:
+    return dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=hidden_size * 2, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                tie_word_embeddings=True)
+
+
+def tiny_qwen2_vl(*, seed: int = 0):
+    """(model, processor): a Qwen2-VL with a 2-layer width-64 text model and a 2-block vision tower.
+
+    Images are resized to between 56x56 and 112x112 pixels (4 to 16 image tokens each, by size)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class _ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        # Qwen2VLProcessor also wants a video processor, which needs torchvision; images only here.
+        # (ProcessorMixin reads which sub-processors exist from this signature.)
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            Qwen2VLProcessor.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                          "<|video_pad|>"]})
+    template = _vision_chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    tok.chat_template = template
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    processor = _ImageOnlyQwen2VLProcessor(image_processor, tok, chat_template=template)
+    ids = tok.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config={**_text_config(tok, 64),
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}},
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    model.config._name_or_path = ""
+    return model, processor
+
+
+def tiny_idefics3(*, seed: int = 0):
+    """(model, processor): an Idefics3 (SmolVLM's family) with a 2-layer width-64 Llama text model and a
+    2-layer SigLIP vision tower on 56x56 images; each image is 4 `<image>` tokens (no image splitting)."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tok = tiny_tokenizer()
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 56},
+                                                do_image_splitting=False)
+    template = _vision_chat_template("<image>")
+    tok.chat_template = template
+    # The processor adds its tokens (<fake_token_around_image>, <image>, <end_of_utterance>) to the tokenizer.
+    processor = Idefics3Processor(image_processor, tok, image_seq_len=4, chat_template=template)
+    tok.add_tokens(["<global-img>"], special_tokens=True)
+    config = Idefics3Config(
+        text_config={**_text_config(tok, 64), "model_type": "llama"},
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=56, patch_size=14),
+        scale_factor=2, image_token_id=processor.image_token_id, tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Idefics3ForConditionalGeneration(config)
+    model.config._name_or_path = ""
+    return model, processor

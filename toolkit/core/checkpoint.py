@@ -363,3 +363,32 @@ class CompleteCheckpointCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if is_complete(folder) and self.on_complete is not None:
             self.on_complete(state.global_step, str(folder))
+
+
+def reload_renamed_weights(model: Any, folder: str | os.PathLike) -> bool:
+    """Load a checkpoint's weights into `model` where Trainer's resume would silently skip them; True if it did.
+
+    transformers 5 saves some models (Qwen2-VL, LLaVA and other vision-language families) under their older key
+    names and maps them back only inside `from_pretrained`. Trainer's resume (and best-model) loading reads the
+    file with `strict=False`, so such a model kept its own weights and the "resumed" run trained a different
+    model (found by tests/trainers/test_vision.py's exact-resume test). When the file's keys are not the model's,
+    the folder is loaded with `from_pretrained` (which renames) and copied in strictly."""
+    from safetensors import safe_open
+
+    inner = getattr(model, "module", model)
+    if getattr(inner, "peft_config", None) is not None:
+        return False  # adapter checkpoints keep PEFT's own names
+    files = sorted(Path(folder).glob("model*.safetensors"))
+    if not files or not hasattr(inner, "from_pretrained"):
+        return False
+    saved: set[str] = set()
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            saved |= set(handle.keys())
+    if saved <= set(inner.state_dict()):
+        return False
+    dtype = next(inner.parameters()).dtype
+    loaded = type(inner).from_pretrained(str(folder), dtype=dtype)
+    inner.load_state_dict(loaded.state_dict(), strict=True)
+    logger.info("%s: weights saved under older key names were loaded through from_pretrained's renaming.", folder)
+    return True

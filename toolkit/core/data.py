@@ -370,8 +370,10 @@ def _check_text(p: _Problems, value: Any, column: str, row: int) -> None:
                       "training")
 
 
-def _check_turns(p: _Problems, value: Any, column: str, row: int, *, part: str) -> None:
-    """`part`: "full" conversation, "prompt" (ends with a user/tool turn) or "completion" (assistant turns)."""
+def _check_turns(p: _Problems, value: Any, column: str, row: int, *, part: str, vision: bool = False) -> None:
+    """`part`: "full" conversation, "prompt" (ends with a user/tool turn) or "completion" (assistant turns).
+
+    `vision`: content may be a list of image/text parts (checked part by part in `vision.validate_vision`)."""
     if value is None:
         p.add(f"{column}:none", row, f"column '{column}' is empty (None) in row {row}; fill it or drop the row")
         return
@@ -396,6 +398,13 @@ def _check_turns(p: _Problems, value: Any, column: str, row: int, *, part: str) 
                                          f"use one of {list(ROLES)}")
             return
         content = turn["content"]
+        if isinstance(content, list) and vision:
+            continue
+        if isinstance(content, list):
+            p.add(f"{column}:parts", row, f"column '{column}', row {row}, turn {j}: content is a list of parts (a "
+                                          "vision-language row), but processing_class is a text tokenizer; pass the "
+                                          "vision-language model with its AutoProcessor, or make each content a string")
+            return
         if not isinstance(content, str):
             p.add(f"{column}:contenttype", row, f"column '{column}', row {row}, turn {j}: content must be a string, "
                                                 f"got {type(content).__name__}")
@@ -484,10 +493,12 @@ def _check_tokenized_pairs(p: _Problems, rows: list[dict[str, Any]], fmt: Datase
                                        f"(0..{vocab - 1}); the rows were tokenized with another tokenizer")
 
 
-def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any = None, first_row: int = 0) -> None:
+def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any = None, first_row: int = 0,
+             vision: bool = False) -> None:
     """Check every row of `rows` against `fmt`; raise one DataError listing every kind of problem found.
 
-    `first_row` is the index of `rows[0]` in the whole dataset (a stream is checked a row at a time)."""
+    `first_row` is the index of `rows[0]` in the whole dataset (a stream is checked a row at a time).
+    `vision`: turns may hold lists of image/text parts (`vision.validate_vision` checks them and the images)."""
     p = _Problems()
     n_rows = len(rows) if first_row == 0 else f"the rows read so far, {first_row + len(rows)}"
     if fmt.kind == "tokenized":
@@ -504,7 +515,7 @@ def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any =
                 p.add(f"{c}:missing", i, f"column '{c}' is missing from row {i} (row has {sorted(r)})")
         if fmt.kind == "language_modeling":
             if fmt.conversational:
-                _check_turns(p, r.get("messages"), "messages", i, part="full")
+                _check_turns(p, r.get("messages"), "messages", i, part="full", vision=vision)
             else:
                 _check_text(p, r.get("text"), "text", i)
             continue
@@ -522,7 +533,7 @@ def validate(rows: list[dict[str, Any]], fmt: DatasetFormat, *, tokenizer: Any =
                     continue
                 part = "prompt" if c == "prompt" else ("full" if fmt.kind == "preference" and "prompt" not in fmt.columns
                                                         else "completion")
-                _check_turns(p, value, c, i, part=part)
+                _check_turns(p, value, c, i, part=part, vision=vision)
             else:
                 if conv:
                     p.add(f"{c}:mixed", i, f"column '{c}' is a list of turns in row {i} but the dataset is plain text "

@@ -38,6 +38,7 @@ import torch
 from .checkpoint import (
     CompleteCheckpointCallback,
     publish_folder,
+    reload_renamed_weights,
     resolve_resume,
     resume_already_finished,
     save_trainer_checkpoint,
@@ -127,6 +128,15 @@ class TrainerLifecycle:
                                     self.write_checkpoint_state)
         finally:
             self._saving_checkpoint = False
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        reload_renamed_weights(model if model is not None else self.model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model()  # type: ignore[misc]
+        if self.state.best_model_checkpoint:
+            reload_renamed_weights(self.model, self.state.best_model_checkpoint)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """As Trainer.train; `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint."""

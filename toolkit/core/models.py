@@ -25,6 +25,7 @@ __all__ = [
     "is_embedded_checkpoint",
     "is_embedded_name",
     "is_peft_model",
+    "is_vision_language",
     "load_classifier",
     "load_model",
     "load_tokenizer",
@@ -168,6 +169,10 @@ def load_model(
         dtype = _parse_dtype(dtype)
     path = _model_source(model, needs_config=not ({"subfolder", "gguf_file"} & set(kwargs)))
     try:
+        if is_vision_language(path, **kwargs):
+            from transformers import AutoModelForImageTextToText
+
+            return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **kwargs)
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as e:  # a Hub id that is not cached (offline), a folder without config.json, ...
         raise ConfigError(f"model: could not load '{model}': {e}") from e
@@ -200,8 +205,25 @@ def _model_source(model: str | os.PathLike, *, needs_config: bool = True) -> str
     return path
 
 
+def is_vision_language(path: str, **kwargs: Any) -> bool:
+    """True when the saved model at `path` is an image-text-to-text model (Qwen2-VL, Idefics3/SmolVLM, LLaVA,
+    Gemma 3, ...): it loads with AutoModelForImageTextToText and its processor with AutoProcessor."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if "gguf_file" in kwargs:
+        return False
+    try:
+        config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("subfolder", "revision",
+                                                                                              "trust_remote_code")})
+    except (OSError, ValueError):
+        return False  # (the loader below then says what is wrong)
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
 def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) -> PreTrainedTokenizerBase:
-    """Load the tokenizer that belongs with `model` (for a built model: from its `name_or_path`)."""
+    """Load the tokenizer that belongs with `model` (for a built model: from its `name_or_path`); for a
+    vision-language model, its processor (AutoProcessor: the tokenizer and the image processor)."""
     if isinstance(model, torch.nn.Module):
         source = getattr(getattr(unwrap_model(model), "config", None), "_name_or_path", "")
         if not source:
@@ -212,6 +234,10 @@ def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) ->
         return AutoTokenizer.from_pretrained(source, **kwargs)
     source = _model_source(model, needs_config=not ({"subfolder", "gguf_file"} & set(kwargs)))
     try:
+        if is_vision_language(source, **kwargs):
+            from transformers import AutoProcessor
+
+            return AutoProcessor.from_pretrained(source, **kwargs)
         return AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as e:  # no tokenizer files (ValueError: nothing to build a fast tokenizer from)
         raise ConfigError(f"model: could not load the tokenizer of '{model}': {e}") from e

@@ -65,6 +65,16 @@ from .models import (
     unwrap_model,
 )
 from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
+from .vision import (
+    IMAGE_INPUT_KEYS,
+    ListDataset,
+    VisionCollator,
+    freeze_vision_tower,
+    is_vision_processor,
+    text_tokenizer,
+    tokenize_vision_for_sft,
+    validate_vision,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +126,12 @@ class SFTConfig(TrainingArguments):
     bf16: bool | None = field(default=None, metadata={"help": BF16_HELP})
     model_dtype: str = field(
         default="float32", metadata={"help": "dtype to load the model in when it is given by name: float32 | bfloat16."})
+    freeze_vision_tower: bool = field(
+        default=True, metadata={"help": "Vision-language models: keep the vision encoder's weights fixed (LoRA "
+                                        "targets then stay in the language model too)."})
+    train_projector: bool = field(
+        default=True, metadata={"help": "Vision-language models: train the projector from image features to the "
+                                        "language model even when the vision tower is frozen."})
 
     def __post_init__(self):
         apply_cpu_training_defaults(self)
@@ -283,8 +299,12 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         # 1. Data first: every row is checked before a model is loaded (minutes saved per mistake). Of a stream,
         #    the first rows are checked now and each later one as training reads it.
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        self.vision = is_vision_processor(tokenizer)  # an AutoProcessor: rows may hold images
+        if self.vision and any(streamed.values()):
+            raise ConfigError("train_dataset/eval_dataset: streamed vision-language datasets are not supported yet; "
+                              "pass a datasets.Dataset or a list (images are decoded once, before training).")
+        if text_tokenizer(tokenizer).pad_token_id is None:
+            text_tokenizer(tokenizer).pad_token = text_tokenizer(tokenizer).eos_token
         train_rows, eval_rows, sources = self._read_rows(train_dataset, eval_dataset, streamed, formatting_func,
                                                          tokenizer)
         completion_only = self._completion_only(args)
@@ -303,7 +323,8 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         if args.packing:
             train_tok = _pack(train_tok, args.max_length)
             eval_tok = _pack(eval_tok, args.max_length) if eval_tok is not None else None
-        collator = SFTCollator(tokenizer.pad_token_id, padding_free=packed)
+        pad_id = text_tokenizer(tokenizer).pad_token_id
+        collator = VisionCollator(tokenizer, pad_id) if self.vision else SFTCollator(pad_id, padding_free=packed)
         if data_collator is not None:
             # A collator of your own gets the standard keys (input_ids, attention_mask, labels with -100 outside
             # the loss, plus a pre-tokenized dataset's other columns) and must return at least input_ids, labels
@@ -312,8 +333,10 @@ class SFTTrainer(TrainerLifecycle, Trainer):
             eval_tok = [_standard_keys(e) for e in eval_tok] if eval_tok is not None else None
             _check_collator(data_collator, train_tok[:2])
             collator = data_collator
-        datasets_ = {"train_dataset": Dataset.from_list(train_tok),
-                     "eval_dataset": Dataset.from_list(eval_tok) if eval_tok is not None else None}
+        # Examples with images stay Python objects (a datasets.Dataset would re-encode every image).
+        as_dataset = ListDataset if self.vision else Dataset.from_list
+        datasets_ = {"train_dataset": as_dataset(train_tok),
+                     "eval_dataset": as_dataset(eval_tok) if eval_tok is not None else None}
         for name, source in sources.items():
             fmt = self.dataset_format if name == "train_dataset" else self._eval_format
             datasets_[name] = _SFTStream(source, fmt, tokenizer, formatting_func, tok_kwargs, name,
@@ -347,7 +370,10 @@ class SFTTrainer(TrainerLifecycle, Trainer):
     def _tokenize(self, train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]] | None, tokenizer: Any,
                   tok_kwargs: dict[str, Any], args: SFTConfig, streamed: bool) -> tuple[list, list | None, Any]:
         """(train examples, eval examples, the train report), with what was truncated reported."""
-        train_tok, report = tokenize_for_sft(train_rows, self.dataset_format, tokenizer, **tok_kwargs)
+        if self.vision:
+            train_tok, report = self._tokenize_vision(train_rows, self._train_images, tok_kwargs)
+        else:
+            train_tok, report = tokenize_for_sft(train_rows, self.dataset_format, tokenizer, **tok_kwargs)
         self.tokenization_report = report
         logger.info("SFT train data%s: %s: %s", " (the first rows of the stream)" if streamed else "",
                     self.dataset_format.describe(), report.summary(args.max_length))
@@ -356,9 +382,17 @@ class SFTTrainer(TrainerLifecycle, Trainer):
                            report.truncated_rows, report.rows, args.max_length, report.longest)
         eval_tok = None
         if eval_rows is not None:
-            eval_tok, eval_report = tokenize_for_sft(eval_rows, self.dataset_format, tokenizer, **tok_kwargs)
+            if self.vision:
+                eval_tok, eval_report = self._tokenize_vision(eval_rows, self._eval_images, tok_kwargs)
+            else:
+                eval_tok, eval_report = tokenize_for_sft(eval_rows, self.dataset_format, tokenizer, **tok_kwargs)
             logger.info("SFT eval data: %s", eval_report.summary(args.max_length))
         return train_tok, eval_tok, report
+
+    def _tokenize_vision(self, rows: list[dict[str, Any]], images: list[list[Any]],
+                         tok_kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+        kwargs = {k: v for k, v in tok_kwargs.items() if k != "keep_extra_columns"}
+        return tokenize_vision_for_sft(rows, images, self.dataset_format, self.processing_class_in, **kwargs)
 
     def _completion_only(self, args: SFTConfig) -> bool:
         """completion_only_loss resolved for the detected format (None: on for prompt-completion data)."""
@@ -379,8 +413,20 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         init_kwargs = {**(args.model_init_kwargs or {}), **(model_init_kwargs or {})}
         model = load_model(model, dtype=init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", args.model_dtype)),
                            **init_kwargs)
+        if self.vision:
+            peft_config = freeze_vision_tower(model, peft_config, freeze=args.freeze_vision_tower,
+                                              train_projector=args.train_projector)
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
         varlen_ok = supports_varlen(unwrap_model(model))
+        if self.vision:
+            if args.packing or args.padding_free:
+                raise ConfigError("packing/padding_free: not available for vision-language models yet (a packed row "
+                                  "would need each example's image positions, 3-D M-RoPE ones for Qwen2-VL); set "
+                                  "packing=False, padding_free=False.")
+            logger.info("SFT: vision-language batches are right-padded (padding-free rows with images are not "
+                        "implemented yet).")
+            self.padding_free = False
+            return model
         if (args.packing or args.padding_free) and not varlen_ok:
             raise ConfigError(
                 f"packing/padding_free: attention implementation '{unwrap_model(model).config._attn_implementation}' "
@@ -403,8 +449,12 @@ class SFTTrainer(TrainerLifecycle, Trainer):
             train_rows = normalize_rows(_formatted(head, formatting_func, "train_dataset"))
         else:
             train_rows = normalize_rows(_formatted(as_rows(train_dataset), formatting_func, "train_dataset"))
+        self.processing_class_in = tokenizer
         self.dataset_format = detect_format(train_rows, tokenized=True)
-        validate(train_rows, self.dataset_format, tokenizer=tokenizer)
+        validate(train_rows, self.dataset_format, tokenizer=tokenizer, vision=self.vision)
+        # images decoded once, here, and refused row by row before any model loads (also: images with a text model)
+        self._train_images = validate_vision(train_rows, self.dataset_format, tokenizer) if self.vision or \
+            "images" in self.dataset_format.extra_columns or "image" in self.dataset_format.extra_columns else None
         eval_rows, self._eval_format = None, None
         if eval_dataset is not None:
             if streamed["eval_dataset"]:
@@ -417,7 +467,8 @@ class SFTTrainer(TrainerLifecycle, Trainer):
             if (fmt.kind, fmt.conversational) != (train_fmt.kind, train_fmt.conversational):
                 raise ConfigError(f"eval_dataset: it is {self._eval_format.describe()} but train_dataset is "
                                   f"{self.dataset_format.describe()}; use the same format for both.")
-            validate(eval_rows, self._eval_format, tokenizer=tokenizer)
+            validate(eval_rows, self._eval_format, tokenizer=tokenizer, vision=self.vision)
+            self._eval_images = validate_vision(eval_rows, self._eval_format, tokenizer) if self.vision else None
         return train_rows, eval_rows, sources
 
     # ---------------------------------------------------------------------------------- seams
@@ -436,6 +487,7 @@ class SFTTrainer(TrainerLifecycle, Trainer):
             forward_kwargs.update(varlen_kwargs(inputs["cu_seq_lens"]))
         else:
             forward_kwargs["attention_mask"] = inputs["attention_mask"]
+        forward_kwargs.update({k: inputs[k] for k in IMAGE_INPUT_KEYS if k in inputs})  # a vision batch's pixels
         outputs = model(**forward_kwargs)
         hidden = outputs.hidden_states[-1]  # [B, T, H], after the final norm
         labels = inputs["labels"]

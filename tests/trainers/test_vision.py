@@ -1,0 +1,311 @@
+"""Vision-language SFT on two tiny model families (Qwen2-VL: dynamic resolution and M-RoPE; Idefics3: fixed
+image tokens): parity with TRL's SFTTrainer, vision tokens out of the loss, the frozen tower, LoRA in the
+language model only, exact resume, loading by path, and bad vision inputs refused by row."""
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from builders import StopAt
+from PIL import Image
+
+from toolkit import ConfigError, DataError, SFTConfig, SFTTrainer
+from toolkit.core import vision
+from toolkit.core.checkpoint import COMPLETE_MARKER
+from toolkit.testing import tiny_idefics3, tiny_model, tiny_qwen2_vl, tiny_tokenizer
+
+FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "idefics3": tiny_idefics3}
+COLOURS = [((255, 0, 0), "red"), ((0, 160, 0), "green"), ((0, 0, 255), "blue")]
+
+
+def image(i: int, size=None) -> Image.Image:
+    # different sizes, so Qwen2-VL rows get different numbers of image tokens
+    return Image.new("RGB", size or (60 + 10 * (i % 4), 50 + 7 * (i % 3)), COLOURS[i % 3][0])
+
+
+def pc_rows(n: int) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+             "completion": [{"role": "assistant", "content": [{"type": "text", "text": COLOURS[i % 3][1]}]}],
+             "images": [image(i)]} for i in range(n)]
+
+
+def messages_rows(n: int) -> list[dict]:
+    # two images in the first user turn, a second exchange without images
+    return [{"messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same colour?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "yes" if i % 2 else "no"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Why?"}]},
+        {"role": "assistant", "content": "Look at them."}],
+        "images": [image(i), image(i if i % 2 else i + 1)]} for i in range(n)]
+
+
+def cfg(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=3, logging_steps=1,
+                learning_rate=1e-3, save_strategy="no", seed=0, report_to="none", disable_tqdm=True)
+    base.update(kw)
+    return SFTConfig(**base)
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sft_trains_with_the_vision_tower_frozen(tmp_path, family):
+    model, processor = FAMILIES[family]()
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    t = SFTTrainer(model, cfg(tmp_path, max_steps=6), train_dataset=pc_rows(6), processing_class=processor)
+    t.train()
+    ls = losses(t)
+    assert all(math.isfinite(x) for x in ls) and ls[-1] < ls[0]
+    changed = {k for k, v in model.named_parameters() if not torch.equal(v, before[k])}
+    tower = {k for k in before if ".visual." in k or ".vision_model." in k}
+    projector = {k for k in tower | set(before) if ".merger." in k or ".connector." in k}
+    assert tower and projector
+    assert not (changed & (tower - projector)), "the frozen vision tower changed"
+    assert projector <= changed, "the projector should train (train_projector=True)"
+    assert {k for k in before if "language_model" in k or "text_model" in k} <= changed | {
+        k for k in before if "rotary" in k}
+
+
+def test_unfreezing_the_tower_trains_it(tmp_path):
+    model, processor = tiny_qwen2_vl()
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    SFTTrainer(model, cfg(tmp_path, max_steps=2, freeze_vision_tower=False), train_dataset=pc_rows(6),
+               processing_class=processor).train()
+    assert not torch.equal(dict(model.named_parameters())["model.visual.patch_embed.proj.weight"],
+                           before["model.visual.patch_embed.proj.weight"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_and_gradients_equal_trl(tmp_path, family):
+    """TRL's own SFTTrainer (its vision collator, its compute_loss) on the same rows: same ids, loss and grads."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    model, processor = FAMILIES[family]()
+    reference = copy.deepcopy(model)
+    rows = pc_rows(3)
+    ours = SFTTrainer(model, cfg(tmp_path, freeze_vision_tower=False), train_dataset=rows, processing_class=processor)
+    batch = ours.data_collator([ours.train_dataset[i] for i in range(3)])
+    model.train()
+    model.zero_grad()
+    logps, _ = ours.compute_token_logps(model, batch)
+    loss = ours.compute_sft_loss(logps, None)
+    loss.backward()
+
+    theirs = trl.SFTTrainer(model=reference, train_dataset=Dataset.from_list(rows), processing_class=processor,
+                            args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), report_to="none", max_length=None,
+                                               bf16=False, use_cpu=True))
+    trl_batch = theirs.data_collator([theirs.train_dataset[i] for i in range(3)])
+    reference.train()
+    reference.zero_grad()
+    trl_loss = theirs.compute_loss(reference, trl_batch)
+    trl_loss.backward()
+
+    for b in range(3):  # the same expanded ids per row (TRL left-pads prompts, then flushes left)
+        ours_ids = batch["input_ids"][b][batch["attention_mask"][b].bool()]
+        trl_ids = trl_batch["input_ids"][b][trl_batch["attention_mask"][b].bool()]
+        assert torch.equal(ours_ids, trl_ids)
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-6, atol=1e-6)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def vision_tokens_in_the_loss(trainer, ids) -> int:
+    """How many labels of a batch of the whole dataset are vision tokens (must be 0)."""
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+    labels = batch["labels"]
+    return int(sum(((labels == t)).sum() for t in ids))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vision_tokens_are_never_in_the_loss_and_the_check_catches_it(tmp_path, family, monkeypatch):
+    _, processor = FAMILIES[family]()
+    ids = vision.vision_token_ids(processor)
+    assert processor.image_token_id in ids and len(ids) >= 2  # the image token and its markers
+    # full loss on 'messages' rows: every token is a target except the vision tokens
+    t = SFTTrainer(FAMILIES[family]()[0], cfg(tmp_path), train_dataset=messages_rows(4), processing_class=processor)
+    batch = t.data_collator([t.train_dataset[0]])
+    assert (batch["input_ids"] == processor.image_token_id).sum() > 0
+    assert vision_tokens_in_the_loss(t, ids) == 0
+    # mutation: without the vision-token mask, the same check must see them
+    monkeypatch.setattr(vision, "vision_token_ids", lambda p: frozenset())
+    mutated = SFTTrainer(FAMILIES[family]()[0], cfg(tmp_path), train_dataset=messages_rows(4),
+                         processing_class=processor)
+    assert vision_tokens_in_the_loss(mutated, ids) > 0
+
+
+def test_assistant_only_loss_with_images_marks_only_assistant_text(tmp_path):
+    model, processor = tiny_qwen2_vl()
+    t = SFTTrainer(model, cfg(tmp_path, assistant_only_loss=True), train_dataset=messages_rows(2),
+                   processing_class=processor)
+    ex = t.train_dataset[0]
+    tok = processor.tokenizer
+    targets = [i for i, m in zip(ex["input_ids"], ex["completion_mask"]) if m]
+    text = tok.decode(targets)
+    assert "no" in text and "Look at them." in text
+    assert "Same colour?" not in text and "Why?" not in text
+    t.train()
+    assert all(math.isfinite(x) for x in losses(t))
+
+
+def test_qwen2_vl_token_count_follows_the_image_size(tmp_path):
+    _, processor = tiny_qwen2_vl()
+    small, large = pc_rows(1), pc_rows(1)
+    small[0]["images"] = [image(0, (56, 56))]
+    large[0]["images"] = [image(0, (112, 112))]
+    counts = []
+    for rows in (small, large):
+        t = SFTTrainer(tiny_qwen2_vl()[0], cfg(tmp_path), train_dataset=rows, processing_class=processor)
+        counts.append(t.train_dataset[0]["input_ids"].count(processor.image_token_id))
+    assert counts == [4, 16]
+
+
+def test_lora_stays_in_the_language_model_and_the_projector_trains(tmp_path):
+    from peft import LoraConfig
+
+    model, processor = tiny_idefics3()  # its vision layers share the text layers' module names (q_proj, ...)
+    t = SFTTrainer(model, cfg(tmp_path, max_steps=3, learning_rate=1e-2), train_dataset=pc_rows(6),
+                   processing_class=processor,
+                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    named = dict(t.model.named_parameters())
+    lora = [k for k in named if "lora_" in k]
+    assert lora and all("text_model" in k for k in lora)
+    trainable = {k for k, p in named.items() if p.requires_grad}
+    assert any("connector" in k for k in trainable)
+    assert not any("vision_model" in k for k in trainable)
+    t.train()
+    assert all(math.isfinite(x) for x in losses(t))
+
+
+def test_exact_resume_equals_uninterrupted(tmp_path):
+    rows = pc_rows(12)
+    kw = dict(max_steps=4, per_device_train_batch_size=2, save_strategy="steps", save_steps=2, num_train_epochs=1)
+    _, processor = tiny_qwen2_vl()
+    straight = SFTTrainer(tiny_qwen2_vl()[0], cfg(tmp_path / "a", **kw), train_dataset=rows,
+                          processing_class=processor)
+    straight.train()
+    first = SFTTrainer(tiny_qwen2_vl()[0], cfg(tmp_path / "b", **kw), train_dataset=rows, processing_class=processor,
+                       callbacks=[StopAt(2)])
+    first.train()
+    assert (tmp_path / "b" / "out" / "checkpoint-2" / COMPLETE_MARKER).exists()
+    second = SFTTrainer(tiny_qwen2_vl(seed=7)[0], cfg(tmp_path / "b", **kw), train_dataset=rows,
+                        processing_class=processor)
+    second.train(resume_from_checkpoint=True)
+    assert losses(first) + losses(second)[2:] == pytest.approx(losses(straight), rel=1e-6)
+    for (k, p), (_, q) in zip(straight.model.named_parameters(), second.model.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_a_saved_vision_model_loads_by_path_with_its_processor(tmp_path):
+    model, processor = tiny_idefics3()
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    t = SFTTrainer(str(tmp_path / "vlm"), cfg(tmp_path, max_steps=1), train_dataset=pc_rows(3))
+    assert type(t.model).__name__ == "Idefics3ForConditionalGeneration"
+    assert vision.is_vision_processor(t.processing_class)
+    t.train()
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+
+def png_bytes(mode="RGB", size=(30, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _with(row_changes=None, n=3, rows=None):
+    rows = rows if rows is not None else pc_rows(n)
+    if row_changes:
+        row_changes(rows[1])
+    return rows
+
+
+def _set(key, value):
+    return lambda r: r.__setitem__(key, value)
+
+
+def _prompt_parts(parts):
+    return lambda r: r.__setitem__("prompt", [{"role": "user", "content": parts}])
+
+
+BAD_VISION = {
+    "missing image": (_set("images", []), "1 image placeholder(s) in the turns but 'images' holds 0"),
+    "no images column": (lambda r: r.pop("images"), "there is no 'images' column"),
+    "two placeholders one image": (_prompt_parts([{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]),
+                                   "2 image placeholder(s)"),
+    "unreadable file": (_set("images", ["/nonexistent/cat.png"]), "no file '/nonexistent/cat.png'"),
+    "bytes that are not an image": (_set("images", [b"not a png"]), "cannot be used as an image"),
+    "a number for an image": (_set("images", [42]), "a int is not an image"),
+    "16-bit image": (_set("images", [Image.new("I;16", (30, 30))]), "mode 'I;16'"),
+    "zero-size image": (_set("images", [Image.new("RGB", (0, 0))]), "no pixels"),
+    "video part": (_prompt_parts([{"type": "video"}, {"type": "text", "text": "?"}]), "type 'video'"),
+    "text part without text": (_prompt_parts([{"type": "image"}, {"type": "text"}]), "needs a 'text' string"),
+    "part not a dict": (_prompt_parts(["an image", {"type": "image"}]), "is not a {'type': ...} dict"),
+    "empty parts": (_prompt_parts([]), "empty list of parts"),
+    "image in the completion": (lambda r: r.__setitem__("completion", [{"role": "assistant", "content": [
+        {"type": "image"}, {"type": "text", "text": "x"}]}]), "an image part in the completion"),
+    "truncated png": (_set("images", [png_bytes()[:60]]), "cannot be used as an image"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VISION)
+def test_bad_vision_rows_are_refused_by_row_before_anything_is_written(tmp_path, case):
+    change, words = BAD_VISION[case]
+    _, processor = tiny_qwen2_vl()
+    # a model name that cannot load: the error must come before the model is looked at
+    with pytest.raises(DataError) as e:
+        SFTTrainer("no-such/vision-model", cfg(tmp_path), train_dataset=_with(change), processing_class=processor)
+    assert words in str(e.value) and "row 1" in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_images_with_a_text_model_are_refused(tmp_path):
+    rows = [{"prompt": "What colour?", "completion": "red", "images": [image(0)]}] * 2
+    with pytest.raises(DataError, match="carry images .* text tokenizer"):
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=rows, processing_class=tiny_tokenizer())
+    with pytest.raises(DataError, match="content is a list of parts .* text tokenizer"):
+        SFTTrainer(tiny_model(), cfg(tmp_path), train_dataset=pc_rows(2), processing_class=tiny_tokenizer())
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_processor_without_chat_template_and_plain_text_vision_rows_are_refused(tmp_path):
+    _, processor = tiny_idefics3()
+    processor.chat_template = None
+    with pytest.raises(DataError, match="no chat template"):
+        SFTTrainer("no-such/vision-model", cfg(tmp_path), train_dataset=pc_rows(2), processing_class=processor)
+    _, processor = tiny_idefics3()
+    with pytest.raises(DataError, match="must be conversational"):
+        SFTTrainer("no-such/vision-model", cfg(tmp_path), processing_class=processor,
+                   train_dataset=[{"prompt": "<image>What?", "completion": "red", "images": [image(0)]}] * 2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_images_cut_by_max_length_and_packing_are_refused(tmp_path):
+    model, processor = tiny_qwen2_vl()
+    with pytest.raises(DataError, match="image tokens beyond max_length=6"):
+        SFTTrainer(model, cfg(tmp_path, max_length=6), train_dataset=pc_rows(2), processing_class=processor)
+    with pytest.raises(ConfigError, match="packing/padding_free: not available for vision"):
+        SFTTrainer(model, cfg(tmp_path, packing=True, max_length=256), train_dataset=pc_rows(2),
+                   processing_class=processor)
+
+
+def test_mixed_modes_and_datasets_image_dicts_are_read(tmp_path):
+    """Palette, greyscale and RGBA images are converted to RGB; datasets.Image(decode=False) dicts and file
+    paths are opened (the refusals above are for what cannot be read without changing meaning)."""
+    path = tmp_path / "grey.png"
+    Image.new("L", (40, 40), 128).save(path)
+    rows = pc_rows(4)
+    rows[0]["images"] = [Image.new("P", (40, 40))]
+    rows[1]["images"] = [{"bytes": png_bytes("RGBA"), "path": None}]
+    rows[2]["images"] = [str(path)]
+    _, processor = tiny_idefics3()
+    t = SFTTrainer(tiny_idefics3()[0], cfg(tmp_path, max_steps=1), train_dataset=rows, processing_class=processor)
+    assert all(im.mode == "RGB" for ex in t.train_dataset.examples for im in ex["images"])
+    t.train()
