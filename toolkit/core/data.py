@@ -930,17 +930,22 @@ def tokenize_for_preference(
     max_length: int | None,
     template_kwargs: Mapping[str, Any] | None = None,
     allow_empty_prompt: bool = False,
+    encode: Any = None,
 ) -> tuple[list[dict[str, Any]], TokenizationReport, list[int]]:
     """Preference rows -> {prompt_ids, chosen_ids, rejected_ids} (completion ids after the shared prompt).
 
     Returns (examples, report, identical_rows): identical_rows lists rows whose chosen equals their
     rejected (no preference to learn; the caller warns). Truncation keeps the prompt and cuts the
-    completions' ends, and is reported.
+    completions' ends, and is reported. `encode(row, text) -> ids` turns a conversational row's rendered text
+    into ids (default: the tokenizer; vision rows: the processor, which expands the row's images).
     """
+    if encode is None:
+        def encode(row: int, text: str) -> list[int]:
+            return _ids(tokenizer, text, special=False)
     if fmt.kind not in ("preference", "tokenized_preference"):
         raise DataError(f"DPO needs preference data ('chosen' and 'rejected', optional 'prompt'); this dataset is "
                         f"{fmt.describe()}.")
-    eos = tokenizer.eos_token_id
+    eos = getattr(tokenizer, "tokenizer", tokenizer).eos_token_id  # (a processor's is its tokenizer's)
     report = TokenizationReport(rows=len(rows))
     out, identical = [], []
     for i, r in enumerate(rows):
@@ -966,17 +971,16 @@ def tokenize_for_preference(
         if fmt.conversational:
             prompt_text = _render(tokenizer, prompt, add_generation_prompt=True, template_kwargs=template_kwargs,
                                   row=i) if prompt else ""
-            prompt_ids = _ids(tokenizer, prompt_text, special=False) if prompt_text else []
+            prompt_ids = encode(i, prompt_text) if prompt_text else []
             for completion in (chosen, rejected):
                 full_text = _render(tokenizer, list(prompt) + list(completion), add_generation_prompt=False,
                                     template_kwargs=template_kwargs, row=i)
                 if not full_text.startswith(prompt_text):
                     raise DataError(f"row {i}: the chat template does not render the prompt as a prefix of "
                                     "prompt + answer; give plain-text rows or a template that renders incrementally.")
-                full_ids = _ids(tokenizer, full_text, special=False)
+                full_ids = encode(i, full_text)
                 rest = full_text[len(prompt_text):]
-                ids, start, prefix = _join_prompt_completion(prompt_ids, full_ids,
-                                                             lambda rest=rest: _ids(tokenizer, rest, special=False))
+                ids, start, prefix = _join_prompt_completion(prompt_ids, full_ids, lambda rest=rest: encode(i, rest))
                 report.non_prefix_rows += 0 if prefix else 1
                 sides.append(ids[start:])
         else:

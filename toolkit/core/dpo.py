@@ -57,6 +57,17 @@ from .objectives import PreferenceLossInputs, resolve_preference_loss_settings
 from .objectives.preference import check_loss_kwargs_used
 from .packing import completion_logps, pack_for_layout, sequence_sums
 from .plugins import registry
+from .vision import (
+    ListDataset,
+    encode_images,
+    freeze_vision_tower,
+    image_inputs_for_rows,
+    is_vision_processor,
+    pixel_inputs,
+    text_tokenizer,
+    tokenize_vision_for_preference,
+    validate_vision,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +114,11 @@ class DPOConfig(TrainingArguments):
     model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
     flat_warn_steps: int = field(default=20, metadata={
         "help": "Warn when reward accuracy and margin have not moved for this many logged steps."})
+    freeze_vision_tower: bool = field(default=True, metadata={
+        "help": "Vision-language models: keep the vision encoder's weights fixed (LoRA targets stay in the "
+                "language model too)."})
+    train_projector: bool = field(default=True, metadata={
+        "help": "Vision-language models: train the projector into the language model even with the tower frozen."})
 
     def __post_init__(self):
         apply_cpu_training_defaults(self)
@@ -158,8 +174,9 @@ class DPOTrainer(TrainerLifecycle, Trainer):
 
         # 1. Data before any model.
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        self.vision = is_vision_processor(tokenizer)  # an AutoProcessor: prompts may hold images
+        if text_tokenizer(tokenizer).pad_token_id is None:
+            text_tokenizer(tokenizer).pad_token = text_tokenizer(tokenizer).eos_token
         train_tok = self.prepare_examples(train_dataset, tokenizer, args, "train")
         eval_tok = self.prepare_examples(eval_dataset, tokenizer, args, "eval") if eval_dataset is not None else None
 
@@ -170,13 +187,17 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         if args.disable_dropout:  # before the reference is copied from it: neither drops anything
             disable_dropout(model)
         self.ref_model = None
+        if self.vision:
+            peft_config = freeze_vision_tower(model, peft_config, freeze=args.freeze_vision_tower,
+                                              train_projector=args.train_projector)
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
         if is_peft_model(model) and ref_model is None:
             pass  # the reference is the base with the adapters disabled: no second copy
         elif not args.reference_free:
             self.ref_model = load_model(ref_model, dtype=dtype) if ref_model is not None else copy.deepcopy(model)
             self.ref_model.eval().requires_grad_(False)
-        self.padding_free = supports_varlen(unwrap_model(model))
+        # vision rows are padded: a packed row would need each example's image positions (M-RoPE for Qwen2-VL)
+        self.padding_free = supports_varlen(unwrap_model(model)) and not self.vision
         for m in (unwrap_model(model), self.ref_model):
             if m is not None and self.padding_free:
                 use_varlen_attention(m)
@@ -192,9 +213,11 @@ class DPOTrainer(TrainerLifecycle, Trainer):
                     "none" if args.reference_free else "precomputed" if args.precompute_ref_log_probs else
                     "PEFT base (adapters off)" if self.ref_model is None else "frozen copy", args.max_length)
 
-        super().__init__(model=model, args=args, data_collator=_PreferenceCollator(),
-                         train_dataset=Dataset.from_list(train_tok),
-                         eval_dataset=Dataset.from_list(eval_tok) if eval_tok is not None else None,
+        as_dataset = ListDataset if self.vision else Dataset.from_list  # (images stay Python objects)
+        super().__init__(model=model, args=args,
+                         data_collator=_PreferenceCollator(tokenizer if self.vision else None),
+                         train_dataset=as_dataset(train_tok),
+                         eval_dataset=as_dataset(eval_tok) if eval_tok is not None else None,
                          processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers)
         if self.ref_model is not None:
             # Trainer places only the policy; the frozen reference was loaded or copied on the CPU
@@ -222,9 +245,15 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         seam a trainer with other rows overrides: KTO's unpaired feedback)."""
         rows = normalize_rows(as_rows(data))
         fmt = detect_format(rows)
-        validate(rows, fmt, tokenizer=tokenizer)
-        examples, report, identical = tokenize_for_preference(rows, fmt, tokenizer, max_length=args.max_length,
-                                                              template_kwargs=args.chat_template_kwargs)
+        vision = is_vision_processor(tokenizer)
+        validate(rows, fmt, tokenizer=tokenizer, vision=vision)
+        images = validate_vision(rows, fmt, tokenizer, trainer="DPO")  # (refuses image rows for a text model)
+        if vision:
+            examples, report, identical = tokenize_vision_for_preference(
+                rows, images, fmt, tokenizer, max_length=args.max_length, template_kwargs=args.chat_template_kwargs)
+        else:
+            examples, report, identical = tokenize_for_preference(rows, fmt, tokenizer, max_length=args.max_length,
+                                                                  template_kwargs=args.chat_template_kwargs)
         logger.info("DPO %s data: %s: %s", split, fmt.describe(), report.summary(args.max_length))
         if report.truncated_rows:
             logger.warning("DPO: %d of %d %s rows were truncated to max_length=%s (longest %d tokens).",
@@ -256,6 +285,10 @@ class DPOTrainer(TrainerLifecycle, Trainer):
                 c, r = self.compute_reference_logps(batch)
                 chosen += c.tolist()
                 rejected += r.tolist()
+            if isinstance(ds, ListDataset):
+                for e, c, r in zip(ds.examples, chosen, rejected):
+                    e["ref_chosen_logps"], e["ref_rejected_logps"] = c, r
+                continue
             ds = ds.remove_columns(["ref_chosen_logps", "ref_rejected_logps"])
             ds = ds.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
             setattr(self, name, ds)
@@ -268,13 +301,22 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         completions = inputs["chosen_ids"] + inputs["rejected_ids"]  # [chosen..., rejected...]
         # with toolkit_varlen, chosen and rejected share one copy of their prompt, and all pairs one copy of the
         # start their prompts share (a chat template's system prompt)
-        return pack_for_layout(self.packed_layout, prompts, completions, pad_token_id=self.processing_class.pad_token_id)
+        return pack_for_layout(self.packed_layout, prompts, completions,
+                               pad_token_id=text_tokenizer(self.processing_class).pad_token_id)
 
     def compute_sequence_logps(self, model: torch.nn.Module, inputs: dict[str, Any]
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(chosen [B], rejected [B], completion lengths [2B]): summed log-probs from one packed forward."""
+        """(chosen [B], rejected [B], completion lengths [2B]): summed log-probs from one packed forward.
+
+        With images, each pair's images go through the vision tower once; chosen and rejected rows reuse the
+        features (TRL's DPO encodes them twice)."""
         batch = self._batch(inputs)
         batch = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        if inputs.get("pixels"):
+            pixels = {k: v.to(self.args.device) for k, v in inputs["pixels"].items()}
+            n = len(inputs["prompt_ids"])
+            batch.update(image_inputs_for_rows(encode_images(model, pixels), pixels, inputs["images_per_example"],
+                                               list(range(n)) * 2, batch["input_ids"], self.processing_class))
         flat = completion_logps(model, batch, chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
         sums = sequence_sums(flat, batch["completion_lengths"])
         chosen, rejected = sums.chunk(2)
@@ -361,10 +403,18 @@ class DPOTrainer(TrainerLifecycle, Trainer):
 
 
 class _PreferenceCollator:
-    """Keeps token-id lists as lists (packing happens in the trainer); reference log-probs as tensors."""
+    """Keeps token-id lists as lists (packing happens in the trainer); reference log-probs as tensors; with a
+    vision processor, each pair's images as pixel tensors once (chosen and rejected share them)."""
+
+    def __init__(self, processor: Any = None):
+        self.processor = processor
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
+        vision = {}
+        if self.processor is not None:
+            images = [list(e["images"]) for e in examples]
+            vision = {"pixels": pixel_inputs(self.processor, images), "images_per_example": [len(x) for x in images]}
+        return {**vision,
             "prompt_ids": [list(e["prompt_ids"]) for e in examples],
             "chosen_ids": [list(e["chosen_ids"]) for e in examples],
             "rejected_ids": [list(e["rejected_ids"]) for e in examples],

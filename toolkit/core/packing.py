@@ -38,6 +38,7 @@ import torch
 from .attention import varlen_kwargs
 from .models import _CpuInferenceLinear, output_head, unwrap_model
 from .numerics import chunked_entropy, chunked_token_logps, chunked_token_logps_and_entropy
+from .vision import IMAGE_INPUT_KEYS
 
 
 def pack_completions(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_token_id: int,
@@ -239,6 +240,7 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         kwargs.update(varlen_kwargs(batch["cu_seq_lens"]))
     else:
         kwargs["attention_mask"] = batch["attention_mask"]
+    kwargs.update({k: batch[k] for k in IMAGE_INPUT_KEYS if k in batch})  # rows with images (vision.py)
     # without autograd (reference and behaviour scoring) on CPU, `logits_to_keep=1` hands a frozen model's head
     # a non-contiguous [B, 1, H] slice that torch multiplies with the weight expanded B times (models.py). Only
     # the fold (max_rows=0): scoring keeps the training forward's products, so old log-probs equal the first

@@ -28,10 +28,14 @@ __all__ = [
     "IMAGE_INPUT_KEYS",
     "ListDataset",
     "VisionCollator",
+    "encode_images",
     "freeze_vision_tower",
+    "image_inputs_for_rows",
     "is_vision_processor",
+    "pixel_inputs",
     "row_images",
     "text_tokenizer",
+    "tokenize_vision_for_preference",
     "tokenize_vision_for_sft",
     "validate_vision",
     "vision_token_ids",
@@ -50,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 # Model inputs a processor may add for images; the trainers pass exactly these to the model's forward.
 IMAGE_INPUT_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "mm_token_type_ids",
-                    "image_attention_mask")
+                    "image_attention_mask", "mm_encoder_outputs")
 IMAGE_COLUMNS = ("images", "image")
 # Modes RGB represents without changing what the picture means. 16-bit and float images ("I;16", "I", "F") would
 # be clipped to 8 bits, silently; they are refused so the user chooses the scaling.
@@ -236,7 +240,10 @@ def vision_token_ids(processor: Any) -> frozenset[int]:
 
 
 def _expand(processor: Any, text: str, images: list[Any]) -> list[int]:
-    """The ids the model sees for `text`: each image placeholder replaced by that image's tokens."""
+    """The ids the model sees for `text`: each image placeholder replaced by that image's tokens (`text` may be a
+    part of a row, e.g. the completion alone: it takes as many of the row's images as it has placeholders)."""
+    token = getattr(processor, "image_token", None)
+    images = images[:text.count(token)] if token else images
     out = processor(text=[text], images=[images] if images else None, add_special_tokens=False)
     return [int(t) for t in out["input_ids"][0]]
 
@@ -291,6 +298,26 @@ def tokenize_vision_for_sft(rows: list[dict[str, Any]], images: list[list[Any]],
         raise DataError(f"dataset: rows {report.empty_mask_rows[:5]} would have no token in the loss (no assistant "
                         "text, or max_length cuts it all); fix those rows or raise max_length.")
     return out, report
+
+
+def tokenize_vision_for_preference(rows: list[dict[str, Any]], images: list[list[Any]], fmt: DatasetFormat,
+                                   processor: Any, *, max_length: int | None,
+                                   template_kwargs: Mapping[str, Any] | None = None):
+    """`data.tokenize_for_preference` with each row's images expanded into its prompt ids; every example keeps
+    its `images` (the prompt's, shared by chosen and rejected)."""
+    from .data import tokenize_for_preference
+
+    if not fmt.conversational:
+        raise DataError(f"DPO: vision-language rows must be conversational; this dataset is {fmt.describe()}.")
+    examples, report, identical = tokenize_for_preference(
+        rows, fmt, processor, max_length=max_length, template_kwargs=template_kwargs,
+        encode=lambda i, text: _expand(processor, text, images[i]))
+    vision_ids = vision_token_ids(processor)
+    for i, (e, imgs) in enumerate(zip(examples, images)):
+        if any(t in vision_ids for t in e["chosen_ids"] + e["rejected_ids"]):
+            raise DataError(f"row {i}: image tokens in an answer; images belong in the prompt.")
+        e["images"] = imgs
+    return examples, report, identical
 
 
 def _assistant_mask(processor: Any, turns: list[dict[str, Any]], ids: list[int], images: list[Any],
@@ -418,3 +445,65 @@ def freeze_vision_tower(model: Any, peft_config: Any, *, freeze: bool, train_pro
     logger.info("vision: LoRA targets %s kept inside the language model: target_modules=%r%s.", targets, regex,
                 f", modules_to_save={peft_config.modules_to_save}" if train_projector and projectors else "")
     return peft_config
+
+
+# ------------------------------------------------------------------------------------------------
+# Images encoded once, reused by every row that shows them (DPO: chosen and rejected; GRPO: a group).
+# ------------------------------------------------------------------------------------------------
+
+def pixel_inputs(processor: Any, images: list[list[Any]]) -> dict[str, Any]:
+    """The image processor's tensors for one list of images per example (its family's layout)."""
+    if not any(images):
+        return {}
+    out = processor.image_processor(images=[list(x) for x in images], return_tensors="pt")
+    return {k: v for k, v in out.items() if k in IMAGE_INPUT_KEYS}
+
+
+def _vision_base(model: Any) -> Any:
+    """The model part with `get_image_features` (transformers >= 5: `model.model` of a *ForConditionalGeneration)."""
+    from .models import unwrap_model
+
+    base = unwrap_model(model)
+    for candidate in (getattr(base, "model", None), base):
+        if candidate is not None and hasattr(candidate, "get_image_features"):
+            return candidate
+    raise DataError(f"vision: {type(base).__name__} has no get_image_features; it is not a vision-language model "
+                    "transformers knows how to encode images for.")
+
+
+def encode_images(model: Any, pixels: Mapping[str, Any]) -> list[Any]:
+    """Run the vision tower and projector once: one feature tensor per image, in the order of `pixels`' images
+    (example by example), each in the shape its family's forward takes back through `mm_encoder_outputs`."""
+    import inspect
+
+    base = _vision_base(model)
+    params = inspect.signature(type(base).get_image_features).parameters  # (the class's: an instance may be wrapped)
+    kwargs = {k: v for k, v in pixels.items() if k in params}
+    out = base.get_image_features(**kwargs, return_dict=True)
+    pooled = out.pooler_output
+    if isinstance(pooled, (tuple, list)):  # Qwen2-VL: already split per image ([tokens, H] each)
+        return list(pooled)
+    return [pooled[i:i + 1] for i in range(pooled.shape[0])]  # Idefics3/LLaVA: [images, tokens, H]
+
+
+def image_inputs_for_rows(features: list[Any], pixels: Mapping[str, Any], images_per_example: list[int],
+                          row_example: list[int], input_ids: Any, processor: Any) -> dict[str, Any]:
+    """Forward keyword arguments for rows that show already-encoded images: row r shows example
+    `row_example[r]`'s images. The features are reused, not recomputed (autograd sums their gradients)."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    starts = [0]
+    for n in images_per_example:
+        starts.append(starts[-1] + n)
+    chosen = [k for e in row_example for k in range(starts[e], starts[e + 1])]
+    out: dict[str, Any] = {}
+    if chosen:
+        out["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=tuple(features[k]
+                                                                                             for k in chosen))}
+        if "image_grid_thw" in pixels:  # Qwen2-VL's 3-D positions need each image's grid
+            out["image_grid_thw"] = pixels["image_grid_thw"][torch.tensor(chosen)]
+    if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
+        out["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(input_ids.tolist()),
+                                                dtype=torch.long, device=input_ids.device)
+    return out
