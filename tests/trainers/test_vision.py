@@ -432,3 +432,233 @@ def test_dpo_refuses_image_rows_for_a_text_model(tmp_path):
         DPOTrainer(tiny_model(), args=dpo_cfg(tmp_path), train_dataset=pref_rows(2),
                    processing_class=tiny_tokenizer())
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------ GRPO
+
+def prompt_rows_with_images(n: int) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+             "answer": COLOURS[i % 3][1], "images": [image(i)]} for i in range(n)]
+
+
+def grpo_cfg(tmp_path, **kw):
+    from toolkit import GRPOConfig
+
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                max_completion_length=6, logging_steps=1, learning_rate=1e-3, report_to="none", disable_tqdm=True,
+                save_strategy="no", seed=0, beta=0.04)
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+SEEN_IMAGES: list = []
+
+
+def length_reward(completions, images, **kw):
+    SEEN_IMAGES.extend(images)  # the rewards get each row's images as a column
+    return [float(len(c[0]["content"]) % 3) for c in completions]
+
+
+def _prompt(processor, i):
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                            "text": "Colour?"}]}],
+                                         tokenize=False, add_generation_prompt=True)
+    return vision._expand(processor, text, [image(i)])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grpo_trains_with_images_and_rewards_see_them(tmp_path, family):
+    from toolkit import GRPOTrainer
+
+    model, processor = FAMILIES[family]()
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    SEEN_IMAGES.clear()
+    t = GRPOTrainer(model, reward_funcs=length_reward, args=grpo_cfg(tmp_path, max_steps=3),
+                    train_dataset=prompt_rows_with_images(6), processing_class=processor)
+    t.train()
+    logged = [h for h in t.state.log_history if "reward" in h]
+    assert len(logged) == 3 and all(math.isfinite(h["loss"]) for h in logged)
+    changed = {k for k, v in model.named_parameters() if not torch.equal(v, before[k])}
+    assert changed and not any(".visual.blocks" in k or "vision_model.encoder" in k for k in changed)
+    assert len(SEEN_IMAGES) == 3 * 4 and all(isinstance(x, list) and isinstance(x[0], Image.Image)
+                                             for x in SEEN_IMAGES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grpo_is_token_exact_and_encodes_each_groups_images_once(tmp_path, family):
+    """The ids the loss sees are the expanded prompt (image tokens as the processor made them) + the sampled ids;
+    the vision tower runs once per prompt at generation and once per group in each training forward."""
+    from toolkit import GRPOTrainer
+
+    model, processor = FAMILIES[family]()
+    t = GRPOTrainer(model, reward_funcs=length_reward, args=grpo_cfg(tmp_path, per_device_train_batch_size=8),
+                    train_dataset=prompt_rows_with_images(4), processing_class=processor)
+    sampled = []
+    generate = t.generation_backend.generate
+
+    def recording(prompts, params, **kw):
+        out = generate(prompts, params, **kw)
+        sampled.extend((list(p), list(c.token_ids)) for p, g in zip(prompts, out) for c in g)
+        return out
+
+    t.generation_backend.generate = recording
+    counter = CountEncodes(model)
+    rollout = t.generate_rollout([0, 1])
+    assert counter.images == 2  # two prompts, one image each, for 8 samples
+    assert [(rollout.prompt_ids[r], rollout.completion_ids[r]) for r in range(8)] == sampled
+    assert all(rollout.prompt_ids[r] == t.prompt_ids[[0, 1][r // 4]] for r in range(8))
+    assert sum(1 for x in t.prompt_ids[0] if x == processor.image_token_id) >= 4
+    counter.images = 0
+    micro = t._split(rollout)[0]
+    batch = vision.attach_image_features(model, micro, processor)
+    assert counter.images == 2  # the training forward: once per group, not once per completion
+    for r in range(len(micro["row_example"])):
+        row = batch["input_ids"][r][batch["attention_mask"][r].bool()].tolist()
+        assert row == rollout.prompt_ids[r] + rollout.completion_ids[r]
+    assert not any(t_ in vision.vision_token_ids(processor) for c in rollout.completion_ids for t_ in c)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampler_and_trainer_log_probs_agree_with_images(family):
+    """Generation with images (Qwen2-VL: M-RoPE positions, continued from each row's largest after the image;
+    left-padded prompts of different lengths) gives the log-probs a training forward gives. Vision tokens are
+    banned from sampling, which renormalises the sampler's distribution, so the check runs with the ban off."""
+    from toolkit.core.generation import SamplingParams, TransformersBackend
+    from toolkit.core.packing import completion_logps, pack_completions
+
+    model, processor = FAMILIES[family]()
+    prompts, images = [_prompt(processor, i) for i in range(3)], [[image(i)] for i in range(3)]
+    backend = TransformersBackend(model, pad_token_id=processor.tokenizer.pad_token_id, processor=processor)
+    backend._banned = torch.tensor([], dtype=torch.long)
+    out = backend.generate(prompts, SamplingParams(max_tokens=6), n=2, seed=0, images=images)
+    batch = pack_completions([p for p in prompts for _ in range(2)], [c.token_ids for g in out for c in g],
+                             pad_token_id=processor.tokenizer.pad_token_id, padding_free=False)
+    batch.update({"pixels": vision.pixel_inputs(processor, images), "images_per_example": [1, 1, 1],
+                  "row_example": [0, 0, 1, 1, 2, 2]})
+    model.eval()
+    with torch.no_grad():
+        logps = completion_logps(model, vision.attach_image_features(model, batch, processor))
+    sampler = torch.tensor([x for g in out for c in g for x in c.logprobs])
+    torch.testing.assert_close(logps, sampler, rtol=0, atol=1e-4)
+
+
+def test_vision_tokens_are_never_sampled(tmp_path):
+    """A model that prefers its image token above all: with the ban, never sampled; without it, sampled (so the
+    check can fail)."""
+    from toolkit.core.generation import SamplingParams, TransformersBackend
+
+    model, processor = tiny_qwen2_vl()
+    ids = torch.tensor(sorted(vision.vision_token_ids(processor)))
+    model.lm_head.register_forward_hook(lambda m, i, o: o.index_add(-1, ids, torch.full((*o.shape[:-1], len(ids)),
+                                                                                       50.0)))
+    prompts, images = [_prompt(processor, 0)], [[image(0)]]
+    banned = TransformersBackend(model, pad_token_id=processor.tokenizer.pad_token_id, processor=processor)
+    out = banned.generate(prompts, SamplingParams(max_tokens=5), n=4, seed=0, images=images)
+    assert not any(t in ids.tolist() for c in out[0] for t in c.token_ids)
+    free = TransformersBackend(model, pad_token_id=processor.tokenizer.pad_token_id, processor=processor)
+    free._banned = torch.tensor([], dtype=torch.long)
+    out = free.generate(prompts, SamplingParams(max_tokens=5), n=4, seed=0, images=images)
+    assert any(t in ids.tolist() for c in out[0] for t in c.token_ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grpo_loss_and_gradients_equal_trl(tmp_path, family):
+    """TRL's GRPOTrainer._compute_loss on the same completions of image prompts (its layout: left-padded prompts,
+    each row's images encoded for that row) against ours (right-padded rows, each group's images once)."""
+    from datasets import Dataset
+
+    from toolkit import GRPOTrainer
+    from toolkit.testing import fixed_rollout, trl_grpo_inputs
+
+    trl = pytest.importorskip("trl")
+    model, processor = FAMILIES[family]()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    prompts = [_prompt(processor, i) for i in (0, 0, 2, 2)]
+    lengths = [6, 4, 5, 3]
+    completions = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2])
+    old = [(torch.randn(n, generator=g) * 0.1 - 3.0) for n in lengths]
+    common = dict(per_device_train_batch_size=4, max_completion_length=6, temperature=0.7, beta=0.0,
+                  loss_type="dapo", epsilon=0.2, report_to="none", learning_rate=1e-3)
+
+    ours = GRPOTrainer(model, [length_reward], grpo_cfg(tmp_path, num_generations=2, importance_sampling_cap=None,
+                                                        zero_variance_filter=False, freeze_vision_tower=False,
+                                                        **common),
+                       train_dataset=prompt_rows_with_images(4), processing_class=processor)
+    ours.model.train()
+    ours.current_gradient_accumulation_steps = 1
+    rollout = fixed_rollout(prompts, completions, advantages, old, 2)
+    rollout.prompt_images = [[image(0)], [image(2)]]
+    our_loss = ours.compute_loss(ours.model, ours._split(rollout)[0])
+
+    theirs = trl.GRPOTrainer(model=reference, reward_funcs=length_reward, processing_class=processor,
+                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), num_generations=2, use_cpu=True,
+                                                 bf16=False, **common),
+                             train_dataset=Dataset.from_list(prompt_rows_with_images(4)))
+    theirs.model.train()
+    if not hasattr(theirs, "current_gradient_accumulation_steps"):
+        theirs.current_gradient_accumulation_steps = 1
+    inputs = trl_grpo_inputs(prompts, completions, advantages, old, processor.tokenizer.pad_token_id, 6)
+    inputs.update(vision.pixel_inputs(processor, [[image(i)] for i in (0, 0, 2, 2)]))
+    inputs["num_images"] = [1, 1, 1, 1]
+    if "mm_token_type_ids" in processor.model_input_names:
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        inputs["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
+    trl_loss = theirs._compute_loss(reference, inputs)
+    assert our_loss.item() == pytest.approx(trl_loss.item(), abs=1e-5, rel=1e-5)
+    our_loss.backward()
+    trl_loss.backward()
+    for (k, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        if p.grad is not None or q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_grpo_refuses_a_prompt_that_max_prompt_length_would_cut_through_its_image(tmp_path):
+    from toolkit import GRPOTrainer
+
+    _, processor = tiny_qwen2_vl()
+    with pytest.raises(DataError, match="cutting them would cut an image"):
+        GRPOTrainer("no-such/vision-model", reward_funcs=length_reward, processing_class=processor,
+                    args=grpo_cfg(tmp_path, max_prompt_length=8), train_dataset=prompt_rows_with_images(4))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grpo_resumes_exactly_with_images(tmp_path, family):
+    from toolkit import GRPOTrainer
+
+    build = FAMILIES[family]
+    _, processor = build()
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    straight = GRPOTrainer(build()[0], reward_funcs=length_reward, args=grpo_cfg(tmp_path / "a", **kw),
+                           train_dataset=prompt_rows_with_images(6), processing_class=processor)
+    straight.train()
+    first = GRPOTrainer(build()[0], reward_funcs=length_reward, args=grpo_cfg(tmp_path / "b", **kw),
+                        train_dataset=prompt_rows_with_images(6), processing_class=processor, callbacks=[StopAt(2)])
+    first.train()
+    # the same base model: GRPO's reference (beta > 0) is a copy of it
+    second = GRPOTrainer(build()[0], reward_funcs=length_reward, args=grpo_cfg(tmp_path / "b", **kw),
+                         train_dataset=prompt_rows_with_images(6), processing_class=processor)
+    second.train(resume_from_checkpoint=True)
+    for (k, p), (_, q) in zip(straight.model.named_parameters(), second.model.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_online_dpo_trains_on_image_prompts_and_async_grpo_says_it_does_not(tmp_path):
+    from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer
+    from toolkit.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    model, processor = tiny_idefics3()
+    t = OnlineDPOTrainer(model, reward_funcs=length_reward, processing_class=processor,
+                         args=OnlineDPOConfig(output_dir=str(tmp_path / "od"), max_steps=2, per_device_train_batch_size=4,
+                                              num_generations=2, max_completion_length=6, logging_steps=1,
+                                              report_to="none", disable_tqdm=True, save_strategy="no"),
+                         train_dataset=prompt_rows_with_images(4))
+    t.train()
+    assert all(math.isfinite(h["loss"]) for h in t.state.log_history if "loss" in h)
+    with pytest.raises(ConfigError, match="async GRPO does not take vision-language models yet"):
+        AsyncGRPOTrainer(model, reward_funcs=length_reward, processing_class=processor,
+                         args=AsyncGRPOConfig(output_dir=str(tmp_path / "ag"), per_device_train_batch_size=4,
+                                              num_generations=4),
+                         train_dataset=prompt_rows_with_images(4))

@@ -61,8 +61,11 @@ def toolkit_register_generation_backends():
 
         kwargs = config.generation_backend_kwargs or {}
         _warn_mixed_precision_generation(model, config, kwargs)
-        return TransformersBackend(model, pad_token_id=tokenizer.pad_token_id,
-                                   max_batch_size=config.generation_batch_size, **kwargs)
+        from .vision import is_vision_processor, text_tokenizer
+
+        vision = {"processor": tokenizer} if is_vision_processor(tokenizer) else {}  # prompts with images
+        return TransformersBackend(model, pad_token_id=text_tokenizer(tokenizer).pad_token_id,
+                                   max_batch_size=config.generation_batch_size, **kwargs, **vision)
 
     def vllm(model, tokenizer, config):
         """A vLLM engine in the training process; weights pushed in place, a LoRA run's adapters alone (kwargs:

@@ -1027,10 +1027,11 @@ def prompt_rows(dataset: Any, tokenizer: Any, *, trainer: str) -> tuple[list[dic
     if clash:
         raise DataError(f"{trainer}: the dataset has a column named {clash}, which is also an argument every reward "
                         "function receives (prompts, completions, completion_ids); rename the column.")
-    if tokenizer.eos_token_id is None:
+    vision = getattr(tokenizer, "image_processor", None) is not None  # a processor (vision.is_vision_processor)
+    if getattr(tokenizer, "tokenizer", tokenizer).eos_token_id is None:
         raise DataError(f"{trainer}: the tokenizer has no EOS token, so no completion could ever end (and the default "
                         "stop token would be None); set tokenizer.eos_token, or a chat template's end token.")
-    validate(rows, prompt_fmt, tokenizer=tokenizer)
+    validate(rows, prompt_fmt, tokenizer=tokenizer, vision=vision)
     if prompt_fmt.conversational:
         for i, r in enumerate(rows):
             if not any(m.get("role") == "user" for m in r["prompt"]):

@@ -595,8 +595,12 @@ class TransformersBackend:
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, max_batch_size: int = 256,
                  on_decode_step: Callable[[], None] | None = None,
                  refresh_weights: Callable[[], int | None] | None = None, version: int = 0,
-                 dtype: str | torch.dtype | None = None, static_decode: bool | None = None):
+                 dtype: str | torch.dtype | None = None, static_decode: bool | None = None, processor: Any = None):
         self.dtype = _generation_dtype(dtype)
+        # A vision-language processor: prompts may come with images (generate(images=...)); the tokens images
+        # expand to are never sampled (a sampled one would have no image behind it).
+        self.processor = processor
+        self._banned: torch.Tensor | None = None
         self.static_decode = bool(static_decode)
         self._copy: torch.nn.Module | None = None     # the weights in `dtype` (when the model's differs)
         self._copy_of: torch.nn.Module | None = None  # the model it was cast from
@@ -648,13 +652,19 @@ class TransformersBackend:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
-                 seed: int | None = None) -> list[list[Completion]]:
+                 seed: int | None = None, images: Sequence[Sequence[Any]] | None = None) -> list[list[Completion]]:
+        """`n` completions per prompt. `images`: per prompt, the images its (expanded) ids show, for a
+        vision-language model built with a `processor`; each prompt's images are encoded once for its n samples."""
         started = time.perf_counter()
+        if images is not None and any(images):
+            self._check_images(images, len(prompts))
         generator = torch.Generator(device="cpu")
         generator.manual_seed(seed if seed is not None else torch.seed() % (2**63))
         per_call = max(1, self.max_batch_size // n)
         results: list[list[Completion]] = []
         chunks = [[list(p) for p in prompts[s:s + per_call]] for s in range(0, len(prompts), per_call)]
+        image_chunks = [list(images[s:s + per_call]) if images is not None and any(images) else None
+                        for s in range(0, len(prompts), per_call)]
         # Under FSDP2 every rank must run the same forwards (each all-gathers): the batch count is agreed first,
         # before any forward (a collective issued while another rank is in a forward would be matched against its
         # all-gather), and placeholder batches make up the difference after this rank's own. A rank whose rows
@@ -663,8 +673,8 @@ class TransformersBackend:
         if _decodes_in_lockstep(self.model):
             batches = _max_over_ranks(len(chunks), next(self.model.parameters()).device)
         model = self._generation_model()
-        for chunk in chunks:
-            results += self._generate_chunk(model, chunk, params, n, generator)
+        for chunk, chunk_images in zip(chunks, image_chunks):
+            results += self._generate_chunk(model, chunk, params, n, generator, images=chunk_images)
         for _ in range(batches - len(chunks)):
             self._generate_chunk(model, [[self.pad_token_id]], params, 1, generator, placeholder=True)
         self.last_stats = GenerationStats(
@@ -675,13 +685,29 @@ class TransformersBackend:
         )
         return results
 
+    def _check_images(self, images: Sequence[Sequence[Any]], n_prompts: int) -> None:
+        if self.processor is None:
+            raise ConfigError("generate(images=...): this backend was built without a vision-language processor "
+                              "(TransformersBackend(..., processor=...)); the images cannot reach the model.")
+        if len(images) != n_prompts:
+            raise ConfigError(f"generate(images=...): {len(images)} image lists for {n_prompts} prompts; give one "
+                              "list per prompt (empty for a prompt without images).")
+        if self.static_decode or self.refresh_weights is not None:
+            raise ConfigError("generate(images=...): static_decode and in-flight weight updates re-run prompts "
+                              "without their images; turn them off for vision-language models.")
+        if self._banned is None:
+            from .vision import vision_token_ids
+
+            self._banned = torch.tensor(sorted(vision_token_ids(self.processor)), dtype=torch.long)
+
     def _generate_chunk(self, model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, n: int,
-                        generator: torch.Generator, *, placeholder: bool = False) -> list[list[Completion]]:
+                        generator: torch.Generator, *, placeholder: bool = False,
+                        images: list[list[Any]] | None = None) -> list[list[Completion]]:
         """n completions of each prompt: one prefill (the prompts' shared start once), then the decode loop."""
         was_training = model.training
         model.eval()
         try:
-            state = self._prefill(model, prompts, params, n, placeholder)
+            state = self._prefill(model, prompts, params, n, placeholder, images=images)
             self._decode(model, state, params, n, generator)
         finally:
             model.train(was_training)
@@ -693,7 +719,7 @@ class TransformersBackend:
             return model(**kwargs)
 
     def _prefill(self, model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, n: int,
-                 placeholder: bool) -> _DecodeState:
+                 placeholder: bool, images: list[list[Any]] | None = None) -> _DecodeState:
         """The prompts' forward into a fresh KV cache, then each prompt's cache shared by its n samples."""
         from transformers import DynamicCache
 
@@ -702,8 +728,9 @@ class TransformersBackend:
         lockstep = _decodes_in_lockstep(model)
         # The start all prompts share (a chat template's system prompt) is prefilled once and its cache copied to
         # every row: prefill is most of a PPO rollout's generation (16 prompts of 45 tokens, 27 of them shared,
-        # against 16 new tokens each). Not under FSDP2, where every rank must run the same forwards.
-        shared = common_start(prompts) if not lockstep and _plain_kv_cache(model) else 0
+        # against 16 new tokens each). Not under FSDP2, where every rank must run the same forwards. Not with
+        # images either (the shared ids may hold an image's tokens, whose features differ per prompt).
+        shared = common_start(prompts) if not lockstep and _plain_kv_cache(model) and not images else 0
         longest = max(len(p) for p in prompts) - shared
         ids = torch.full((b, shared + longest), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((b, shared + longest), dtype=torch.long)
@@ -714,6 +741,14 @@ class TransformersBackend:
             mask[i, shared + longest - (len(p) - shared):] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        image_kwargs: dict[str, Any] = {}
+        if images:
+            from .vision import prompt_image_inputs
+
+            # each prompt's images through the vision tower once (its n samples share the KV cache below); M-RoPE
+            # models get their 3-D positions, and decoding continues from each row's largest position
+            image_kwargs, positions = prompt_image_inputs(model, self.processor, images, ids, mask, positions)
+        last_pos = positions[..., -1] if positions.dim() == 2 else positions[..., -1].max(0).values
         cache = DynamicCache(config=model.config)
         if shared:
             self._forward(model, input_ids=ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
@@ -721,8 +756,8 @@ class TransformersBackend:
             if self.on_decode_step is not None:
                 self.on_decode_step()
             cache.batch_repeat_interleave(b)
-        out = self._forward(model, input_ids=ids[:, shared:], attention_mask=mask, position_ids=positions[:, shared:],
-                            use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+        out = self._forward(model, input_ids=ids[:, shared:], attention_mask=mask, position_ids=positions[..., shared:],
+                            use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache}, **image_kwargs)
         if self.on_decode_step is not None:
             self.on_decode_step()
         # Share each prompt's cache with its n samples: repeat_interleave the batch dimension.
@@ -741,7 +776,7 @@ class TransformersBackend:
         compact = not lockstep and self._compact_finished_rows and bool(stop.numel()) and _rows_can_be_dropped(cache)
         return _DecodeState(
             device=device, ids=ids, mask=mask.repeat_interleave(n, dim=0), cache=cache, stop=stop,
-            last_pos=positions[:, -1].repeat_interleave(n, dim=0), logits=out.logits[:, -1].repeat_interleave(n, dim=0),
+            last_pos=last_pos.repeat_interleave(n, dim=0), logits=out.logits[:, -1].repeat_interleave(n, dim=0),
             # a placeholder batch (lockstep padding, see generate) is done before it starts: it only keeps the
             # forwards (and their all-gathers) in step with the other ranks until they finish
             done=torch.full((total,), placeholder, dtype=torch.bool, device=device),
@@ -779,7 +814,9 @@ class TransformersBackend:
             else:
                 u = torch.rand((total, 1), generator=generator, device=generator.device, dtype=torch.float64)
                 bad = torch.zeros(len(st.rows), dtype=torch.bool, device=device)
-                tok, lp = sample_tokens(st.logits, params, generator, not_finite=bad,
+                logits = st.logits if self._banned is None else st.logits.index_fill(
+                    -1, self._banned.to(st.logits.device), float("-inf"))
+                tok, lp = sample_tokens(logits, params, generator, not_finite=bad,
                                         uniforms=u if len(st.rows) == total else u[st.rows.to(u.device)])
                 st.not_finite[rows_dev] |= bad
             was_done = st.done[rows_dev]

@@ -87,6 +87,15 @@ from .plugins import registry, resolve_reward
 from .rewards import RewardRunner, check_reward_columns, score_completions, weighted_total
 from .rollout import RoundSampler, generate_and_score, generation_seed
 from .rollout_config import RolloutConfig
+from .vision import (
+    attach_image_features,
+    freeze_vision_tower,
+    is_vision_processor,
+    pixel_inputs,
+    text_tokenizer,
+    tokenize_vision_prompts,
+    validate_vision,
+)
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "GroupRolloutConfig", "ResolvedObjective", "Rollout", "TrainingHealth"]
 
@@ -170,6 +179,11 @@ class GroupRolloutConfig(RolloutConfig):
         "help": "Warn when the 10-step average reward falls this far below its best (learning going backwards)."})
     kl_ceiling: float = field(default=1.0, metadata={"help": "Warn when a logged mean KL to the reference ('kl') "
                                                              "exceeds this."})
+    freeze_vision_tower: bool = field(default=True, metadata={
+        "help": "Vision-language models: keep the vision encoder's weights fixed (LoRA targets stay in the "
+                "language model too)."})
+    train_projector: bool = field(default=True, metadata={
+        "help": "Vision-language models: train the projector into the language model even with the tower frozen."})
 
     def __post_init__(self):
         # GRPO trains on completions packed behind their shared prompt, a few hundred to a few thousand tokens a
@@ -340,6 +354,9 @@ class Rollout:
     # [P, 2] long: (chosen row, rejected row) of each preference pair, for a pairwise objective (online DPO; set by
     # its select_rows); every row of a pair is in the loss. None: no pairs.
     pairs: torch.Tensor | None = None
+    # per group (prompt of the round): the images its prompt shows, encoded once per forward for all its rows.
+    # None: a text model.
+    prompt_images: list[list[Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -409,8 +426,14 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
 
         # 1. Data, before any model work.
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        self.vision = is_vision_processor(tokenizer)  # an AutoProcessor: prompts may show images
+        self.text_tokenizer = text_tokenizer(tokenizer)  # pad/eos ids, decoding
+        if self.text_tokenizer.pad_token_id is None:
+            self.text_tokenizer.pad_token = self.text_tokenizer.eos_token
+        if self.vision and (environment is not None or args.environment is not None or eval_dataset is not None):
+            raise ConfigError("environment/eval_dataset: multi-turn episodes and held-out evaluation are not supported "
+                              "for vision-language models yet; train single-turn, and measure held-out accuracy with "
+                              "the pipeline's report_accuracy.")
         self.prepare_prompts(train_dataset, tokenizer, args)
         self.eval_rows: list[dict[str, Any]] | None = None
         self.eval_prompt_ids: list[list[int]] | None = None
@@ -444,7 +467,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
 
         # 2. Models, the objective, the generation backend.
         model = self._load_models(model, args, peft_config, model_init_kwargs, ref_model)
-        self.sampling = args.sampling_params(tokenizer.eos_token_id)
+        self.sampling = args.sampling_params(self.text_tokenizer.eos_token_id)
         self.setup_objective(args)
         self.episode_delta = self._episode_delta(tokenizer, args) if self.environment_factory is not None else None
         self.generation_backend = generation_backend if generation_backend is not None else registry().get(
@@ -526,6 +549,9 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         if getattr(args, "disable_dropout", False):
             disable_dropout(model)
         self.ref_model = None
+        if self.vision:
+            peft_config = freeze_vision_tower(model, peft_config, freeze=args.freeze_vision_tower,
+                                              train_projector=args.train_projector)
         model = prepare_model(model, peft_config)  # a wrapper's PeftModel is used as given
         self.reads_reference = self.uses_reference_model(args)
         if self.reads_reference and not (is_peft_model(model) and ref_model is None):
@@ -533,7 +559,8 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
             self.ref_model.eval().requires_grad_(False)
         base = unwrap_model(model)
-        self.padding_free = supports_varlen(base)
+        # rows with images are padded: a packed row would need each prompt's image positions (M-RoPE for Qwen2-VL)
+        self.padding_free = supports_varlen(base) and not self.vision
         if self.padding_free:
             use_varlen_attention(base)
             if self.ref_model is not None:
@@ -814,7 +841,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         for k, ep in enumerate(episodes):
             if not ep.prompt_ids:  # its reset failed: a placeholder row (out of the loss) that packs like any other
                 ep.prompt_ids = list(self.prompt_ids[row_indices[k // G]])
-                ep.ids, ep.mask, ep.logprobs = [self.processing_class.eos_token_id], [0], [0.0]
+                ep.ids, ep.mask, ep.logprobs = [self.text_tokenizer.eos_token_id], [0], [0.0]
         groups = [[Completion(list(ep.ids), list(ep.logprobs), "length" if ep.truncated else "stop")
                    for ep in episodes[k * G:(k + 1) * G]] for k in range(len(row_indices))]
         rewards = torch.tensor([[episode_reward(ep, self.args.unfinished_episode_reward) for ep in episodes]],
@@ -835,8 +862,15 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         extends it."""
         rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="GRPO")
         self.rows, self.dataset_format = rows, prompt_fmt
-        self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
-                                                  chat_template_kwargs=args.chat_template_kwargs)
+        images = validate_vision(rows, prompt_fmt, tokenizer, trainer="GRPO")  # (refuses images for a text model)
+        self.prompt_images = images if is_vision_processor(tokenizer) else None
+        if self.prompt_images is not None:
+            self.prompt_ids, n_cut = tokenize_vision_prompts(rows, images, tokenizer,
+                                                             max_prompt_length=args.max_prompt_length,
+                                                             chat_template_kwargs=args.chat_template_kwargs)
+        else:
+            self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
+                                                      chat_template_kwargs=args.chat_template_kwargs)
         logger.info("GRPO data: %s, %d prompts, longest prompt %d tokens%s.", prompt_fmt.describe(), len(rows),
                     max(len(p) for p in self.prompt_ids),
                     f"; {n_cut} prompts cut to max_prompt_length={args.max_prompt_length}" if n_cut else "")
@@ -877,7 +911,8 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         scored = generate_and_score(
             self.generation_backend, [self.prompt_ids[i] for i in row_indices], [self.rows[i] for i in row_indices],
             sampling=self.sampling, n=self.args.num_generations, score=self.compute_rewards,
-            seed=generation_seed(self.args.seed, self.state.global_step, self.accelerator.process_index))
+            seed=generation_seed(self.args.seed, self.state.global_step, self.accelerator.process_index),
+            images=[self.prompt_images[i] for i in row_indices] if self.prompt_images is not None else None)
         after_generation(self.generation_backend)  # a colocated engine gives its GPU memory to the training pass
         return self.build_rollout(row_indices, scored.groups, scored.rewards_per_func, t_sync + scored.generation_s,
                                   scored.scoring_s)
@@ -911,6 +946,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             # this step's (synchronous generation; async GRPO passes its round's version)
             sampler_versions=[c.versions if c.versions is not None else [self.state.global_step] * len(c.token_ids)
                               for g in groups for c in g],
+            prompt_images=[self.prompt_images[i] for i in row_indices] if self.prompt_images is not None else None,
         )
         rollout.included = self.select_rows(rollout, zero_std)
         t2 = time.perf_counter()
@@ -1000,7 +1036,15 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         # With toolkit_varlen the G completions of a prompt share one copy of it in the row ((G-1) x prompt
         # tokens less forward and backward work) and the start all prompts share (the chat template's system
         # prompt) is laid out once for the micro-batch: same log-probs and gradients (tests/unit/test_packing.py).
-        return pack_for_layout(self.packed_layout, prompts, completions, pad_token_id=self.processing_class.pad_token_id)
+        batch = pack_for_layout(self.packed_layout, prompts, completions, pad_token_id=self.text_tokenizer.pad_token_id)
+        if rollout.prompt_images is not None:
+            # the images of the groups in these rows, once per group: the forward encodes them once and every
+            # completion of the group reuses the features (vision.attach_image_features)
+            groups = list(dict.fromkeys(int(rollout.group_ids[r]) for r in rows))
+            batch["pixels"] = pixel_inputs(self.processing_class, [rollout.prompt_images[g] for g in groups])
+            batch["images_per_example"] = [len(rollout.prompt_images[g]) for g in groups]
+            batch["row_example"] = [groups.index(int(rollout.group_ids[r])) for r in rows]
+        return batch
 
     def _micro_batch(self, rollout: Rollout, rows: Sequence[int], step_counts: dict[str, float]) -> dict[str, Any]:
         batch = self._pack(rollout, rows)
@@ -1083,6 +1127,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         return self._token_pass(model, batch)
 
     def _token_pass(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> TokenLogps:
+        batch = attach_image_features(model, batch, self.processing_class)  # (rows with images: encoded once)
         # the training forward's entropy comes from the same LM-head product (one fewer per step)
         return completion_token_pass(model, batch, temperature=self.args.temperature,
                                      chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import ToolkitDeprecationWarning
+from .errors import ConfigError, ToolkitDeprecationWarning
 from .generation import Completion, GenerationBackend, SamplingParams
 
 __all__ = ["RoundSampler", "ScoredGroups", "generate_and_score", "generation_seed", "order_seed"]
@@ -111,13 +111,24 @@ def generate_and_score(
     n: int,
     seed: int,
     score: Callable[[list[dict[str, Any]], list[list[int]]], torch.Tensor],
+    images: Sequence[Sequence[Any]] | None = None,
 ) -> ScoredGroups:
     """Sample `n` completions per prompt as token ids, then score them with `score(rows, completion_ids)`.
 
     `rows[i]` is prompt i's dataset row; `score` receives it repeated per completion and returns [F, R].
+    `images[i]`: the images prompt i shows (vision-language models; the backend must take `images=`).
     """
     t0 = time.perf_counter()
-    groups = backend.generate([list(p) for p in prompt_ids], sampling, n=n, seed=seed)
+    if images is not None:
+        import inspect
+
+        params = inspect.signature(backend.generate).parameters
+        if "images" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise ConfigError(f"generation_backend: {type(backend).__name__}.generate takes no images=, so prompts "
+                              "with images cannot be sampled with it; use the transformers backend.")
+        groups = backend.generate([list(p) for p in prompt_ids], sampling, n=n, seed=seed, images=images)
+    else:
+        groups = backend.generate([list(p) for p in prompt_ids], sampling, n=n, seed=seed)
     t1 = time.perf_counter()
     completion_ids = [c.token_ids for g in groups for c in g]
     rewards = score([row for row in rows for _ in range(n)], completion_ids)

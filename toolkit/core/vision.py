@@ -28,15 +28,18 @@ __all__ = [
     "IMAGE_INPUT_KEYS",
     "ListDataset",
     "VisionCollator",
+    "attach_image_features",
     "encode_images",
     "freeze_vision_tower",
     "image_inputs_for_rows",
     "is_vision_processor",
     "pixel_inputs",
+    "prompt_image_inputs",
     "row_images",
     "text_tokenizer",
     "tokenize_vision_for_preference",
     "tokenize_vision_for_sft",
+    "tokenize_vision_prompts",
     "validate_vision",
     "vision_token_ids",
 ]
@@ -507,3 +510,53 @@ def image_inputs_for_rows(features: list[Any], pixels: Mapping[str, Any], images
         out["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(input_ids.tolist()),
                                                 dtype=torch.long, device=input_ids.device)
     return out
+
+
+def prompt_image_inputs(model: Any, processor: Any, images: list[list[Any]], ids: Any, mask: Any,
+                        positions: Any) -> tuple[dict[str, Any], Any]:
+    """(forward kwargs, position ids) for prefilling left-padded prompts `ids` that show `images` (one list per
+    prompt): each prompt's images encoded once; for M-RoPE models (Qwen2-VL) the 3-D positions [3, B, T], where
+    text after an image continues from the image's largest position (decoding then goes on from each row's
+    largest position), else `positions` unchanged."""
+    pixels = {k: v.to(ids.device) for k, v in pixel_inputs(processor, images).items()}
+    features = encode_images(model, pixels)
+    kwargs = image_inputs_for_rows(features, pixels, [len(x) for x in images], list(range(len(images))), ids,
+                                   processor)
+    base = _vision_base(model)
+    if hasattr(base, "get_rope_index") and "image_grid_thw" in kwargs:
+        positions, _ = base.get_rope_index(ids, mm_token_type_ids=kwargs["mm_token_type_ids"],
+                                           image_grid_thw=kwargs["image_grid_thw"], attention_mask=mask)
+    return kwargs, positions
+
+
+def attach_image_features(model: Any, batch: dict[str, Any], processor: Any) -> dict[str, Any]:
+    """`batch` (rows of prompt + completion) with the forward's image inputs: the images of each distinct prompt
+    (`pixels`, `images_per_example`) encoded once by `model`, reused by every row (`row_example`) that shows
+    them. A batch without images is returned as it is."""
+    if not batch.get("pixels"):
+        return batch
+    device = batch["input_ids"].device
+    pixels = {k: v.to(device) for k, v in batch["pixels"].items()}
+    rows = image_inputs_for_rows(encode_images(model, pixels), pixels, batch["images_per_example"],
+                                 batch["row_example"], batch["input_ids"], processor)
+    return {**{k: v for k, v in batch.items() if k not in ("pixels", "images_per_example", "row_example")}, **rows}
+
+
+def tokenize_vision_prompts(rows: list[dict[str, Any]], images: list[list[Any]], processor: Any, *,
+                            max_prompt_length: int | None,
+                            chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[list[int]], int]:
+    """RL prompts with their images expanded, as the model sees them at generation and in the loss. A prompt
+    longer than `max_prompt_length` is refused rather than cut from the left (the cut would take its image's
+    tokens, or the image itself, away). Returns (ids, 0)."""
+    out, long_rows = [], []
+    for i, (r, imgs) in enumerate(zip(rows, images)):
+        text = _render(processor, r["prompt"], add_generation_prompt=True, template_kwargs=chat_template_kwargs, row=i)
+        ids = _expand(processor, text, imgs)
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            long_rows.append((i, len(ids)))
+        out.append(ids)
+    if long_rows:
+        raise DataError(f"dataset: rows {[i for i, _ in long_rows[:5]]} have prompts of {long_rows[0][1]}+ tokens with "
+                        f"their images expanded, more than max_prompt_length={max_prompt_length}; cutting them would "
+                        "cut an image. Raise max_prompt_length or use smaller images (the processor's max_pixels).")
+    return out, 0
