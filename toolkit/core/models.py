@@ -132,6 +132,10 @@ _told_where_embedded_weights_come_from = False
 def resolve_model_path(name_or_path: str) -> str:
     """Map a short name to the embedded checkpoint; leave paths and Hub ids alone."""
     global _told_where_embedded_weights_come_from
+    from .vision import EMBEDDED_VISION_NAME, embedded_vision_model_path
+
+    if str(name_or_path).lower() == EMBEDDED_VISION_NAME:  # SmolLM2 + a small vision tower (vision.py)
+        return str(embedded_vision_model_path())
     if is_embedded_name(name_or_path):
         path = embedded_model_path()
         if not _told_where_embedded_weights_come_from:

@@ -166,16 +166,27 @@ def heldout_accuracy(model: Any, tokenizer: Any, dataset: Any, reward_funcs: lis
     from .generation import SamplingParams, TransformersBackend
     from .rewards import RewardRunner, score_completions, weighted_total
 
+    from .vision import is_vision_processor, text_tokenizer, tokenize_vision_prompts, validate_vision
+
     rows, fmt = prompt_rows(dataset, tokenizer, trainer="eval_dataset")
-    prompts, _ = tokenize_prompts(rows, tokenizer, max_prompt_length=max_prompt_length,
-                                  chat_template_kwargs=chat_template_kwargs)
-    backend = TransformersBackend(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=batch_size)
-    stop = tuple(stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
+    images = validate_vision(rows, fmt, tokenizer, trainer="eval_dataset")
+    vision = is_vision_processor(tokenizer)  # prompts with images: generated with them in context
+    if vision:
+        prompts, _ = tokenize_vision_prompts(rows, images, tokenizer, max_prompt_length=max_prompt_length,
+                                             chat_template_kwargs=chat_template_kwargs)
+    else:
+        prompts, _ = tokenize_prompts(rows, tokenizer, max_prompt_length=max_prompt_length,
+                                      chat_template_kwargs=chat_template_kwargs)
+    text = text_tokenizer(tokenizer)
+    backend = TransformersBackend(model, pad_token_id=text.pad_token_id, max_batch_size=batch_size,
+                                  processor=tokenizer if vision else None)
+    stop = tuple(stop_token_ids if stop_token_ids is not None else [text.eos_token_id])
     params = SamplingParams(max_tokens=max_new_tokens, top_k=1, stop_token_ids=stop)
     completion_ids: list[list[int]] = []
     starts = range(0, len(prompts), batch_size)
     for start in tqdm(starts, desc="held-out eval", disable=None if len(starts) > 1 else True, leave=False):
-        groups = backend.generate(prompts[start:start + batch_size], params, n=1, seed=0)
+        extra = {"images": images[start:start + batch_size]} if vision else {}
+        groups = backend.generate(prompts[start:start + batch_size], params, n=1, seed=0, **extra)
         completion_ids += [g[0].token_ids for g in groups]
     # A runner of its own (the eval set's columns and format; its failures never count towards stopping training)
     runner = RewardRunner(list(reward_funcs), timeout=reward_timeout, max_consecutive_failures=10**9)

@@ -4,7 +4,9 @@
 `multiplication`: a number times a one-digit number. `calculator`: a two-digit number times a digit plus a
 number, for the calculator tool (its prompt-completion rows are a warm-up: 15% use the tool, the rest answer at
 once). `sorting`: a few numbers to put in increasing order
-(the answer is the list; `number_list_match` scores it). The same generators feed SFT (prompt-completion
+(the answer is the list; `number_list_match` scores it). `shapes`: a 56x56 picture of one to four red squares on
+a 4x4 grid, asked "how many red squares?" (rows carry the picture in an `images` column; for the embedded
+vision-language model, docs/vision.md). The same generators feed SFT (prompt-completion
 rows), RL (prompt-only rows with an `answer` column) and preference training (the answer against a near
 miss). Splits are disjoint by construction (different seeds, and held-out problems are removed from the
 training set; for sorting, a problem is its set of numbers, so no reordering of a held-out list is trained on).
@@ -17,7 +19,9 @@ __all__ = [
     "TASKS",
     "arithmetic",
     "arithmetic_splits",
+    "SHAPES_QUESTION",
     "greedy_accuracy",
+    "shapes_image",
     "task_rows",
     "task_splits",
 ]
@@ -79,13 +83,35 @@ def _near_miss(task: str, rng: random.Random, value: Any) -> str:
 
 
 # name -> problem generator (rng, max_value, max_terms) -> (expression, value); sorting's "expression" is its list
-TASKS = {"arithmetic": _problem, "multiplication": _multiplication, "sorting": _sorting, "calculator": _calculator}
+SHAPES_QUESTION = "How many red squares are in the picture? " + PROMPT_SUFFIX
+_SHAPES_CELL = 14  # one square per 14x14 cell: a vision patch of the embedded vision-language model
 
 
-def _key(task: str, question: str, answer: str) -> str:
+def shapes_image(cells: tuple[int, ...]) -> Any:
+    """A 56x56 white picture with a red 10x10 square in each of `cells` (0..15, row-major on a 4x4 grid)."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (4 * _SHAPES_CELL, 4 * _SHAPES_CELL), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    for c in cells:
+        x, y = (c % 4) * _SHAPES_CELL + 2, (c // 4) * _SHAPES_CELL + 2
+        draw.rectangle([x, y, x + 9, y + 9], fill=(220, 30, 30))
+    return image
+
+
+def _shapes(rng: random.Random, max_value: int, max_terms: int) -> tuple[tuple[int, ...], int]:
+    count = rng.randint(1, 4)
+    return tuple(sorted(rng.sample(range(16), count))), count
+
+
+TASKS = {"arithmetic": _problem, "multiplication": _multiplication, "sorting": _sorting, "calculator": _calculator,
+         "shapes": _shapes}
+
+
+def _key(task: str, question: Any, answer: str) -> str:
     """What makes two problems the same: the question, except for sorting, where any order of the same numbers
-    has the same answer."""
-    return f"sorted:{answer}" if task == "sorting" else question
+    has the same answer, and shapes, where it is the squares' places."""
+    return f"sorted:{answer}" if task == "sorting" else str(question)
 
 
 def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_terms: int = 3,
@@ -111,7 +137,7 @@ def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_term
                               f"{shape} ({len(rows)} drawn, {len(exclude or ())} held out); lower dataset_size or "
                               "eval_size, or raise task_max_value.")
         expr, value = TASKS[task](rng, max_value, max_terms)
-        question = _question(task, expr, value)
+        question = expr if task == "shapes" else _question(task, expr, value)
         answer = ", ".join(map(str, sorted(value))) if task == "sorting" else str(value)
         key = _key(task, question, answer)
         if key in seen:
@@ -119,6 +145,9 @@ def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_term
         seen.add(key)
         prompt = [{"role": "user", "content": question}]
         row: dict[str, Any] = {"prompt": prompt, "answer": answer}
+        if task == "shapes":  # the picture is the question; the squares' places make the problem
+            prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": SHAPES_QUESTION}]}]
+            row = {"prompt": prompt, "answer": answer, "images": [shapes_image(expr)], "cells": list(expr)}
         if kind == "prompt_completion" and task == "calculator":
             # the SFT warm-up of examples/tools_pipeline.toml, under the calculator environment's system prompt:
             # 15% of the rows use the tool (the call, its result, the answer), the rest answer at once with the
@@ -144,8 +173,8 @@ def task_splits(task: str, n_train: int, n_eval: int, *, seed: int = 0, **kwargs
                 ) -> tuple[list[dict], list[dict]]:
     """Disjoint train and held-out sets of a builtin task."""
     held_out = task_rows(task, n_eval, seed=seed + 1_000_003, **kwargs)
-    keys = {_key(task, (r["prompt"] if "prompt" in r else r["messages"][:2])[-1]["content"], r["answer"])
-            for r in held_out}
+    keys = {_key(task, tuple(r["cells"]) if task == "shapes" else
+                 (r["prompt"] if "prompt" in r else r["messages"][:2])[-1]["content"], r["answer"]) for r in held_out}
     return task_rows(task, n_train, seed=seed, exclude=keys, **kwargs), held_out
 
 
