@@ -413,26 +413,39 @@ def _pipeline(argv: list[str]) -> int:
 
         funcs = [resolve_reward(spec) for spec in run.reward_funcs]  # RL trains on them; held-out accuracy reads them
         kind = {"sft": "prompt_completion", "dpo": "preference"}.get(command, "prompt_only")
+        vision = _is_vision_model(run.model)  # image rows are read as the stage's processor will read them
         for spec, split in ((run.dataset, "train"), (run.eval_dataset, "test")):
             if spec and Path(spec).suffix in (".json", ".jsonl") and not Path(spec).expanduser().exists():
                 raise ConfigError(f"dataset: '{spec}' (a {command} stage) does not exist.")
             if spec.startswith(("builtin:", "reasoning_gym:")) or Path(spec).suffix in (".json", ".jsonl"):
                 # read now (milliseconds): an impossible size or a wrong format fails before stage 1
                 _check_stage_data(command, load_dataset_spec(spec, run, split=split, kind=kind), funcs,
-                                  run.reward_funcs, train=split == "train")
+                                  run.reward_funcs, train=split == "train", vision=vision)
 
     return run_pipeline(argv, stage_commands, parse_stage)
 
 
-def _check_stage_data(command: str, data: Any, funcs: list[Any], names: list[Any], *, train: bool) -> None:
+def _is_vision_model(model: Any) -> bool:
+    """Whether a stage's model (a name or path) is a vision-language model; False where it cannot be told without
+    loading it (a Hub id not cached here: its stage says so when it starts)."""
+    from .models import is_vision_language, resolve_model_path
+
+    try:
+        return is_vision_language(resolve_model_path(str(model)))
+    except (OSError, ValueError, ConfigError):
+        return False
+
+
+def _check_stage_data(command: str, data: Any, funcs: list[Any], names: list[Any], *, train: bool,
+                      vision: bool = False) -> None:
     """A pipeline stage's dataset, read and checked as its trainer will (format, rows, reward columns), before any
-    stage trains."""
+    stage trains. `vision`: the stage trains a vision-language model (turns may hold image parts)."""
     from .data import as_rows, detect_format, normalize_rows, validate
     from .rewards import check_reward_columns
 
     rows = normalize_rows(as_rows(data))
     fmt = detect_format(rows, tokenized=command == "sft")
-    validate(rows, fmt)
+    validate(rows, fmt, vision=vision)
     wanted = {"sft": ("language_modeling", "prompt_completion", "tokenized"),
               "dpo": ("preference", "tokenized_preference")}.get(command)
     if wanted is not None and fmt.kind not in wanted and train:
