@@ -396,6 +396,7 @@ def _pipeline(argv: list[str]) -> int:
     from .pipeline import run_pipeline
 
     stage_commands = {"sft": run_sft, "grpo": run_grpo, "async-grpo": run_async_grpo, "dpo": run_dpo, "ppo": run_ppo}
+    chain = {"vision": False}
 
     def parse_stage(command: str, stage_argv: list[str]) -> None:
         from .async_grpo import AsyncGRPOConfig
@@ -413,7 +414,10 @@ def _pipeline(argv: list[str]) -> int:
 
         funcs = [resolve_reward(spec) for spec in run.reward_funcs]  # RL trains on them; held-out accuracy reads them
         kind = {"sft": "prompt_completion", "dpo": "preference"}.get(command, "prompt_only")
-        vision = _is_vision_model(run.model)  # image rows are read as the stage's processor will read them
+        # image rows are read as the stage's processor will read them; a later stage trains the one before's model
+        # (its model is the placeholder "checked" here), so it is of the same kind
+        vision = chain["vision"] if run.model == "checked" else _is_vision_model(run.model)
+        chain["vision"] = vision
         for spec, split in ((run.dataset, "train"), (run.eval_dataset, "test")):
             if spec and Path(spec).suffix in (".json", ".jsonl") and not Path(spec).expanduser().exists():
                 raise ConfigError(f"dataset: '{spec}' (a {command} stage) does not exist.")
