@@ -85,3 +85,27 @@ def test_grpo_steps_on_the_real_model(tmp_path, smollm):
     assert len(hist) == 2 and all(math.isfinite(h["loss"]) for h in hist)
     assert all(0.0 <= h["reward"] <= 1.0 for h in hist)
     assert hist[0]["importance_ratio/mean"] == pytest.approx(1.0, abs=0.05)  # sampler and trainer agree
+
+
+def test_the_embedded_vision_model_is_smollm2_behind_a_vision_tower(tmp_path, smollm):
+    """smollm2-135m-vision: the embedded SmolLM2 as the language model of a LLaVA-style model (text-only logits
+    unchanged), loaded by name with its processor; a builtin:shapes picture expands to 16 image tokens, and the
+    model's greedy answers to held-out pictures are scored (the number the vision pipeline starts from)."""
+    from toolkit import load_model, load_tokenizer
+    from toolkit.core import vision
+    from toolkit.core.report import heldout_accuracy
+    from toolkit.core.rewards import numeric_match
+    from toolkit.core.tasks import task_splits
+
+    _, text_model, tok = smollm
+    model, processor = load_model(vision.EMBEDDED_VISION_NAME), load_tokenizer(vision.EMBEDDED_VISION_NAME)
+    assert type(model).__name__ == "LlavaForConditionalGeneration" and vision.is_vision_processor(processor)
+    x = torch.tensor([tok("What is 12 + 7?").input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=x).logits[..., :49152], text_model(x).logits, rtol=0, atol=1e-3)
+    _, held_out = task_splits("shapes", 8, 16, kind="prompt_only")
+    text = processor.apply_chat_template(held_out[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    ids = vision._expand(processor, text, held_out[0]["images"])
+    assert ids.count(model.config.image_token_id) == 16
+    accuracy, _ = heldout_accuracy(model, processor, held_out, [numeric_match], max_new_tokens=8)
+    assert 0.0 <= accuracy <= 1.0

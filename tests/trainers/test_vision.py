@@ -183,19 +183,19 @@ def test_lora_stays_in_the_language_model_and_the_projector_trains(tmp_path):
     assert all(math.isfinite(x) for x in losses(t))
 
 
-def test_exact_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_resume_equals_uninterrupted(tmp_path, family):
+    build = FAMILIES[family]
     rows = pc_rows(12)
     kw = dict(max_steps=4, per_device_train_batch_size=2, save_strategy="steps", save_steps=2, num_train_epochs=1)
-    _, processor = tiny_qwen2_vl()
-    straight = SFTTrainer(tiny_qwen2_vl()[0], cfg(tmp_path / "a", **kw), train_dataset=rows,
-                          processing_class=processor)
+    _, processor = build()
+    straight = SFTTrainer(build()[0], cfg(tmp_path / "a", **kw), train_dataset=rows, processing_class=processor)
     straight.train()
-    first = SFTTrainer(tiny_qwen2_vl()[0], cfg(tmp_path / "b", **kw), train_dataset=rows, processing_class=processor,
+    first = SFTTrainer(build()[0], cfg(tmp_path / "b", **kw), train_dataset=rows, processing_class=processor,
                        callbacks=[StopAt(2)])
     first.train()
     assert (tmp_path / "b" / "out" / "checkpoint-2" / COMPLETE_MARKER).exists()
-    second = SFTTrainer(tiny_qwen2_vl(seed=7)[0], cfg(tmp_path / "b", **kw), train_dataset=rows,
-                        processing_class=processor)
+    second = SFTTrainer(build(seed=7)[0], cfg(tmp_path / "b", **kw), train_dataset=rows, processing_class=processor)
     second.train(resume_from_checkpoint=True)
     assert losses(first) + losses(second)[2:] == pytest.approx(losses(straight), rel=1e-6)
     for (k, p), (_, q) in zip(straight.model.named_parameters(), second.model.named_parameters()):
@@ -418,20 +418,36 @@ def test_dpo_precomputed_reference_with_images(tmp_path):
     from toolkit import DPOTrainer
 
     model, processor = tiny_idefics3()
+    live = DPOTrainer(tiny_idefics3()[0], args=dpo_cfg(tmp_path / "live"), train_dataset=pref_rows(4),
+                      processing_class=processor)
+    batch = live.data_collator([live.train_dataset[i] for i in range(4)])
+    expected_chosen, expected_rejected = live.compute_reference_logps(batch)
     t = DPOTrainer(model, args=dpo_cfg(tmp_path, precompute_ref_log_probs=True), train_dataset=pref_rows(4),
                    processing_class=processor)
     assert t.ref_model is None
-    assert all(math.isfinite(e["ref_chosen_logps"]) for e in t.train_dataset.examples)
+    stored = torch.tensor([[e["ref_chosen_logps"], e["ref_rejected_logps"]] for e in t.train_dataset.examples])
+    torch.testing.assert_close(stored, torch.stack([expected_chosen, expected_rejected], 1), rtol=1e-5, atol=1e-5)
     t.train()
 
 
-def test_dpo_refuses_image_rows_for_a_text_model(tmp_path):
-    from toolkit import DPOTrainer
+def test_dpo_and_grpo_refuse_image_rows_for_a_text_model(tmp_path):
+    from toolkit import DPOTrainer, GRPOTrainer
 
     with pytest.raises(DataError, match="content is a list of parts"):
         DPOTrainer(tiny_model(), args=dpo_cfg(tmp_path), train_dataset=pref_rows(2),
                    processing_class=tiny_tokenizer())
+    text_pairs = [{"prompt": "What colour?", "chosen": "red", "rejected": "blue", "image": image(0)}] * 2
+    with pytest.raises(DataError, match="carry images \\(column 'image'\\) but processing_class is a text"):
+        DPOTrainer(tiny_model(), args=dpo_cfg(tmp_path), train_dataset=text_pairs, processing_class=tiny_tokenizer())
+    text_prompts = [{"prompt": "What colour?", "images": ["a.png"]}] * 4
+    with pytest.raises(DataError, match="carry images \\(column 'images'\\)"):
+        GRPOTrainer(tiny_model(), reward_funcs=length_reward, args=grpo_cfg(tmp_path),
+                    train_dataset=text_prompts, processing_class=tiny_tokenizer())
     assert not (tmp_path / "out").exists()
+    # a column of strings a reward function reads (a URL, an id) is not taken for pictures
+    urls = [{"prompt": "What colour?", "images": "https://example.org/a.png"}] * 4
+    GRPOTrainer(tiny_model(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                args=grpo_cfg(tmp_path), train_dataset=urls, processing_class=tiny_tokenizer())
 
 
 # ------------------------------------------------------------------------------------------------ GRPO
@@ -655,10 +671,110 @@ def test_online_dpo_trains_on_image_prompts_and_async_grpo_says_it_does_not(tmp_
                                               num_generations=2, max_completion_length=6, logging_steps=1,
                                               report_to="none", disable_tqdm=True, save_strategy="no"),
                          train_dataset=prompt_rows_with_images(4))
+    counter = CountEncodes(model)
     t.train()
     assert all(math.isfinite(h["loss"]) for h in t.state.log_history if "loss" in h)
-    with pytest.raises(ConfigError, match="async GRPO does not take vision-language models yet"):
+    # generation encodes 2 prompts' images per step (4 in all); the rest are the training forwards' (the groups in
+    # the loss, once each): the images reach its loss too
+    assert counter.images > 2 * 2
+    with pytest.raises(ConfigError, match="AsyncGRPOTrainer does not take vision-language models yet"):
         AsyncGRPOTrainer(model, reward_funcs=length_reward, processing_class=processor,
                          args=AsyncGRPOConfig(output_dir=str(tmp_path / "ag"), per_device_train_batch_size=4,
                                               num_generations=4),
                          train_dataset=prompt_rows_with_images(4))
+
+
+# ------------------------------------------------------------------------------------- the shapes task
+
+def test_shapes_rows_are_pictures_of_the_answer_and_the_splits_are_disjoint():
+    from toolkit.core.tasks import shapes_image, task_splits
+
+    from collections import Counter
+
+    train, held_out = task_splits("shapes", 512, 128, kind="prompt_only")
+    key = lambda r: tuple(tuple(q) for q in r["squares"])  # noqa: E731
+    assert not {key(r) for r in train} & {key(r) for r in held_out}
+    for r in train[:32]:
+        picture = r["images"][0]
+        assert picture.size == (56, 56) and r["prompt"][0]["content"][0] == {"type": "image"}
+        red_cells = {(x // 14) + 4 * (y // 14) for x in range(56) for y in range(56)
+                     if picture.getpixel((x, y)) == (220, 30, 30)}
+        assert red_cells == {q[0] for q in r["squares"]} and str(len(red_cells)) == r["answer"]
+    # every count about equally often (no skew from drawing distinct pictures), in both splits
+    for rows in (train, held_out):
+        counts = Counter(r["answer"] for r in rows)
+        assert set(counts) == {"1", "2", "3", "4"} and max(counts.values()) < 0.35 * len(rows), counts
+    assert shapes_image(((0, 2, 2, 8),)).getpixel((50, 50)) == (255, 255, 255)
+    sft, _ = task_splits("shapes", 4, 2, kind="prompt_completion")
+    assert sft[0]["completion"] == [{"role": "assistant", "content": sft[0]["answer"]}]
+
+
+def test_heldout_accuracy_generates_with_the_images(tmp_path):
+    """The CLI's held-out accuracy (report.heldout_accuracy) on image prompts: a reward that reads the images
+    column and the completions scores them; the prompts reach the model with their pictures."""
+    from toolkit.core.report import heldout_accuracy
+
+    model, processor = tiny_idefics3()
+    seen = []
+
+    def has_picture(completions, images, **kw):
+        seen.extend(images)
+        return [1.0 if isinstance(x[0], Image.Image) else 0.0 for x in images]
+
+    counter = CountEncodes(model)
+    accuracy, mean = heldout_accuracy(model, processor, prompt_rows_with_images(5), [has_picture], max_new_tokens=4)
+    assert accuracy == 1.0 and len(seen) == 5 and counter.images == 5
+
+
+def test_a_pipeline_checks_image_rows_as_its_vision_model_reads_them(tmp_path):
+    from toolkit.core.cli import _check_stage_data, _is_vision_model
+
+    model, processor = tiny_idefics3()
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    assert _is_vision_model(str(tmp_path / "vlm")) and not _is_vision_model("no-such/model")
+    _check_stage_data("grpo", prompt_rows_with_images(2), [], [], train=True, vision=True)
+    with pytest.raises(DataError, match="text tokenizer"):
+        _check_stage_data("grpo", prompt_rows_with_images(2), [], [], train=True, vision=False)
+
+
+def two_image_and_no_image_prompts(n: int) -> list[dict]:
+    """Prompts with two images, one, and none, mixed in one batch (features are per example or per image by
+    family; a row's images must reach that row)."""
+    rows = []
+    for i in range(n):
+        k = [2, 0, 1][i % 3]
+        content = [{"type": "image"}] * k + [{"type": "text", "text": f"How many pictures? {i}"}]
+        rows.append({"prompt": [{"role": "user", "content": content}], "images": [image(i + j) for j in range(k)]})
+    return rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_with_two_images_or_none_get_their_own_features(tmp_path, family):
+    """Each row's log-probs with images encoded once per prompt (GRPO's path) equal those of a forward given the
+    row's own pixels alone, for prompts with 2, 0 and 1 images in one batch, several completions each; and
+    generation over such a batch runs (a chunk without images included)."""
+    from toolkit import GRPOTrainer
+    from toolkit.core.packing import completion_logps, pack_completions
+
+    model, processor = FAMILIES[family]()
+    rows = two_image_and_no_image_prompts(3)
+    t = GRPOTrainer(model, reward_funcs=lambda completions, **kw: [float(len(c[0]["content"])) for c in completions],
+                    args=grpo_cfg(tmp_path, per_device_train_batch_size=6, num_generations=2,
+                                  generation_batch_size=2, zero_variance_filter=False),
+                    train_dataset=rows, processing_class=processor)
+    rollout = t.generate_rollout([0, 1, 2])  # generation_batch_size 2: the chunk of prompt 2 alone has one image
+    micro = t._split(rollout)[0]
+    model.eval()
+    with torch.no_grad():
+        together = completion_logps(model, vision.attach_image_features(model, micro, processor))
+        alone = []
+        for r in range(6):
+            one = pack_completions([rollout.prompt_ids[r]], [rollout.completion_ids[r]],
+                                   pad_token_id=processor.tokenizer.pad_token_id, padding_free=False)
+            imgs = rows[r // 2]["images"]
+            if imgs:
+                one.update({"pixels": vision.pixel_inputs(processor, [imgs]), "images_per_example": [len(imgs)],
+                            "row_example": [0]})
+            alone.append(completion_logps(model, vision.attach_image_features(model, one, processor)))
+    torch.testing.assert_close(together, torch.cat(alone), rtol=1e-4, atol=1e-5)

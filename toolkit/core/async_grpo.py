@@ -80,6 +80,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     The worker process is `self.worker` (a `WorkerHandle`: process, shared weights, queues, liveness); this class
     keeps the staleness gate, the warm start, restarts and the metrics."""
+    supports_vision = False  # (vision-language models: not yet; docs/vision.md)
 
     supports_environments = True  # multi-turn episodes: the worker builds the environments (docs/agents.md)
 
@@ -101,10 +102,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
         eval_dataset: Any = None,
     ):
         args = args if args is not None else AsyncGRPOConfig()
-        if getattr(processing_class, "image_processor", None) is not None:  # (vision.is_vision_processor)
-            raise ConfigError("processing_class: async GRPO does not take vision-language models yet (its rollout "
-                              "worker process would need every prompt's images); use GRPOTrainer, which samples "
-                              "prompts with images and encodes each prompt's images once per group.")
         funcs = self._check_worker_arguments(args, reward_funcs, environment)
         # what the worker process gets to build the environments, checked before any model loads
         self._worker_env_factory = environment_for_worker(self._environment_factory(environment, args),

@@ -144,6 +144,7 @@ class DPOTrainer(TrainerLifecycle, Trainer):
 
     _tag_names = ["toolkit", "dpo"]
     trainer_kind = "dpo"
+    supports_vision = True  # pairs with images (docs/vision.md); a subclass that cannot take them sets False
 
     def __init__(
         self,
@@ -175,6 +176,9 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         # 1. Data before any model.
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
         self.vision = is_vision_processor(tokenizer)  # an AutoProcessor: prompts may hold images
+        if self.vision and not type(self).supports_vision:
+            raise ConfigError(f"processing_class: {type(self).__name__} does not take vision-language models yet; "
+                              "DPOTrainer does.")
         if text_tokenizer(tokenizer).pad_token_id is None:
             text_tokenizer(tokenizer).pad_token = text_tokenizer(tokenizer).eos_token
         train_tok = self.prepare_examples(train_dataset, tokenizer, args, "train")
@@ -315,7 +319,8 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         if inputs.get("pixels"):
             pixels = {k: v.to(self.args.device) for k, v in inputs["pixels"].items()}
             n = len(inputs["prompt_ids"])
-            batch.update(image_inputs_for_rows(encode_images(model, pixels), pixels, inputs["images_per_example"],
+            counts = inputs["images_per_example"]
+            batch.update(image_inputs_for_rows(encode_images(model, pixels, counts), pixels, counts,
                                                list(range(n)) * 2, batch["input_ids"], self.processing_class))
         flat = completion_logps(model, batch, chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
         sums = sequence_sums(flat, batch["completion_lengths"])

@@ -663,7 +663,8 @@ class TransformersBackend:
         per_call = max(1, self.max_batch_size // n)
         results: list[list[Completion]] = []
         chunks = [[list(p) for p in prompts[s:s + per_call]] for s in range(0, len(prompts), per_call)]
-        image_chunks = [list(images[s:s + per_call]) if images is not None and any(images) else None
+        # (a chunk none of whose prompts shows an image runs as text)
+        image_chunks = [list(images[s:s + per_call]) if images is not None and any(images[s:s + per_call]) else None
                         for s in range(0, len(prompts), per_call)]
         # Under FSDP2 every rank must run the same forwards (each all-gathers): the batch count is agreed first,
         # before any forward (a collective issued while another rank is in a forward would be matched against its
@@ -693,8 +694,9 @@ class TransformersBackend:
             raise ConfigError(f"generate(images=...): {len(images)} image lists for {n_prompts} prompts; give one "
                               "list per prompt (empty for a prompt without images).")
         if self.static_decode or self.refresh_weights is not None:
-            raise ConfigError("generate(images=...): static_decode and in-flight weight updates re-run prompts "
-                              "without their images; turn them off for vision-language models.")
+            raise ConfigError("generate(images=...): generation_backend_kwargs.static_decode and in-flight weight "
+                              "updates re-run prompts without their images; turn them off for vision-language "
+                              "models.")
         if self._banned is None:
             from .vision import vision_token_ids
 

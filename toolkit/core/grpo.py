@@ -392,6 +392,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
     """
 
     _tag_names = ["toolkit", "grpo"]
+    supports_vision = True  # rows with images (docs/vision.md); a subclass that cannot take them sets False
     trainer_kind = "grpo"
     #: False for an objective that reads no reward (GKD): the run may then have no reward functions.
     needs_rewards = True
@@ -430,6 +431,12 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         self.text_tokenizer = text_tokenizer(tokenizer)  # pad/eos ids, decoding
         if self.text_tokenizer.pad_token_id is None:
             self.text_tokenizer.pad_token = self.text_tokenizer.eos_token
+        if self.vision and not type(self).supports_vision:
+            raise ConfigError(f"processing_class: {type(self).__name__} does not take vision-language models yet; "
+                              "GRPOTrainer (and the experimental OnlineDPOTrainer) do.")
+        if self.vision and generation_backend is None and args.generation_backend != "transformers":
+            raise ConfigError(f"generation_backend: '{args.generation_backend}' takes no images yet; prompts with "
+                              "images are sampled by the 'transformers' backend (docs/vision.md).")
         if self.vision and (environment is not None or args.environment is not None or eval_dataset is not None):
             raise ConfigError("environment/eval_dataset: multi-turn episodes and held-out evaluation are not supported "
                               "for vision-language models yet; train single-turn, and measure held-out accuracy with "
@@ -1116,18 +1123,21 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
 
     def compute_token_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Flat [N] log-probs of the completion tokens at the sampling temperature (the wrapper seam: an override's
-        log-probs are what the loss and the scoring passes read; no entropy is logged then)."""
+        log-probs are what the loss and the scoring passes read; no entropy is logged then). With images, the
+        batch it gets already carries the encoded features (`forward_tokens`)."""
         return self._token_pass(model, batch).logps
 
     def forward_tokens(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> TokenLogps:
         """One forward over a packed batch: the completion tokens' log-probs, with the entropy and hidden states the
         metrics read from the same forward. A subclass's `compute_token_logps` is honoured (its log-probs only)."""
+        # rows with images: each group's images encoded once, here, for an override's log-probs too
+        batch = attach_image_features(model, batch, self.processing_class)
         if type(self).compute_token_logps is not GRPOTrainer.compute_token_logps:
             return TokenLogps(self.compute_token_logps(model, batch))
         return self._token_pass(model, batch)
 
     def _token_pass(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> TokenLogps:
-        batch = attach_image_features(model, batch, self.processing_class)  # (rows with images: encoded once)
+        batch = attach_image_features(model, batch, self.processing_class)  # (a no-op once attached)
         # the training forward's entropy comes from the same LM-head product (one fewer per step)
         return completion_token_pass(model, batch, temperature=self.args.temperature,
                                      chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head,

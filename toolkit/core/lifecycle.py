@@ -131,12 +131,20 @@ class TrainerLifecycle:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
-        reload_renamed_weights(model if model is not None else self.model, resume_from_checkpoint)
+        self._reload_renamed(model if model is not None else self.model, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         super()._load_best_model()  # type: ignore[misc]
         if self.state.best_model_checkpoint:
-            reload_renamed_weights(self.model, self.state.best_model_checkpoint)
+            self._reload_renamed(self.model, self.state.best_model_checkpoint)
+
+    def _reload_renamed(self, model: Any, folder: str) -> None:
+        """checkpoint.reload_renamed_weights, where a whole-model copy can be loaded (not into FSDP shards or a
+        DeepSpeed engine: there the check is skipped, and said)."""
+        if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
+            logger.info("resume: the check for weights saved under older names is skipped under FSDP/DeepSpeed.")
+            return
+        reload_renamed_weights(model, folder)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """As Trainer.train; `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint."""

@@ -213,7 +213,10 @@ def is_vision_language(path: str, **kwargs: Any) -> bool:
     """True when the saved model at `path` is an image-text-to-text model (Qwen2-VL, Idefics3/SmolVLM, LLaVA,
     Gemma 3, ...): it loads with AutoModelForImageTextToText and its processor with AutoProcessor."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     if "gguf_file" in kwargs:
         return False
@@ -222,7 +225,10 @@ def is_vision_language(path: str, **kwargs: Any) -> bool:
                                                                                               "trust_remote_code")})
     except (OSError, ValueError):
         return False  # (the loader below then says what is wrong)
-    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    # types in both mappings (gemma3, llama4, ...) keep loading as causal LMs with their tokenizer, as before; to
+    # train them on images pass the model's AutoProcessor as processing_class
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and \
+        config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def load_tokenizer(model: str | os.PathLike | PreTrainedModel, **kwargs: Any) -> PreTrainedTokenizerBase:

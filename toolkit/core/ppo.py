@@ -354,6 +354,9 @@ class PPOTrainer(TrainerLifecycle, Trainer):
         self._setup_rewards(reward_funcs, reward_model, args)
         # 1. Data, before any model work.
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
+        if getattr(tokenizer, "image_processor", None) is not None:  # (vision.is_vision_processor)
+            raise ConfigError("processing_class: PPOTrainer does not take vision-language models yet; SFT, DPO and "
+                              "GRPO do (docs/vision.md).")
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.prepare_prompts(train_dataset, tokenizer, args)

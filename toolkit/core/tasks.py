@@ -5,7 +5,7 @@
 number, for the calculator tool (its prompt-completion rows are a warm-up: 15% use the tool, the rest answer at
 once). `sorting`: a few numbers to put in increasing order
 (the answer is the list; `number_list_match` scores it). `shapes`: a 56x56 picture of one to four red squares on
-a 4x4 grid, asked "how many red squares?" (rows carry the picture in an `images` column; for the embedded
+a 4x4 grid (one per cell, of varying size and place), asked "how many red squares?" (rows carry the picture in an `images` column; for the embedded
 vision-language model, docs/vision.md). The same generators feed SFT (prompt-completion
 rows), RL (prompt-only rows with an `answer` column) and preference training (the answer against a near
 miss). Splits are disjoint by construction (different seeds, and held-out problems are removed from the
@@ -87,21 +87,29 @@ SHAPES_QUESTION = "How many red squares are in the picture? " + PROMPT_SUFFIX
 _SHAPES_CELL = 14  # one square per 14x14 cell: a vision patch of the embedded vision-language model
 
 
-def shapes_image(cells: tuple[int, ...]) -> Any:
-    """A 56x56 white picture with a red 10x10 square in each of `cells` (0..15, row-major on a 4x4 grid)."""
+def shapes_image(squares: tuple[tuple[int, int, int, int], ...]) -> Any:
+    """A 56x56 white picture with a red square for each (cell, dx, dy, side): cell 0..15 row-major on a 4x4 grid
+    of 14x14 cells, the square's side (6..10 pixels) and its offset inside the cell (it never leaves it)."""
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (4 * _SHAPES_CELL, 4 * _SHAPES_CELL), (255, 255, 255))
     draw = ImageDraw.Draw(image)
-    for c in cells:
-        x, y = (c % 4) * _SHAPES_CELL + 2, (c // 4) * _SHAPES_CELL + 2
-        draw.rectangle([x, y, x + 9, y + 9], fill=(220, 30, 30))
+    for c, dx, dy, side in squares:
+        x, y = (c % 4) * _SHAPES_CELL + dx, (c // 4) * _SHAPES_CELL + dy
+        draw.rectangle([x, y, x + side - 1, y + side - 1], fill=(220, 30, 30))
     return image
 
 
-def _shapes(rng: random.Random, max_value: int, max_terms: int) -> tuple[tuple[int, ...], int]:
+def _shapes(rng: random.Random, max_value: int, max_terms: int) -> tuple[tuple[tuple[int, int, int, int], ...], int]:
+    # the count first, uniformly: drawing distinct pictures from a space where one square has few arrangements
+    # would skew the counts (a first version, cells only, gave 50% fours in training and 2 rows of one square);
+    # sizes and offsets make every count's space large
     count = rng.randint(1, 4)
-    return tuple(sorted(rng.sample(range(16), count))), count
+    squares = []
+    for c in sorted(rng.sample(range(16), count)):
+        side = rng.randint(6, 10)
+        squares.append((c, rng.randint(1, _SHAPES_CELL - side - 1), rng.randint(1, _SHAPES_CELL - side - 1), side))
+    return tuple(squares), count
 
 
 TASKS = {"arithmetic": _problem, "multiplication": _multiplication, "sorting": _sorting, "calculator": _calculator,
@@ -147,7 +155,7 @@ def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_term
         row: dict[str, Any] = {"prompt": prompt, "answer": answer}
         if task == "shapes":  # the picture is the question; the squares' places make the problem
             prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": SHAPES_QUESTION}]}]
-            row = {"prompt": prompt, "answer": answer, "images": [shapes_image(expr)], "cells": list(expr)}
+            row = {"prompt": prompt, "answer": answer, "images": [shapes_image(expr)], "squares": [list(q) for q in expr]}
         if kind == "prompt_completion" and task == "calculator":
             # the SFT warm-up of examples/tools_pipeline.toml, under the calculator environment's system prompt:
             # 15% of the rows use the tool (the call, its result, the answer), the rest answer at once with the
@@ -173,7 +181,7 @@ def task_splits(task: str, n_train: int, n_eval: int, *, seed: int = 0, **kwargs
                 ) -> tuple[list[dict], list[dict]]:
     """Disjoint train and held-out sets of a builtin task."""
     held_out = task_rows(task, n_eval, seed=seed + 1_000_003, **kwargs)
-    keys = {_key(task, tuple(r["cells"]) if task == "shapes" else
+    keys = {_key(task, tuple(tuple(q) for q in r["squares"]) if task == "shapes" else
                  (r["prompt"] if "prompt" in r else r["messages"][:2])[-1]["content"], r["answer"]) for r in held_out}
     return task_rows(task, n_train, seed=seed, exclude=keys, **kwargs), held_out
 

@@ -151,13 +151,15 @@ def validate_vision(rows: list[dict[str, Any]], fmt: DatasetFormat, processing_c
     each a DataError listing the rows."""
     vision = is_vision_processor(processing_class)
     columns = [c for c in fmt.columns if c in ("messages", "prompt", "completion", "chosen", "rejected")]
-    has_images = [bool(_image_column(r)) and r[_image_column(r)] not in (None, []) for r in rows]
     if not vision:
-        bad = [i for i, h in enumerate(has_images, start=first_row) if h]
+        # a text model with pictures in an image column would ignore them silently; a column of strings (URLs,
+        # ids a reward function reads) is left alone
+        bad = [(i, _image_column(r)) for i, r in enumerate(rows, start=first_row)
+               if _image_column(r) and _looks_like_images(r[_image_column(r)])]
         if bad:
-            raise DataError(f"{trainer}: rows {bad[:5]} carry images (an 'images' column) but processing_class is a "
-                            "text tokenizer, so the images would be ignored; train a vision-language model with its "
-                            "AutoProcessor, or drop the 'images' column.")
+            raise DataError(f"{trainer}: rows {[i for i, _ in bad[:5]]} carry images (column '{bad[0][1]}') but "
+                            "processing_class is a text tokenizer, so the images would be ignored; train a "
+                            "vision-language model with its AutoProcessor, or drop the column.")
         return [[] for _ in rows]
     if not fmt.conversational:
         raise DataError(f"{trainer}: vision-language rows must be conversational (turns whose content lists "
@@ -193,6 +195,17 @@ def validate_vision(rows: list[dict[str, Any]], fmt: DatasetFormat, processing_c
             p.add("vision:open", i, str(e).rstrip("."))
     p.raise_if_any(len(rows) if first_row == 0 else f"the rows read so far, {first_row + len(rows)}")
     return images
+
+
+def _looks_like_images(value: Any) -> bool:
+    """A PIL image, encoded bytes, a datasets.Image dict, or a non-empty list of those or of file paths."""
+    from PIL import Image
+
+    if isinstance(value, (Image.Image, bytes, bytearray)) or isinstance(value, Mapping) and ("bytes" in value or
+                                                                                             "path" in value):
+        return True
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(v, (str, os.PathLike)) or _looks_like_images(v) for v in value)
 
 
 def _bad_part(row: Mapping[str, Any], columns: list[str]) -> str | None:
@@ -244,12 +257,20 @@ def vision_token_ids(processor: Any) -> frozenset[int]:
     return frozenset(found - {tok.eos_token_id, tok.pad_token_id, tok.bos_token_id})
 
 
-def _expand(processor: Any, text: str, images: list[Any]) -> list[int]:
+def _expand(processor: Any, text: str, images: list[Any], row: int | None = None) -> list[int]:
     """The ids the model sees for `text`: each image placeholder replaced by that image's tokens (`text` may be a
-    part of a row, e.g. the completion alone: it takes as many of the row's images as it has placeholders)."""
+    part of a row, e.g. the completion alone: it takes as many of the row's images as it has placeholders). What
+    the processor refuses (an image of an extreme aspect ratio, a placeholder typed into a text part) is a
+    DataError naming the row."""
     token = getattr(processor, "image_token", None)
     images = images[:text.count(token)] if token else images
-    out = processor(text=[text], images=[images] if images else None, add_special_tokens=False)
+    try:
+        out = processor(text=[text], images=[images] if images else None, add_special_tokens=False)
+    except (ValueError, TypeError, RuntimeError, IndexError) as e:
+        typed = f" (its text holds '{token}' {text.count(token)} times: type no placeholder into a text part)" \
+            if token and token in text else ""
+        raise DataError(f"row {row}: the processor could not expand the row's images into tokens{typed}: "
+                        f"{type(e).__name__}: {e}") from None
     return [int(t) for t in out["input_ids"][0]]
 
 
@@ -273,7 +294,7 @@ def tokenize_vision_for_sft(rows: list[dict[str, Any]], images: list[list[Any]],
         if fmt.kind == "language_modeling":
             turns = r["messages"]
             ids = _expand(processor, _render(processor, turns, add_generation_prompt=False,
-                                             template_kwargs=template_kwargs, row=i), imgs)
+                                             template_kwargs=template_kwargs, row=i), imgs, i)
             mask = [1] * len(ids)
             if assistant_only_loss:
                 mask = _assistant_mask(processor, turns, ids, imgs, template_kwargs, i)
@@ -282,7 +303,7 @@ def tokenize_vision_for_sft(rows: list[dict[str, Any]], images: list[list[Any]],
                                   row=i)
             full_text = _render(processor, r["prompt"] + r["completion"], add_generation_prompt=False,
                                 template_kwargs=template_kwargs, row=i)
-            prompt_ids, ids = _expand(processor, prompt_text, imgs), _expand(processor, full_text, imgs)
+            prompt_ids, ids = _expand(processor, prompt_text, imgs, i), _expand(processor, full_text, imgs, i)
             if ids[:len(prompt_ids)] != prompt_ids:
                 raise DataError(f"row {i}: the rendered prompt is not a token prefix of prompt + completion, so "
                                 "the completion cannot be located; check the chat template.")
@@ -316,11 +337,13 @@ def tokenize_vision_for_preference(rows: list[dict[str, Any]], images: list[list
         raise DataError(f"DPO: vision-language rows must be conversational; this dataset is {fmt.describe()}.")
     examples, report, identical = tokenize_for_preference(
         rows, fmt, processor, max_length=max_length, template_kwargs=template_kwargs,
-        encode=lambda i, text: _expand(processor, text, images[i]))
+        encode=lambda i, text: _expand(processor, text, images[i], i))
     vision_ids = vision_token_ids(processor)
     for i, (e, imgs) in enumerate(zip(examples, images)):
-        if any(t in vision_ids for t in e["chosen_ids"] + e["rejected_ids"]):
-            raise DataError(f"row {i}: image tokens in an answer; images belong in the prompt.")
+        for side in ("chosen", "rejected"):
+            if any(t in vision_ids for t in e[f"{side}_ids"]):
+                raise DataError(f"row {i}, column '{side}': the answer holds image tokens (a placeholder typed into "
+                                "its text?); images belong in the prompt.")
         e["images"] = imgs
     return examples, report, identical
 
@@ -335,9 +358,9 @@ def _assistant_mask(processor: Any, turns: list[dict[str, Any]], ids: list[int],
             continue
         n_before = _placeholders(turns[:k])
         before = _expand(processor, _render(processor, turns[:k], add_generation_prompt=True,
-                                            template_kwargs=template_kwargs, row=row), images[:n_before]) if k else []
+                                            template_kwargs=template_kwargs, row=row), images[:n_before], row) if k else []
         upto = _expand(processor, _render(processor, turns[:k + 1], add_generation_prompt=False,
-                                          template_kwargs=template_kwargs, row=row), images[:n_before])
+                                          template_kwargs=template_kwargs, row=row), images[:n_before], row)
         if ids[:len(before)] != before or ids[:len(upto)] != upto:
             raise DataError(f"assistant_only_loss: row {row}: the chat template does not render the conversation "
                             "incrementally, so assistant tokens cannot be located; use prompt-completion rows.")
@@ -414,8 +437,11 @@ def freeze_vision_tower(model: Any, peft_config: Any, *, freeze: bool, train_pro
     over the language model's modules (logged). A regex target of your own is used as given."""
     towers = _find(model, _TOWERS)
     if not towers:
-        raise DataError(f"vision: the model ({type(model).__name__}) has no vision tower under any of {_TOWERS}; is "
-                        "it a vision-language model? A text model needs a tokenizer, not a processor.")
+        from .errors import ConfigError
+
+        raise ConfigError(f"model: {type(model).__name__} has no vision tower under any of {_TOWERS}, but "
+                          "processing_class is a vision-language processor; is the model a vision-language model? A "
+                          "text model needs a tokenizer.")
     projectors = _find(model, _PROJECTORS)
     if freeze:
         for _, tower in towers:
@@ -476,36 +502,51 @@ def _vision_base(model: Any) -> Any:
                     "transformers knows how to encode images for.")
 
 
-def encode_images(model: Any, pixels: Mapping[str, Any]) -> list[Any]:
-    """Run the vision tower and projector once: one feature tensor per image, in the order of `pixels`' images
-    (example by example), each in the shape its family's forward takes back through `mm_encoder_outputs`."""
+def encode_images(model: Any, pixels: Mapping[str, Any], images_per_example: list[int]) -> list[Any]:
+    """Run the vision tower and projector once: one [tokens, H] feature tensor per example (all of its images'
+    tokens, in order; empty for an example without images), as the forward takes them back through
+    `mm_encoder_outputs`. Families split their output per image (Qwen2-VL, LLaVA) or per example (Idefics3)."""
     import inspect
+
+    import torch
 
     base = _vision_base(model)
     params = inspect.signature(type(base).get_image_features).parameters  # (the class's: an instance may be wrapped)
     kwargs = {k: v for k, v in pixels.items() if k in params}
-    out = base.get_image_features(**kwargs, return_dict=True)
-    pooled = out.pooler_output
-    if isinstance(pooled, (tuple, list)):  # Qwen2-VL: already split per image ([tokens, H] each)
-        return list(pooled)
-    return [pooled[i:i + 1] for i in range(pooled.shape[0])]  # Idefics3/LLaVA: [images, tokens, H]
+    pooled = base.get_image_features(**kwargs, return_dict=True).pooler_output
+    pieces = list(pooled) if isinstance(pooled, (tuple, list)) else list(pooled.unbind(0))
+    pieces = [p.reshape(-1, p.shape[-1]) for p in pieces]
+    # pixel values with an example dimension ([examples, images, C, H, W]: Idefics3) come back per example; flat
+    # ones (Qwen2-VL's patches, LLaVA's [images, C, H, W]) per image
+    per_example = getattr(pixels.get("pixel_values"), "dim", lambda: 0)() == 5
+    if not per_example and len(pieces) == sum(images_per_example):  # per image: each example's images joined
+        out, k = [], 0
+        for n in images_per_example:
+            out.append(torch.cat(pieces[k:k + n]) if n else pieces[0].new_zeros((0, pieces[0].shape[-1])))
+            k += n
+        return out
+    if per_example and len(pieces) == len(images_per_example):
+        return pieces
+    raise ValueError(f"vision: {type(base).__name__}.get_image_features gave {len(pieces)} feature blocks for "
+                     f"{len(images_per_example)} examples holding {sum(images_per_example)} images.")
 
 
 def image_inputs_for_rows(features: list[Any], pixels: Mapping[str, Any], images_per_example: list[int],
                           row_example: list[int], input_ids: Any, processor: Any) -> dict[str, Any]:
     """Forward keyword arguments for rows that show already-encoded images: row r shows example
-    `row_example[r]`'s images. The features are reused, not recomputed (autograd sums their gradients)."""
+    `row_example[r]`'s images, whose features are `features[row_example[r]]` (`encode_images`). The features are
+    reused, not recomputed (autograd sums their gradients)."""
     import torch
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     starts = [0]
     for n in images_per_example:
         starts.append(starts[-1] + n)
-    chosen = [k for e in row_example for k in range(starts[e], starts[e + 1])]
+    chosen = [k for e in row_example for k in range(starts[e], starts[e + 1])]  # the rows' images, in row order
     out: dict[str, Any] = {}
     if chosen:
-        out["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=tuple(features[k]
-                                                                                             for k in chosen))}
+        out["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(
+            pooler_output=tuple(features[e] for e in row_example if images_per_example[e]))}
         if "image_grid_thw" in pixels:  # Qwen2-VL's 3-D positions need each image's grid
             out["image_grid_thw"] = pixels["image_grid_thw"][torch.tensor(chosen)]
     if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
@@ -521,9 +562,9 @@ def prompt_image_inputs(model: Any, processor: Any, images: list[list[Any]], ids
     text after an image continues from the image's largest position (decoding then goes on from each row's
     largest position), else `positions` unchanged."""
     pixels = {k: v.to(ids.device) for k, v in pixel_inputs(processor, images).items()}
-    features = encode_images(model, pixels)
-    kwargs = image_inputs_for_rows(features, pixels, [len(x) for x in images], list(range(len(images))), ids,
-                                   processor)
+    counts = [len(x) for x in images]
+    kwargs = image_inputs_for_rows(encode_images(model, pixels, counts), pixels, counts, list(range(len(images))),
+                                   ids, processor)
     base = _vision_base(model)
     if hasattr(base, "get_rope_index") and "image_grid_thw" in kwargs:
         positions, _ = base.get_rope_index(ids, mm_token_type_ids=kwargs["mm_token_type_ids"],
@@ -539,8 +580,9 @@ def attach_image_features(model: Any, batch: dict[str, Any], processor: Any) -> 
         return batch
     device = batch["input_ids"].device
     pixels = {k: v.to(device) for k, v in batch["pixels"].items()}
-    rows = image_inputs_for_rows(encode_images(model, pixels), pixels, batch["images_per_example"],
-                                 batch["row_example"], batch["input_ids"], processor)
+    counts = batch["images_per_example"]
+    rows = image_inputs_for_rows(encode_images(model, pixels, counts), pixels, counts, batch["row_example"],
+                                 batch["input_ids"], processor)
     return {**{k: v for k, v in batch.items() if k not in ("pixels", "images_per_example", "row_example")}, **rows}
 
 
@@ -553,13 +595,14 @@ def tokenize_vision_prompts(rows: list[dict[str, Any]], images: list[list[Any]],
     out, long_rows = [], []
     for i, (r, imgs) in enumerate(zip(rows, images)):
         text = _render(processor, r["prompt"], add_generation_prompt=True, template_kwargs=chat_template_kwargs, row=i)
-        ids = _expand(processor, text, imgs)
+        ids = _expand(processor, text, imgs, i)
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             long_rows.append((i, len(ids)))
         out.append(ids)
     if long_rows:
-        raise DataError(f"dataset: rows {[i for i, _ in long_rows[:5]]} have prompts of {long_rows[0][1]}+ tokens with "
-                        f"their images expanded, more than max_prompt_length={max_prompt_length}; cutting them would "
+        raise DataError(f"dataset: rows {[i for i, _ in long_rows[:5]]} have prompts of up to "
+                        f"{max(n for _, n in long_rows)} tokens with their images expanded, more than "
+                        f"max_prompt_length={max_prompt_length}; cutting them would "
                         "cut an image. Raise max_prompt_length or use smaller images (the processor's max_pixels).")
     return out, 0
 

@@ -136,6 +136,7 @@ class CPOConfig(DPOConfig):
 
 class CPOTrainer(DPOTrainer):
     """CPO / SimPO: DPOTrainer without a reference model and with CPO's losses; see the module docstring."""
+    supports_vision = False  # (vision-language models: not yet; docs/vision.md)
 
     _tag_names = ["toolkit", "cpo"]  # noqa: RUF012 (transformers reads a list)
     method_card = ("Contrastive Preference Optimization (CPO) / SimPO", _CITATION)

@@ -143,6 +143,7 @@ class GKDTrainer(GRPOTrainer):
     `teacher_model` is a model or a path (default: `args.teacher_model_name_or_path`); it is frozen and in eval
     mode. `reward_funcs` are optional and only logged (the loss does not read them).
     """
+    supports_vision = False  # (vision-language models: not yet; docs/vision.md)
 
     supports_environments = False  # multi-turn episodes: GRPOTrainer only, for now (docs/agents.md)
     needs_rewards = False  # rewards are only logged

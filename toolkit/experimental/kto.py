@@ -112,6 +112,7 @@ class KTOConfig(DPOConfig):
 
 class KTOTrainer(DPOTrainer):
     """KTO on unpaired (prompt, completion, label) data; see the module docstring."""
+    supports_vision = False  # (vision-language models: not yet; docs/vision.md)
 
     _tag_names = ["toolkit", "kto"]  # noqa: RUF012 (transformers reads a list)
     trainer_kind = "kto"

@@ -82,6 +82,7 @@ class ORPOConfig(DPOConfig):
 
 class ORPOTrainer(DPOTrainer):
     """ORPO: NLL of the chosen sequence plus the odds-ratio preference term, no reference; see the module docstring."""
+    supports_vision = False  # (vision-language models: not yet; docs/vision.md)
 
     _tag_names = ["toolkit", "orpo"]  # noqa: RUF012 (transformers reads a list)
     method_card = ("Odds Ratio Preference Optimization (ORPO)", _CITATION)

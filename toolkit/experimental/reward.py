@@ -154,6 +154,9 @@ class RewardTrainer(TrainerLifecycle, Trainer):
 
         # 1. Data before any model.
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
+        if getattr(tokenizer, "image_processor", None) is not None:  # (vision.is_vision_processor)
+            raise ConfigError("processing_class: RewardTrainer does not take vision-language models yet; SFT, DPO and "
+                              "GRPO do (docs/vision.md).")
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         train_tok = self.prepare_examples(train_dataset, tokenizer, args, "train")
