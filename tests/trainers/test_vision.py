@@ -667,7 +667,8 @@ def test_online_dpo_trains_on_image_prompts_and_async_grpo_says_it_does_not(tmp_
 
     model, processor = tiny_idefics3()
     t = OnlineDPOTrainer(model, reward_funcs=length_reward, processing_class=processor,
-                         args=OnlineDPOConfig(output_dir=str(tmp_path / "od"), max_steps=2, per_device_train_batch_size=4,
+                         args=OnlineDPOConfig(output_dir=str(tmp_path / "od"), max_steps=2,
+                                              per_device_train_batch_size=4,
                                               num_generations=2, max_completion_length=6, logging_steps=1,
                                               report_to="none", disable_tqdm=True, save_strategy="no"),
                          train_dataset=prompt_rows_with_images(4))

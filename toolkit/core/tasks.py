@@ -5,9 +5,9 @@
 number, for the calculator tool (its prompt-completion rows are a warm-up: 15% use the tool, the rest answer at
 once). `sorting`: a few numbers to put in increasing order
 (the answer is the list; `number_list_match` scores it). `shapes`: a 56x56 picture of one to four red squares on
-a 4x4 grid (one per cell, of varying size and place), asked "how many red squares?" (rows carry the picture in an `images` column; for the embedded
-vision-language model, docs/vision.md). The same generators feed SFT (prompt-completion
-rows), RL (prompt-only rows with an `answer` column) and preference training (the answer against a near
+a 4x4 grid (one per cell, of varying size and place), asked "how many red squares?" (rows carry the picture in an
+`images` column; for the embedded vision-language model, docs/vision.md). The same generators feed SFT
+(prompt-completion rows), RL (prompt-only rows with an `answer` column) and preference training (the answer against a near
 miss). Splits are disjoint by construction (different seeds, and held-out problems are removed from the
 training set; for sorting, a problem is its set of numbers, so no reordering of a held-out list is trained on).
 """
@@ -155,7 +155,8 @@ def task_rows(task: str, n: int, *, seed: int = 0, max_value: int = 20, max_term
         row: dict[str, Any] = {"prompt": prompt, "answer": answer}
         if task == "shapes":  # the picture is the question; the squares' places make the problem
             prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": SHAPES_QUESTION}]}]
-            row = {"prompt": prompt, "answer": answer, "images": [shapes_image(expr)], "squares": [list(q) for q in expr]}
+            row = {"prompt": prompt, "answer": answer, "images": [shapes_image(expr)],
+                   "squares": [list(q) for q in expr]}
         if kind == "prompt_completion" and task == "calculator":
             # the SFT warm-up of examples/tools_pipeline.toml, under the calculator environment's system prompt:
             # 15% of the rows use the tool (the call, its result, the answer), the rest answer at once with the

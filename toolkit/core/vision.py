@@ -358,7 +358,8 @@ def _assistant_mask(processor: Any, turns: list[dict[str, Any]], ids: list[int],
             continue
         n_before = _placeholders(turns[:k])
         before = _expand(processor, _render(processor, turns[:k], add_generation_prompt=True,
-                                            template_kwargs=template_kwargs, row=row), images[:n_before], row) if k else []
+                                            template_kwargs=template_kwargs, row=row),
+                         images[:n_before], row) if k else []
         upto = _expand(processor, _render(processor, turns[:k + 1], add_generation_prompt=False,
                                           template_kwargs=template_kwargs, row=row), images[:n_before], row)
         if ids[:len(before)] != before or ids[:len(upto)] != upto:
