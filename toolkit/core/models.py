@@ -12,6 +12,7 @@ __all__ = [
     "BF16_HELP",
     "DEFAULT_MODEL",
     "EMBEDDED_HUB_ID",
+    "EMBEDDED_VISION_NAME",
     "GpuInfo",
     "apply_cpu_training_defaults",
     "apply_gpu_defaults",
@@ -21,6 +22,7 @@ __all__ = [
     "apply_peft",
     "cache_dir",
     "embedded_model_path",
+    "embedded_vision_model_path",
     "gpu_info",
     "is_embedded_checkpoint",
     "is_embedded_name",
@@ -129,12 +131,47 @@ def embedded_model_path(cache: str | os.PathLike | None = None) -> Path:
 _told_where_embedded_weights_come_from = False
 
 
+# ------------------------------------------------------------------------------------------------
+# The embedded vision-language model: SmolLM2-135M-Instruct joined LLaVA-style to a small vision tower
+# ------------------------------------------------------------------------------------------------
+
+EMBEDDED_VISION_NAME = "smollm2-135m-vision"
+_VISION_CACHE_VERSION = 1
+# SmolLM2's own template, reading lists of image/text parts as well as strings.
+_SMOLLM2_VISION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def embedded_vision_model_path(cache: str | os.PathLike | None = None) -> Path:
+    """The folder of the embedded vision-language model, built once: the embedded SmolLM2-135M-Instruct as the
+    language model, a 2-layer CLIP-style vision tower (56x56 pixels, 14x14 patches: 16 image tokens) and a
+    projector with random weights (seed 0), LLaVA-style: what examples/vision_pipeline.toml trains from pixels on
+    this machine (docs/vision.md has what it has shown so far); not a good vision-language model."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    root = Path(cache) if cache is not None else cache_dir()
+    target = root / f"{EMBEDDED_VISION_NAME}-v{_VISION_CACHE_VERSION}"
+    if (target / "config.json").exists() and (target / "toolkit_cache.json").exists():
+        return target
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Map a short name to the embedded checkpoint; leave paths and Hub ids alone."""
     global _told_where_embedded_weights_come_from
-    from .vision import EMBEDDED_VISION_NAME, embedded_vision_model_path
-
-    if str(name_or_path).lower() == EMBEDDED_VISION_NAME:  # SmolLM2 + a small vision tower (vision.py)
+    if str(name_or_path).lower() == EMBEDDED_VISION_NAME:  # SmolLM2 + a small vision tower (below)
         return str(embedded_vision_model_path())
     if is_embedded_name(name_or_path):
         path = embedded_model_path()

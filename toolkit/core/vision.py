@@ -25,12 +25,10 @@ recomputed per batch (they are much larger than the images) rather than stored.
 from __future__ import annotations
 
 __all__ = [
-    "EMBEDDED_VISION_NAME",
     "IMAGE_INPUT_KEYS",
     "ListDataset",
     "VisionCollator",
     "attach_image_features",
-    "embedded_vision_model_path",
     "encode_images",
     "freeze_vision_tower",
     "image_inputs_for_rows",
@@ -608,50 +606,6 @@ def tokenize_vision_prompts(rows: list[dict[str, Any]], images: list[list[Any]],
     return out, 0
 
 
-# ------------------------------------------------------------------------------------------------
-# The embedded vision-language model: SmolLM2-135M-Instruct joined LLaVA-style to a small vision tower
-# ------------------------------------------------------------------------------------------------
-
-EMBEDDED_VISION_NAME = "smollm2-135m-vision"
-_VISION_CACHE_VERSION = 1
-# SmolLM2's own template, reading lists of image/text parts as well as strings.
-_SMOLLM2_VISION_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def embedded_vision_model_path(cache: str | os.PathLike | None = None) -> Any:
-    """The folder of the embedded vision-language model, built once: the embedded SmolLM2-135M-Instruct as the
-    language model, a 2-layer CLIP-style vision tower (56x56 pixels, 14x14 patches: 16 image tokens) and a
-    projector with random weights (seed 0), LLaVA-style. For demonstrating that images carry learning signal
-    end to end on this machine (examples/vision_pipeline.toml), not a good vision-language model."""
-    import json
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    import torch
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, CLIPVisionConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
-    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
-
-    from .models import cache_dir, embedded_model_path
-
-    root = Path(cache) if cache is not None else cache_dir()
-    target = root / f"{EMBEDDED_VISION_NAME}-v{_VISION_CACHE_VERSION}"
-    if (target / "config.json").exists() and (target / "toolkit_cache.json").exists():
-        return target
     text_path = embedded_model_path(cache)
     tok = AutoTokenizer.from_pretrained(text_path)
     tok.add_tokens(["<image>"], special_tokens=True)
