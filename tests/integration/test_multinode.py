@@ -13,6 +13,8 @@ rendezvous on loopback (static: node 0's address and port), as two machines of a
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,21 +34,37 @@ def _env() -> dict:
             "PYTHONPATH": str(HELPERS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def _two_nodes(port: int, *args: str) -> None:
-    """Both nodes' agents at once (each waits at the rendezvous for the other), one process per node."""
+def _free_port() -> int:
+    """A port nothing listens on now (a fixed one could meet another run's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(logs: Path, *args: str) -> None:
+    """Both nodes' agents at once (each waits at the rendezvous for the other), one process per node; each agent's
+    output goes to a file (no pipe to fill), and each agent with its workers is its own process group, killed
+    whole if the run hangs."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun comes with torch"
+    port = _free_port()
+    logs.mkdir(parents=True, exist_ok=True)
+    files = [open(logs / f"node{node}.log", "w") for node in (0, 1)]
     procs = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node),
                                "--master_addr", "127.0.0.1", "--master_port", str(port), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-             for node in (0, 1)]
+                              stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+             for node, f in zip((0, 1), files)]
     try:
-        outputs = [p.communicate(timeout=900)[0] for p in procs]
+        for p in procs:
+            p.wait(timeout=900)
     finally:
         for p in procs:
-            p.kill()
-    for node, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"node {node}:\n{out[-6000:]}"
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in files:
+            f.close()
+    for node, p in enumerate(procs):
+        assert p.returncode == 0, f"node {node}:\n{(logs / f'node{node}.log').read_text()[-6000:]}"
 
 
 def _one(*args: str) -> None:
@@ -63,7 +81,7 @@ def _same(p1: dict, p2: dict, what: str) -> None:
 def test_two_nodes_train_sft_and_grpo_to_the_weights_of_one_process(tmp_path):
     cases = "sft,grpo-dapo-group"
     _one(DDP_WORKER, str(tmp_path / "one"), "1", cases)
-    _two_nodes(29541, DDP_WORKER, str(tmp_path / "two"), "2", cases)
+    _two_nodes(tmp_path / "logs", DDP_WORKER, str(tmp_path / "two"), "2", cases)
     r1, r2 = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("one", "two"))
     for case in cases.split(","):
         assert r1[case]["world_size"] == 1 and r2[case]["world_size"] == 2
@@ -77,7 +95,7 @@ def test_checkpoints_are_written_once_and_both_nodes_resume_from_them(tmp_path):
 
     one, shared = tmp_path / "one", tmp_path / "shared"
     _one(WORKER, str(one), "1", "4", "fresh")
-    _two_nodes(29542, WORKER, str(shared), "2", "2", "fresh")
+    _two_nodes(tmp_path / "logs-1", WORKER, str(shared), "2", "2", "fresh")
     # what each rank knew of its place
     ranks = [json.loads((shared / f"rank{k}.json").read_text()) for k in (0, 1)]
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in ranks] == [(0, 0, 0), (1, 1, 0)]
@@ -86,14 +104,20 @@ def test_checkpoints_are_written_once_and_both_nodes_resume_from_them(tmp_path):
     # written once, into the one folder: complete, with the model and both ranks' RNG states, nothing half-way
     checkpoints = sorted(p.name for p in shared.glob("checkpoint-*"))
     assert checkpoints == ["checkpoint-1", "checkpoint-2"]
+    from safetensors.torch import load_file
+
     for name in checkpoints:
         files = {p.name for p in (shared / name).iterdir()}
         assert {COMPLETE_MARKER, "model.safetensors", "rng_state_0.pth", "rng_state_1.pth"} <= files, files
+        # one copy of the weights, the one-process run's at that step
+        assert len([f for f in files if f.endswith(".safetensors")]) == 1
+        w1, w2 = load_file(str(one / name / "model.safetensors")), load_file(str(shared / name / "model.safetensors"))
+        _same(w1, w2, f"{name} as written")
     assert not list((shared / ".staging").iterdir())  # (the staging folder, empty, as after one process's run)
     assert [p.name for p in shared.iterdir() if p.name.startswith(".")] == [".staging"]
     # both nodes resume from the shared folder (the newest complete checkpoint) and train on to step 4: the
     # weights of one process that never stopped
-    _two_nodes(29543, WORKER, str(shared), "2", "4", "resume")
+    _two_nodes(tmp_path / "logs-2", WORKER, str(shared), "2", "4", "resume")
     resumed = json.loads((shared / "rank0.json").read_text())
     straight = json.loads((one / "rank0.json").read_text())
     assert resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5, abs=2e-6)

@@ -110,3 +110,22 @@ def test_the_embedded_vision_model_is_smollm2_behind_a_vision_tower(tmp_path, sm
     assert ids.count(model.config.image_token_id) == 16
     accuracy, _ = heldout_accuracy(model, processor, held_out, [numeric_match], max_new_tokens=8)
     assert not math.isnan(accuracy)  # every greedy answer was judged (a number or not)
+
+
+def test_the_embedded_vision_model_builds_the_same_into_an_empty_cache(tmp_path, smollm):
+    """Built anew (a fresh machine's first run) it holds the very weights of the cached copy: the language model's
+    from SmolLM2, the tower's and projector's from seed 0."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from toolkit import load_model
+    from toolkit.core.models import EMBEDDED_VISION_NAME, embedded_vision_model_path
+
+    text_path, _, _ = smollm
+    (tmp_path / text_path.name).symlink_to(text_path)  # the converted text model; the vision model is built here
+    built = embedded_vision_model_path(tmp_path)
+    assert built.parent == tmp_path and (built / "toolkit_cache.json").exists()
+    fresh, cached = AutoModelForImageTextToText.from_pretrained(built), load_model(EMBEDDED_VISION_NAME)
+    assert type(AutoProcessor.from_pretrained(built)).__name__ == "LlavaProcessor"
+    theirs = cached.state_dict()
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, theirs[k]), k

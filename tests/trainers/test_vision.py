@@ -445,7 +445,7 @@ def test_dpo_and_grpo_refuse_image_rows_for_a_text_model(tmp_path):
                     train_dataset=text_prompts, processing_class=tiny_tokenizer())
     assert not (tmp_path / "out").exists()
     # a column of strings a reward function reads (a URL, an id) is not taken for pictures
-    urls = [{"prompt": "What colour?", "images": "https://example.org/a.png"}] * 4
+    urls = [{"prompt": "What colour?", "images": ["https://example.org/a.png", "id-17"]}] * 4
     GRPOTrainer(tiny_model(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                 args=grpo_cfg(tmp_path), train_dataset=urls, processing_class=tiny_tokenizer())
 
@@ -705,7 +705,9 @@ def test_shapes_rows_are_pictures_of_the_answer_and_the_splits_are_disjoint():
     for rows in (train, held_out):
         counts = Counter(r["answer"] for r in rows)
         assert set(counts) == {"1", "2", "3", "4"} and max(counts.values()) < 0.35 * len(rows), counts
-    assert shapes_image(((0, 2, 2, 8),)).getpixel((50, 50)) == (255, 255, 255)
+    one = shapes_image(((5, 2, 3, 8),))  # cell 5: x 14..27, y 14..27; the square from (16, 17), 8 wide
+    assert one.getpixel((16, 17)) == one.getpixel((23, 24)) == (220, 30, 30)
+    assert one.getpixel((15, 17)) == one.getpixel((24, 24)) == (255, 255, 255)
     sft, _ = task_splits("shapes", 4, 2, kind="prompt_completion")
     assert sft[0]["completion"] == [{"role": "assistant", "content": sft[0]["answer"]}]
 
@@ -779,3 +781,19 @@ def test_rows_with_two_images_or_none_get_their_own_features(tmp_path, family):
                             "row_example": [0]})
             alone.append(completion_logps(model, vision.attach_image_features(model, one, processor)))
     torch.testing.assert_close(together, torch.cat(alone), rtol=1e-4, atol=1e-5)
+
+
+def test_grpo_micro_batches_with_and_without_images_train(tmp_path):
+    """One prompt per micro-batch (gradient accumulation 3): the one without images trains as text."""
+    from toolkit import GRPOTrainer
+
+    model, processor = tiny_qwen2_vl()
+    t = GRPOTrainer(model, reward_funcs=lambda completions, **kw: [float(len(c[0]["content"])) for c in completions],
+                    args=grpo_cfg(tmp_path, max_steps=1, per_device_train_batch_size=2, num_generations=2,
+                                  gradient_accumulation_steps=3, zero_variance_filter=False),
+                    train_dataset=two_image_and_no_image_prompts(3), processing_class=processor)
+    rollout = t.generate_rollout([0, 1, 2])
+    micros = t._split(rollout)
+    assert [bool(m.get("pixels")) for m in micros] == [True, False, True]
+    t.train()
+    assert all(math.isfinite(h["loss"]) for h in t.state.log_history if "loss" in h)

@@ -1044,7 +1044,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         # tokens less forward and backward work) and the start all prompts share (the chat template's system
         # prompt) is laid out once for the micro-batch: same log-probs and gradients (tests/unit/test_packing.py).
         batch = pack_for_layout(self.packed_layout, prompts, completions, pad_token_id=self.text_tokenizer.pad_token_id)
-        if rollout.prompt_images is not None:
+        if rollout.prompt_images is not None and any(rollout.prompt_images[int(rollout.group_ids[r])] for r in rows):
             # the images of the groups in these rows, once per group: the forward encodes them once and every
             # completion of the group reuses the features (vision.attach_image_features)
             groups = list(dict.fromkeys(int(rollout.group_ids[r]) for r in rows))

@@ -136,7 +136,7 @@ _told_where_embedded_weights_come_from = False
 # ------------------------------------------------------------------------------------------------
 
 EMBEDDED_VISION_NAME = "smollm2-135m-vision"
-_VISION_CACHE_VERSION = 1
+_VISION_CACHE_VERSION = 2  # 2: the <image> embedding row is zeros (1: a random draw)
 # SmolLM2's own template, reading lists of image/text parts as well as strings.
 _SMOLLM2_VISION_TEMPLATE = (
     "{% for message in messages %}"
@@ -166,6 +166,44 @@ def embedded_vision_model_path(cache: str | os.PathLike | None = None) -> Path:
     target = root / f"{EMBEDDED_VISION_NAME}-v{_VISION_CACHE_VERSION}"
     if (target / "config.json").exists() and (target / "toolkit_cache.json").exists():
         return target
+    text_path = embedded_model_path(cache)
+    tok = AutoTokenizer.from_pretrained(text_path)
+    tok.add_tokens(["<image>"], special_tokens=True)
+    tok.chat_template = _SMOLLM2_VISION_TEMPLATE
+    language = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)
+    language.resize_token_embeddings(len(tok), mean_resizing=False)
+    with torch.no_grad():  # the new <image> row: zeros, not a random draw (the build is the same on every machine;
+        language.get_input_embeddings().weight[-1].zero_()  # the row is replaced by image features anyway)
+    text_config = language.config
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=4, image_size=56, patch_size=14, projection_dim=128),
+        text_config=text_config.to_dict(), image_token_id=tok.convert_tokens_to_ids("<image>"),
+        projector_hidden_act="gelu", vision_feature_select_strategy="default", vision_feature_layer=-1,
+        tie_word_embeddings=text_config.tie_word_embeddings)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlavaForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(language.model.state_dict())
+    model.lm_head.weight.data.copy_(language.lm_head.weight.data)
+    model.generation_config = language.generation_config
+    image_processor = LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=_SMOLLM2_VISION_TEMPLATE)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-vision-", dir=root))
+    try:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        (tmp / "toolkit_cache.json").write_text(json.dumps({"source": "smollm2-135m-instruct + random CLIP tower"}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -247,8 +285,9 @@ def _model_source(model: str | os.PathLike, *, needs_config: bool = True) -> str
 
 
 def is_vision_language(path: str, **kwargs: Any) -> bool:
-    """True when the saved model at `path` is an image-text-to-text model (Qwen2-VL, Idefics3/SmolVLM, LLaVA,
-    Gemma 3, ...): it loads with AutoModelForImageTextToText and its processor with AutoProcessor."""
+    """True when the saved model at `path` is an image-text-to-text model only (Qwen2-VL, Idefics3/SmolVLM,
+    LLaVA, ...): it loads with AutoModelForImageTextToText and its processor with AutoProcessor. Types that are
+    causal LMs too (Gemma 3, Llama 4) answer False and load as text models, as before."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,

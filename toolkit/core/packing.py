@@ -240,7 +240,7 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         kwargs.update(varlen_kwargs(batch["cu_seq_lens"]))
     else:
         kwargs["attention_mask"] = batch["attention_mask"]
-    if "pixels" in batch:  # pixels not yet encoded would be dropped here and the image tokens read as text
+    if batch.get("pixels"):  # pixels not yet encoded would be dropped here and the image tokens read as text
         raise ValueError("completion_hidden: the batch holds images not yet encoded; pass it through "
                          "vision.attach_image_features(model, batch, processor) first.")
     kwargs.update({k: batch[k] for k in IMAGE_INPUT_KEYS if k in batch})  # rows with images (vision.py)

@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 IMAGE_INPUT_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "mm_token_type_ids",
                     "image_attention_mask", "mm_encoder_outputs")
 IMAGE_COLUMNS = ("images", "image")
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 # Modes RGB represents without changing what the picture means. 16-bit and float images ("I;16", "I", "F") would
 # be clipped to 8 bits, silently; they are refused so the user chooses the scaling.
 _CONVERTIBLE_MODES = ("RGB", "RGBA", "L", "LA", "P", "PA", "1", "CMYK", "YCbCr", "RGBX", "La")
@@ -202,8 +203,9 @@ def _looks_like_images(value: Any) -> bool:
     if isinstance(value, (Image.Image, bytes, bytearray)) or isinstance(value, Mapping) and ("bytes" in value or
                                                                                              "path" in value):
         return True
-    return isinstance(value, (list, tuple)) and bool(value) and all(
-        isinstance(v, (str, os.PathLike)) or _looks_like_images(v) for v in value)
+    if isinstance(value, (str, os.PathLike)):  # a path to a picture; any other string (a URL, an id) is not
+        return str(value).lower().endswith(_IMAGE_SUFFIXES) and "://" not in str(value)
+    return isinstance(value, (list, tuple)) and bool(value) and all(_looks_like_images(v) for v in value)
 
 
 def _bad_part(row: Mapping[str, Any], columns: list[str]) -> str | None:
@@ -604,41 +606,3 @@ def tokenize_vision_prompts(rows: list[dict[str, Any]], images: list[list[Any]],
                         f"max_prompt_length={max_prompt_length}; cutting them would "
                         "cut an image. Raise max_prompt_length or use smaller images (the processor's max_pixels).")
     return out, 0
-
-
-    text_path = embedded_model_path(cache)
-    tok = AutoTokenizer.from_pretrained(text_path)
-    tok.add_tokens(["<image>"], special_tokens=True)
-    tok.chat_template = _SMOLLM2_VISION_TEMPLATE
-    language = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)
-    language.resize_token_embeddings(len(tok), mean_resizing=False)
-    text_config = language.config
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                       num_attention_heads=4, image_size=56, patch_size=14, projection_dim=128),
-        text_config=text_config.to_dict(), image_token_id=tok.convert_tokens_to_ids("<image>"),
-        projector_hidden_act="gelu", vision_feature_select_strategy="default", vision_feature_layer=-1,
-        tie_word_embeddings=text_config.tie_word_embeddings)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = LlavaForConditionalGeneration(config)
-    model.model.language_model.load_state_dict(language.model.state_dict())
-    model.lm_head.weight.data.copy_(language.lm_head.weight.data)
-    model.generation_config = language.generation_config
-    image_processor = LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
-                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                               chat_template=_SMOLLM2_VISION_TEMPLATE)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-vision-", dir=root))
-    try:
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        (tmp / "toolkit_cache.json").write_text(json.dumps({"source": "smollm2-135m-instruct + random CLIP tower"}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
