@@ -63,7 +63,7 @@ def test_unknown_tasks_and_impossible_sizes_are_named():
         task_rows("multiplication", 100, max_value=5)
     with pytest.raises(ConfigError, match="must be >= task_max_terms"):
         task_rows("sorting", 1, max_value=3, max_terms=4)
-    assert set(TASKS) == {"arithmetic", "multiplication", "sorting", "calculator"}
+    assert set(TASKS) == {"arithmetic", "multiplication", "sorting", "calculator", "shapes"}
 
 
 def test_calculator_rows_warm_up_with_the_tool_sometimes_and_hold_out_disjoint_questions():

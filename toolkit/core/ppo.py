@@ -55,6 +55,7 @@ from transformers.trainer_utils import TrainOutput
 from .attention import packed_layout, supports_varlen, use_varlen_attention
 from .checkpoint import begin_checkpoint, commit_checkpoint, publish_folder, resolve_resume, write_atomic
 from .data import prompt_rows, tokenize_prompts
+from .vision import is_vision_processor, tokenize_vision_prompts, validate_vision
 from .distributed import env_world_size, refuse_sharding
 from .errors import ConfigError, ToolkitDeprecationWarning, TrainingHealthError
 from .generation import after_generation
@@ -474,8 +475,15 @@ class PPOTrainer(TrainerLifecycle, Trainer):
         extends it."""
         rows, prompt_fmt = prompt_rows(train_dataset, tokenizer, trainer="PPO")
         self.rows, self.dataset_format = rows, prompt_fmt
-        self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
-                                                  chat_template_kwargs=args.chat_template_kwargs)
+        images = validate_vision(rows, prompt_fmt, tokenizer, trainer="PPO")  # (refuses images for a text model)
+        self.prompt_images = images if is_vision_processor(tokenizer) else None
+        if self.prompt_images is not None:
+            self.prompt_ids, n_cut = tokenize_vision_prompts(rows, images, tokenizer,
+                                                             max_prompt_length=args.max_prompt_length,
+                                                             chat_template_kwargs=args.chat_template_kwargs)
+        else:
+            self.prompt_ids, n_cut = tokenize_prompts(rows, tokenizer, max_prompt_length=args.max_prompt_length,
+                                                      chat_template_kwargs=args.chat_template_kwargs)
         logger.info("PPO data: %s, %d prompts, longest prompt %d tokens%s.", prompt_fmt.describe(), len(rows),
                     max(len(p) for p in self.prompt_ids),
                     f"; {n_cut} prompts cut to max_prompt_length={args.max_prompt_length}" if n_cut else "")
