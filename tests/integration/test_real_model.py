@@ -98,7 +98,8 @@ def test_the_embedded_vision_model_is_smollm2_behind_a_vision_tower(tmp_path, sm
     from toolkit.core.rewards import numeric_match
     from toolkit.core.tasks import task_splits
 
-    _, text_model, tok = smollm
+    _, _, tok = smollm
+    text_model = load_model("smollm2-135m-instruct")  # (not the fixture's: earlier tests in this module train it)
     model, processor = load_model(EMBEDDED_VISION_NAME), load_tokenizer(EMBEDDED_VISION_NAME)
     assert type(model).__name__ == "LlavaForConditionalGeneration" and vision.is_vision_processor(processor)
     x = torch.tensor([tok("What is 12 + 7?").input_ids])
