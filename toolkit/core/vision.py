@@ -50,7 +50,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .data import DatasetFormat, TokenizationReport, _finish_example, _Problems, _render
+from .data import DatasetFormat, SFTCollator, TokenizationReport, _finish_example, _Problems, _render
 from .errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -377,23 +377,14 @@ class VisionCollator:
     def __init__(self, processor: Any, pad_token_id: int):
         self.processor = processor
         self.pad_token_id = pad_token_id
+        self.text = SFTCollator(pad_token_id)  # the ids, labels and mask exactly as for text rows (padded)
         self.wants_token_types = "mm_token_type_ids" in getattr(processor, "model_input_names", ())
 
     def __call__(self, examples: list[Mapping[str, Any]]) -> dict[str, Any]:
         import torch
 
-        longest = max(len(ex["input_ids"]) for ex in examples)
-        n = len(examples)
-        input_ids = torch.full((n, longest), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((n, longest), -100, dtype=torch.long)
-        attention_mask = torch.zeros((n, longest), dtype=torch.long)
-        for b, ex in enumerate(examples):
-            x = torch.as_tensor(ex["input_ids"], dtype=torch.long)
-            m = torch.as_tensor(ex["completion_mask"], dtype=torch.bool)
-            input_ids[b, :len(x)] = x
-            labels[b, :len(x)] = torch.where(m, x, torch.full_like(x, -100))
-            attention_mask[b, :len(x)] = 1
-        batch: dict[str, Any] = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        batch: dict[str, Any] = self.text(examples)
+        input_ids = batch["input_ids"]
         images = [list(ex["images"]) for ex in examples]
         if any(images):
             # The image processor batches per its family (rows without images included, where the family allows).
