@@ -155,7 +155,19 @@ def run(case: str, out: Path, world: int) -> dict:
     per_device = 8 // world
     tok = tiny_tokenizer()
     sharded = FSDP if world > 1 else {}
-    if case == "sft":
+    if case.endswith("-sp"):
+        # sequence parallelism: groups of 2 ranks share each batch, each rank holding half of every packed row;
+        # 8 examples per step over the world // 2 replicas, 2 steps
+        sp = 2 if world > 1 else 1
+        per_device = 8 // (world // sp)
+        common = dict(output_dir=str(out), max_steps=2, per_device_train_batch_size=per_device,
+                      sequence_parallel_size=sp, **{**SGD, "learning_rate": 0.1}, **sharded)
+        if case == "sft-sp":
+            trainer = SFTTrainer(tiny_model(), SFTConfig(**common), train_dataset=sft_rows(), processing_class=tok)
+        else:
+            trainer = DPOTrainer(tiny_model(), args=DPOConfig(beta=0.5, **common), train_dataset=pairs(),
+                                 processing_class=tok)
+    elif case == "sft":
         trainer = SFTTrainer(tiny_model(), SFTConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=per_device,
                                                       **SGD, **sharded), train_dataset=sft_rows(), processing_class=tok)
     elif case == "sft-stream":
@@ -242,7 +254,7 @@ def run(case: str, out: Path, world: int) -> dict:
     if trainer.is_world_process_zero():
         torch.save(params, out / "params.pt")
     saved = None
-    if case in ("sft", "dpo", "ppo"):  # every rank calls save_model (FSDP gathers), rank 0 writes, all wait
+    if case in ("sft", "dpo", "ppo", "sft-sp", "dpo-sp"):  # every rank calls save_model (FSDP gathers), rank 0 writes, all wait
         trainer.save_model(str(out / "saved"))
         if trainer.is_world_process_zero():
             saved = sorted(p.name for p in (out / "saved").iterdir())
@@ -257,6 +269,7 @@ def run(case: str, out: Path, world: int) -> dict:
     return {"losses": losses, "world_size": trainer.args.world_size, "rounds_in_trainer": here[-1] if here else None,
             "turns": [h["episodes/turns_mean"] for h in trainer.state.log_history if "episodes/turns_mean" in h],
             "padded_calls": padded, "saved": saved,
+            "sequence_parallel": trainer.sequence_parallel.size if getattr(trainer, "sequence_parallel", None) else 1,
             "sharded": type(trainer.model).__name__.startswith("FSDP")}
 
 

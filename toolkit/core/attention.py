@@ -47,6 +47,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .sequence_parallel import ulysses_attention
+
 VARLEN_ATTENTION = "toolkit_varlen"
 
 
@@ -322,7 +324,14 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     With `toolkit_shared_prefix` (list of (prompt_start, prompt_end, [(completion_start, completion_end)])),
     completions that share a prompt are laid out once after it (see `_shared_prefix_attention`);
     `toolkit_shared_context` (start, end) is a prefix all groups' prompts share, laid out once before them.
+    With `toolkit_sp` (a sequence-parallel forward), q/k/v hold this rank's share of the row's tokens: the
+    attention runs over the whole row on a share of the heads (`sequence_parallel.ulysses_attention`).
     """
+    shard = kwargs.pop("toolkit_sp", None)
+    if shard is not None:
+        return ulysses_attention(varlen_sdpa, module, query, key, value, attention_mask, shard, dropout=dropout,
+                                 scaling=scaling, cu_seq_lens_q=cu_seq_lens_q, toolkit_shared_prefix=toolkit_shared_prefix,
+                                 toolkit_shared_context=toolkit_shared_context, **kwargs)
     if toolkit_shared_prefix is not None and query.shape[0] == 1:
         out = None
         if _batched_segments(query):

@@ -56,6 +56,7 @@ from .numerics import DEFAULT_CHUNK_SIZE
 from .objectives import PreferenceLossInputs, resolve_preference_loss_settings
 from .objectives.preference import check_loss_kwargs_used
 from .packing import completion_logps, pack_for_layout, sequence_sums
+from .sequence_parallel import sequence_parallel_loss
 from .plugins import registry
 from .vision import (
     ListDataset,
@@ -110,6 +111,9 @@ class DPOConfig(TrainingArguments):
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
     logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
     fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
+    sequence_parallel_size: int = field(default=1, metadata={
+        "help": "Split each packed row over this many consecutive ranks (Ulysses sequence parallelism): each holds "
+                "1/N of the tokens' activations. Must divide the number of processes."})
     bf16: bool | None = field(default=None, metadata={"help": BF16_HELP})
     model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
     flat_warn_steps: int = field(default=20, metadata={
@@ -126,6 +130,8 @@ class DPOConfig(TrainingArguments):
         types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
         if self.beta <= 0:
             raise ConfigError(f"beta: must be > 0, got {self.beta}.")
+        if self.sequence_parallel_size < 1:
+            raise ConfigError(f"sequence_parallel_size: must be >= 1, got {self.sequence_parallel_size}.")
         # Each loss checks its own settings (e.g. label_smoothing's range) before any model loads.
         losses = {t: registry().get("preference_loss", t, field="loss_type") for t in types}
         for t, loss in losses.items():
@@ -207,6 +213,10 @@ class DPOTrainer(TrainerLifecycle, Trainer):
                 use_varlen_attention(m)
         # chosen and rejected share one prompt copy only where the kernel can express it (attention.packed_layout)
         self.packed_layout = packed_layout(unwrap_model(model), self.ref_model) if self.padding_free else "padded"
+        self.setup_sequence_parallel(args, [model, self.ref_model], refuse=(
+            "splits packed rows; vision-language pairs are padded." if self.vision else
+            "splits packed rows, and this model's attention cannot run them (use attn_implementation='sdpa')."
+            if not self.padding_free else None))
         # prompt + completion <= max_length per sequence; a pair holds the prompt once and two completions, so the
         # most tokens a pair can hold is with a short prompt: an eighth of max_length for the estimate's prompt
         longest = args.max_length or 1024
@@ -371,6 +381,7 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         # three arguments keeps working (the "sft" term then says it did not get the log-probs).
         extra = {"chosen_logps": chosen} if self._loss_takes_chosen_logps else {}
         loss = self.compute_preference_loss(chosen_logratios, rejected_logratios, lengths, **extra)
+        loss = sequence_parallel_loss(loss, self.sequence_parallel)  # each rank of a group holds a share of the row
         if not torch.isfinite(loss):
             raise TrainingHealthError(f"DPO loss is {loss.item()} at step {self.state.global_step}; check for extreme "
                                       "sequence lengths or lower the learning rate.")

@@ -48,6 +48,7 @@ from .distributed import warn_if_sharding_ignored
 from .errors import ConfigError, HubPushError
 from .model_card import hub_base_model, write_model_card
 from .plugins import notify_checkpoint_saved, notify_step_metrics
+from .sequence_parallel import RepeatBatches, SequenceParallel, enable, sequence_parallel_group
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,64 @@ class TrainerLifecycle:
 
     def _checkpoint_complete(self, step: int, path: str) -> None:
         notify_checkpoint_saved(self.trainer_kind, step, path)
+
+    # ---------------------------------------------------------------------- sequence parallelism
+
+    #: This rank's sequence-parallel group (`sequence_parallel_size` > 1), else None.
+    sequence_parallel: SequenceParallel | None = None
+
+    def setup_sequence_parallel(self, args: Any, models: list, *, refuse: str | None = None) -> None:
+        """Split every packed row over `args.sequence_parallel_size` consecutive ranks (Ulysses; docs/distributed.md)
+        for `models` (the policy and, where there is one, the reference). Call before `Trainer.__init__`."""
+        size = getattr(args, "sequence_parallel_size", 1)
+        if size == 1:
+            return
+        if refuse is not None:
+            raise ConfigError(f"sequence_parallel_size={size}: {refuse} Set sequence_parallel_size=1.")
+        from .models import unwrap_model
+
+        world = args.world_size  # sets up the process group under torchrun / accelerate launch
+        if world % size:
+            raise ConfigError(f"sequence_parallel_size={size}: must divide the number of processes ({world}). Launch "
+                              f"a multiple of {size} processes (torchrun --nproc_per_node), or choose a divisor.")
+        self.sequence_parallel = sequence_parallel_group(size)
+        try:
+            for m in models:
+                if m is not None:
+                    enable(unwrap_model(m), self.sequence_parallel)
+        except ValueError as e:
+            raise ConfigError(f"sequence_parallel_size={size}: {e}") from None
+        logger.info("Sequence parallelism: each packed row split over %d ranks (Ulysses); %d data-parallel "
+                    "replicas of the batch.", size, self.sequence_parallel.dp_size)
+
+    def _sequence_parallel_sampler(self, sampler: Any, batch_size: int, what: str) -> Any:
+        """The ranks of a sequence-parallel group must get the same batches: each batch is repeated P times."""
+        sp = self.sequence_parallel
+        if sp is None:
+            return sampler
+        if sampler is None:
+            raise ConfigError(f"sequence_parallel_size={sp.size}: the {what} dataset has no length (a stream), so its "
+                              "batches cannot be shared by a sequence-parallel group; pass a datasets.Dataset or list.")
+        from torch.utils.data import RandomSampler
+
+        config = self.accelerator.dataloader_config
+        if type(sampler) is RandomSampler and config.use_seedable_sampler:
+            # accelerate replaces a RandomSampler it finds with its seeded one; inside ours it would not find it, and
+            # the order would differ from a run without sequence parallelism
+            from accelerate.data_loader import SeedableRandomSampler
+
+            sampler = SeedableRandomSampler(data_source=sampler.data_source, replacement=sampler.replacement,
+                                            num_samples=sampler._num_samples, generator=sampler.generator,
+                                            data_seed=config.data_seed)
+        return RepeatBatches(sampler, batch_size, sp.size, drop_last=self.args.dataloader_drop_last)
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        sampler = super()._get_train_sampler(train_dataset)
+        return self._sequence_parallel_sampler(sampler, self._train_batch_size, "train")
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> Any:
+        sampler = super()._get_eval_sampler(eval_dataset)
+        return self._sequence_parallel_sampler(sampler, self.args.eval_batch_size, "eval")
 
     # ------------------------------------------------------------------------------ metrics
 

@@ -18,6 +18,7 @@ __all__ = [
     "completion_logps_and_entropy",
     "completion_token_pass",
     "group_by_prompt",
+    "last_hidden",
     "pack_completions",
     "pack_for_layout",
     "pack_shared_prompts",
@@ -38,6 +39,7 @@ import torch
 from .attention import varlen_kwargs
 from .models import _CpuInferenceLinear, output_head, unwrap_model
 from .numerics import chunked_entropy, chunked_token_logps, chunked_token_logps_and_entropy
+from .sequence_parallel import SequenceParallel, gather_owned, sequence_parallel_of, shard_row
 from .vision import IMAGE_INPUT_KEYS
 
 
@@ -215,20 +217,14 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
     return decoder
 
 
-def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, H] final hidden states at the completion-predicting positions (or at `positions`).
-
-    A causal LM runs with `logits_to_keep=1` (no full logits); a base model (a critic's or reward
-    model's backbone, no LM head) returns its last hidden state directly.
-    """
+def _forward_kwargs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The kwargs of a completion forward over `batch` (packed, shared-prompt or padded)."""
     base = unwrap_model(model)
     head = base.get_output_embeddings()
     kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
-    decoder = _decoder(base) if head is not None else None
     if head is not None:
         kwargs["logits_to_keep"] = 1
-        if decoder is None:
+        if _decoder(base) is None:
             kwargs["output_hidden_states"] = True
     if "shared_prefix" in batch:
         kwargs["position_ids"] = batch["position_ids"]
@@ -244,11 +240,19 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         raise ValueError("completion_hidden: the batch holds images not yet encoded; pass it through "
                          "vision.attach_image_features(model, batch, processor) first.")
     kwargs.update({k: batch[k] for k in IMAGE_INPUT_KEYS if k in batch})  # rows with images (vision.py)
+    return kwargs
+
+
+def last_hidden(model: torch.nn.Module, kwargs: dict[str, Any]) -> torch.Tensor:
+    """[B, T, H] final hidden states of a forward with `kwargs` (the LM head is not run over them)."""
+    base = unwrap_model(model)
+    head = base.get_output_embeddings()
+    decoder = _decoder(base) if head is not None else None
     # without autograd (reference and behaviour scoring) on CPU, `logits_to_keep=1` hands a frozen model's head
     # a non-contiguous [B, 1, H] slice that torch multiplies with the weight expanded B times (models.py). Only
     # the fold (max_rows=0): scoring keeps the training forward's products, so old log-probs equal the first
     # iteration's bit for bit
-    on_cpu = batch["input_ids"].device.type == "cpu"
+    on_cpu = kwargs["input_ids"].device.type == "cpu"
     fold = _CpuInferenceLinear(max_rows=0) if on_cpu and not torch.is_grad_enabled() else contextlib.nullcontext()
     if decoder is not None and decoder not in _HOOKED:
         # one hook per decoder for its lifetime (a hook added and removed per call would make a compiled model
@@ -262,21 +266,62 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     finally:
         _CAPTURE.slot = None
     if head is None:
-        hidden = out.last_hidden_state
-    elif captured:
-        hidden = captured[-1]
-    elif getattr(out, "hidden_states", None) is not None:
-        hidden = out.hidden_states[-1]
-    else:  # a patched forward that bypassed the decoder module's __call__ (no hook ran): ask for the states
-        with fold:
-            hidden = model(**kwargs, output_hidden_states=True).hidden_states[-1]
+        return out.last_hidden_state
+    if captured:
+        return captured[-1]
+    if getattr(out, "hidden_states", None) is not None:
+        return out.hidden_states[-1]
+    # a patched forward that bypassed the decoder module's __call__ (no hook ran): ask for the states
+    with fold:
+        return model(**kwargs, output_hidden_states=True).hidden_states[-1]
+
+
+def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, H] final hidden states at the completion-predicting positions (or at `positions`).
+
+    A causal LM runs with `logits_to_keep=1` (no full logits); a base model (a critic's or reward
+    model's backbone, no LM head) returns its last hidden state directly. Not under sequence parallelism (each
+    rank holds a share of the row's hidden states): `completion_token_pass` and `completion_logps` split the row.
+    """
+    if sequence_parallel_of(unwrap_model(model)) is not None:
+        raise ValueError("completion_hidden: this model's rows are split over a sequence-parallel group; score "
+                         "completions with completion_token_pass / completion_logps, which gather the log-probs.")
+    hidden = last_hidden(model, _forward_kwargs(model, batch))
     return hidden.reshape(-1, hidden.shape[-1])[batch["completion_positions"] if positions is None else positions]
+
+
+def _sequence_parallel_pass(model: torch.nn.Module, batch: dict[str, torch.Tensor], sp: SequenceParallel, *,
+                            temperature: float, chunk_size: int, upcast: bool, entropy: bool) -> TokenLogps:
+    """`completion_token_pass` with the row split over `sp`'s group: each rank runs the LM head on the completion
+    positions it holds; the [N] log-probs (entropy, hidden states) are gathered whole on every rank."""
+    kwargs, start, end = shard_row(_forward_kwargs(model, batch), sp)
+    hidden = last_hidden(model, kwargs)[0]                                 # [L, H] this rank's tokens
+    positions, targets = batch["completion_positions"], batch["completion_targets"]
+    mine = ((positions >= start) & (positions < end)).nonzero().squeeze(1)
+    local_hidden = hidden[positions[mine] - start]
+    weight, bias = output_head(model)
+    n = positions.numel()
+    if entropy and torch.is_grad_enabled():
+        logps, ent = chunked_token_logps_and_entropy(local_hidden, weight, targets[mine], bias=bias,
+                                                     temperature=temperature, chunk_size=chunk_size, upcast=upcast)
+        ent = gather_owned(ent.detach(), mine, n, sp)
+    else:
+        logps = chunked_token_logps(local_hidden, weight, targets[mine], bias=bias, temperature=temperature,
+                                    chunk_size=chunk_size, upcast=upcast)
+        ent = None
+    return TokenLogps(gather_owned(logps, mine, n, sp), entropy=ent,
+                      hidden=gather_owned(local_hidden.detach(), mine, n, sp))
 
 
 def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
                      chunk_size: int = 512, upcast: bool = True,
                      hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Flat [N] log-probs of the completion tokens under `model` (pass `hidden` to reuse a forward)."""
+    sp = sequence_parallel_of(unwrap_model(model)) if hidden is None else None
+    if sp is not None:
+        return _sequence_parallel_pass(model, batch, sp, temperature=temperature, chunk_size=chunk_size,
+                                       upcast=upcast, entropy=False).logps
     if hidden is None:
         hidden = completion_hidden(model, batch)
     weight, bias = output_head(model)  # whole even under FSDP2 (models.output_head)
@@ -323,6 +368,10 @@ def completion_token_pass(model: torch.nn.Module, batch: dict[str, torch.Tensor]
                           keep_for_backward: bool = False) -> TokenLogps:
     """The completion tokens' log-probs under `model`, with their entropy when autograd is on (a training forward:
     one LM-head product per chunk for both) and without it otherwise (scoring reference or old log-probs)."""
+    sp = sequence_parallel_of(unwrap_model(model)) if hidden is None else None
+    if sp is not None:
+        return _sequence_parallel_pass(model, batch, sp, temperature=temperature, chunk_size=chunk_size,
+                                       upcast=upcast, entropy=True)
     if hidden is None:
         hidden = completion_hidden(model, batch)
     if not torch.is_grad_enabled():

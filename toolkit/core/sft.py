@@ -65,6 +65,8 @@ from .models import (
     unwrap_model,
 )
 from .numerics import DEFAULT_CHUNK_SIZE, chunked_token_logps
+from .packing import completion_logps
+from .sequence_parallel import sequence_parallel_loss
 from .vision import (
     IMAGE_INPUT_KEYS,
     ListDataset,
@@ -123,6 +125,10 @@ class SFTConfig(TrainingArguments):
                                                       "loss (memory vs. speed)."})
     fp32_lm_head: bool = field(
         default=True, metadata={"help": "Compute the LM head and log-softmax in fp32 even for bf16 models."})
+    sequence_parallel_size: int = field(
+        default=1, metadata={"help": "Split each packed row over this many consecutive ranks (Ulysses sequence "
+                                     "parallelism): each holds 1/N of the tokens' activations. Must divide the "
+                                     "number of processes; processes / N replicas each train on their own batches."})
     bf16: bool | None = field(default=None, metadata={"help": BF16_HELP})
     model_dtype: str = field(
         default="float32", metadata={"help": "dtype to load the model in when it is given by name: float32 | bfloat16."})
@@ -142,6 +148,8 @@ class SFTConfig(TrainingArguments):
             raise ConfigError("packing: needs max_length to know how many tokens fit in a row; set max_length.")
         if self.logps_chunk_size < 1:
             raise ConfigError(f"logps_chunk_size: must be >= 1, got {self.logps_chunk_size}.")
+        if self.sequence_parallel_size < 1:
+            raise ConfigError(f"sequence_parallel_size: must be >= 1, got {self.sequence_parallel_size}.")
         if self.model_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"model_dtype: '{self.model_dtype}' is not one of float32, bfloat16, float16.")
 
@@ -318,6 +326,10 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         # 2. Model.
         model = self._load_model(model, args, peft_config, model_init_kwargs, data_collator)
         packed = self.padding_free
+        refuse = ("splits packed rows; vision-language rows are padded." if self.vision else
+                  "splits packed rows, and this model's batches are padded (padding_free=False or an attention "
+                  "implementation that cannot keep packed examples apart)." if not packed else None)
+        self.setup_sequence_parallel(args, [model], refuse=refuse)
 
         # 3. Datasets of token ids (packing groups whole examples into rows of at most max_length).
         if args.packing:
@@ -480,6 +492,14 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         default runs the model with `logits_to_keep=1` (so transformers builds no full logits)
         and feeds the final hidden states to the shared chunked LM-head function.
         """
+        if self.sequence_parallel is not None:  # the row split over the group; the log-probs gathered whole
+            shifted = inputs["labels"][0, 1:]
+            positions = (shifted != -100).nonzero().squeeze(1)
+            batch = {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"],
+                     "cu_seq_lens": inputs["cu_seq_lens"], "completion_positions": positions,
+                     "completion_targets": shifted[positions]}
+            return completion_logps(model, batch, chunk_size=self.args.logps_chunk_size,
+                                    upcast=self.args.fp32_lm_head), shifted[positions]
         forward_kwargs: dict[str, Any] = {"input_ids": inputs["input_ids"], "use_cache": False,
                                           "output_hidden_states": True, "logits_to_keep": 1}
         if "cu_seq_lens" in inputs:
@@ -509,9 +529,14 @@ class SFTTrainer(TrainerLifecycle, Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logps, _ = self.compute_token_logps(model, inputs)
+        sp = self.sequence_parallel
+        if sp is not None and num_items_in_batch is not None and self.args.average_tokens_across_devices:
+            num_items_in_batch = num_items_in_batch / sp.size  # the ranks of a group counted their one batch P times
         loss = self.compute_sft_loss(logps, num_items_in_batch)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None and self.args.world_size > 1:
-            loss = loss * self.args.world_size  # gradients are averaged over ranks; the denominator is global
+            # gradients are averaged over ranks; the denominator is global (one per replica of the batch)
+            loss = loss * (sp.dp_size if sp is not None else self.args.world_size)
+        loss = sequence_parallel_loss(loss, sp)
         if not torch.isfinite(loss):
             raise TrainingHealthError(
                 f"SFT loss is {loss.item()} at step {self.state.global_step}: the model's log-probs of the label "
