@@ -81,12 +81,45 @@ def grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def peak_memory(model, batch) -> int:
+    """Peak bytes of the tensors created by one SFT forward + backward of `batch` (the CPU tensor tally)."""
+    from toolkit.core.memory import TensorMemoryTally
+
+    with TensorMemoryTally(count_existing=False) as tally:
+        loss = loss_of("sft", model, batch)
+        loss.backward()
+        del loss
+    return tally.peak_bytes
+
+
+def memory(sp, length: int) -> dict:
+    """One SFT row of `length` tokens: the peak tensor memory of a forward + backward on one rank with the whole row
+    against a rank of the sequence-parallel group. Width 256, 4 layers, 8 heads: activations dominate."""
+    g = torch.Generator().manual_seed(1)
+    batch = pack_completions([torch.randint(3, 380, (16,), generator=g).tolist()],
+                             [torch.randint(3, 380, (length - 16,), generator=g).tolist()], pad_token_id=2)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=length,
+                         attn_implementation="sdpa")
+    whole, split = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    for m in (whole, split):
+        use_varlen_attention(m)
+    enable(split, sp)
+    peaks = torch.tensor([peak_memory(whole, batch), peak_memory(split, batch)], dtype=torch.float64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the rank that needed the most
+    return {"whole": int(peaks[0]), "split": int(peaks[1]), "tokens": length}
+
+
 def main(path: str, sp_size: int, cases: list[str], fsdp2: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     sp = sequence_parallel_group(sp_size)
     result = {"world": world, "sp_size": sp.size, "dp_size": sp.dp_size}
+    if cases and cases[0].startswith("memory"):  # memory-<tokens>
+        result["memory"] = memory(sp, int(cases.pop(0).split("-")[1]))
     for case in cases:
         reference, split = tiny_model(seed=3), tiny_model(seed=3)
         use_varlen_attention(reference)

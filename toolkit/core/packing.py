@@ -294,7 +294,8 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 def _sequence_parallel_pass(model: torch.nn.Module, batch: dict[str, torch.Tensor], sp: SequenceParallel, *,
                             temperature: float, chunk_size: int, upcast: bool, entropy: bool) -> TokenLogps:
     """`completion_token_pass` with the row split over `sp`'s group: each rank runs the LM head on the completion
-    positions it holds; the [N] log-probs (entropy, hidden states) are gathered whole on every rank."""
+    positions it holds; the [N] log-probs (with `entropy`: the entropy and [N, H] hidden states too, what a policy
+    loss's metrics read) are gathered whole on every rank."""
     kwargs, start, end = shard_row(_forward_kwargs(model, batch), sp)
     hidden = last_hidden(model, kwargs)[0]                                 # [L, H] this rank's tokens
     positions, targets = batch["completion_positions"], batch["completion_targets"]
@@ -311,7 +312,7 @@ def _sequence_parallel_pass(model: torch.nn.Module, batch: dict[str, torch.Tenso
                                     chunk_size=chunk_size, upcast=upcast)
         ent = None
     return TokenLogps(gather_owned(logps, mine, n, sp), entropy=ent,
-                      hidden=gather_owned(local_hidden.detach(), mine, n, sp))
+                      hidden=gather_owned(local_hidden.detach(), mine, n, sp) if entropy else None)
 
 
 def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
