@@ -164,6 +164,13 @@ def run(case: str, out: Path, world: int) -> dict:
                       sequence_parallel_size=sp, **{**SGD, "learning_rate": 0.1}, **sharded)
         if case == "sft-sp":
             trainer = SFTTrainer(tiny_model(), SFTConfig(**common), train_dataset=sft_rows(), processing_class=tok)
+        elif case == "grpo-sp":
+            # 8 prompts x 2 completions per step; batch-scaled rewards (statistics over each replica's rows once),
+            # a reference (KL), completions cut by every 4th id so row lengths differ
+            common.update(per_device_train_batch_size=2 * per_device, learning_rate=0.5)
+            cfg = GRPOConfig(**common, num_generations=2, max_completion_length=6, stop_token_ids=list(range(0, 384, 4)),
+                             loss_type="dapo", scale_rewards="batch", beta=0.04, generation_backend="per_prompt_seeded")
+            trainer = GRPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)
         else:
             trainer = DPOTrainer(tiny_model(), args=DPOConfig(beta=0.5, **common), train_dataset=pairs(),
                                  processing_class=tok)

@@ -4,7 +4,7 @@
   one rank with the whole row (1e-5), for SFT (packed rows), DPO (chosen and rejected sharing the prompt) and GRPO
   (the shared-prompt layout, 4 completions per prompt, a common start laid out once); with and without FSDP2; and 2
   data-parallel x 2 sequence-parallel ranks (4 processes) equal one process with both replicas' batches.
-- The trainers: SFT and DPO with `sequence_parallel_size=2` on 2 processes (and on 4, and under FSDP2) train to the
+- The trainers: SFT, DPO and GRPO with `sequence_parallel_size=2` on 2 processes (and on 4, and under FSDP2) train to the
   weights of one process with the whole batch.
 - Memory: the peak tensor memory of a rank holding half of a 4096-token row is at most 0.6x one rank's with the
   whole row (CPU tensor tally, `toolkit.core.memory`).
@@ -64,7 +64,7 @@ def test_a_rank_holding_half_the_row_needs_at_most_0_6x_the_tensor_memory(tmp_pa
 
 @pytest.mark.parametrize("nproc,fsdp2", [(2, False), (4, False), (2, True)], ids=["2sp", "2dp-x-2sp", "2sp-fsdp2"])
 def test_trainers_with_sequence_parallelism_equal_one_process(tmp_path, nproc, fsdp2):
-    cases = "sft-sp,dpo-sp"
+    cases = "sft-sp,dpo-sp,grpo-sp"
     env = _env()
     one, many = tmp_path / "one", tmp_path / "many"
     proc = subprocess.run([sys.executable, TRAINERS, str(one), "1", cases], capture_output=True, text=True, env=env,

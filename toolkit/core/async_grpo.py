@@ -86,6 +86,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     _tag_names = ["toolkit", "grpo", "async-grpo"]  # noqa: RUF012
 
+    def sequence_parallel_refusal(self) -> str | None:
+        return ("async GRPO's rollout workers generate per rank; sequence parallelism is not built for them yet "
+                "(use GRPOTrainer, which supports it).")
+
     def __init__(
         self,
         model: Any = DEFAULT_MODEL,

@@ -83,9 +83,10 @@ from .objectives import (
 )
 from .objectives.policy import legacy_policy_loss_inputs, policy_term_of
 from .packing import TokenLogps, completion_entropy, completion_token_pass, pack_for_layout
+from .sequence_parallel import RepeatBatches, sequence_parallel_loss
 from .plugins import registry, resolve_reward
 from .rewards import RewardRunner, check_reward_columns, score_completions, weighted_total
-from .rollout import RoundSampler, generate_and_score, generation_seed
+from .rollout import RoundSampler, gather_scored, generate_and_score, generation_seed
 from .rollout_config import RolloutConfig
 from .vision import (
     attach_image_features,
@@ -184,6 +185,10 @@ class GroupRolloutConfig(RolloutConfig):
                 "language model too)."})
     train_projector: bool = field(default=True, metadata={
         "help": "Vision-language models: train the projector into the language model even with the tower frozen."})
+    sequence_parallel_size: int = field(default=1, metadata={
+        "help": "Split each packed micro-batch row over this many consecutive ranks (Ulysses sequence parallelism): "
+                "each holds 1/N of the tokens' activations; the group shares its prompts, each rank generating a "
+                "share of them. Must divide the number of processes."})
 
     def __post_init__(self):
         # GRPO trains on completions packed behind their shared prompt, a few hundred to a few thousand tokens a
@@ -203,6 +208,8 @@ class GroupRolloutConfig(RolloutConfig):
         super().__post_init__()
         if self.num_generations < 1:
             raise ConfigError(f"num_generations: must be >= 1, got {self.num_generations}.")
+        if self.sequence_parallel_size < 1:
+            raise ConfigError(f"sequence_parallel_size: must be >= 1, got {self.sequence_parallel_size}.")
         if self.per_device_train_batch_size % self.num_generations:
             raise ConfigError(
                 f"per_device_train_batch_size: counts completions and must be a multiple of num_generations="
@@ -474,6 +481,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
 
         # 2. Models, the objective, the generation backend.
         model = self._load_models(model, args, peft_config, model_init_kwargs, ref_model)
+        self.setup_sequence_parallel(args, [model, self.ref_model], refuse=self.sequence_parallel_refusal())
         self.sampling = args.sampling_params(self.text_tokenizer.eos_token_id)
         self.setup_objective(args)
         self.episode_delta = self._episode_delta(tokenizer, args) if self.environment_factory is not None else None
@@ -576,6 +584,23 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         # gets prompt copies it can delimit from position_ids (attention.packed_layout).
         self.packed_layout = packed_layout(base, self.ref_model) if self.padding_free else "padded"
         return model
+
+    def sequence_parallel_refusal(self) -> str | None:
+        """Why this trainer cannot split its rows over a sequence-parallel group, or None."""
+        if self.vision:
+            return "splits packed rows; vision-language rollouts are padded."
+        if self.packed_layout == "padded":
+            return "splits packed rows, and this model's attention cannot run them (use attn_implementation='sdpa')."
+        if self.environment_factory is not None:
+            return "multi-turn episodes are not split over a group yet."
+        return None
+
+    def _replica(self) -> tuple[int, int]:
+        """(this rank's replica, replicas): the data-parallel view; a sequence-parallel group is one replica."""
+        sp = self.sequence_parallel
+        if sp is not None:
+            return sp.dp_rank, sp.dp_size
+        return self.accelerator.process_index, self.accelerator.num_processes
 
     # ------------------------------------------------------------------------------ the objective
 
@@ -894,14 +919,17 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         """
         return RoundSampler(
             len(self.rows), self.prompts_per_round, self.args.gradient_accumulation_steps * self.args.num_iterations,
-            seed=self.args.seed, num_processes=self.accelerator.num_processes, solved=self.solved)
+            seed=self.args.seed, num_processes=self._replica()[1], solved=self.solved)
 
     def get_train_dataloader(self):
         from torch.utils.data import DataLoader
 
         sampler = self.build_prompt_sampler()
         self._round_sampler = sampler
-        loader = DataLoader(self.train_dataset, batch_size=self.prompts_per_round, sampler=_Flat(sampler),
+        flat = _Flat(sampler)
+        if self.sequence_parallel is not None:  # the ranks of a group get the same round
+            flat = RepeatBatches(flat, self.prompts_per_round, self.sequence_parallel.size)
+        loader = DataLoader(self.train_dataset, batch_size=self.prompts_per_round, sampler=flat,
                             collate_fn=self.data_collator, num_workers=0)
         return self.accelerator.prepare(loader)
 
@@ -915,12 +943,19 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         t0 = time.perf_counter()
         self.generation_backend.sync_weights(self.model)
         t_sync = time.perf_counter() - t0
+        sp = self.sequence_parallel
+        mine = list(row_indices)
+        if sp is not None:  # the group shares the round: each rank generates and scores its part, then all gather
+            share = math.ceil(len(mine) / sp.size)
+            mine = mine[sp.rank * share:(sp.rank + 1) * share]
         scored = generate_and_score(
-            self.generation_backend, [self.prompt_ids[i] for i in row_indices], [self.rows[i] for i in row_indices],
+            self.generation_backend, [self.prompt_ids[i] for i in mine], [self.rows[i] for i in mine],
             sampling=self.sampling, n=self.args.num_generations, score=self.compute_rewards,
             seed=generation_seed(self.args.seed, self.state.global_step, self.accelerator.process_index),
-            images=[self.prompt_images[i] for i in row_indices] if self.prompt_images is not None else None)
+            images=[self.prompt_images[i] for i in mine] if self.prompt_images is not None else None)
         after_generation(self.generation_backend)  # a colocated engine gives its GPU memory to the training pass
+        if sp is not None:
+            scored = gather_scored(scored, sp)
         return self.build_rollout(row_indices, scored.groups, scored.rewards_per_func, t_sync + scored.generation_s,
                                   scored.scoring_s)
 
@@ -1009,8 +1044,11 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         if n == 1:
             return self.compute_advantages(total)
         everything = self.accelerator.gather(total.to(self.accelerator.device)).cpu()
+        replica, replicas = self._replica()
+        if replicas < n:  # the ranks of a sequence-parallel group hold the same rows: each replica's once
+            everything = everything.view(n, -1)[::n // replicas].reshape(-1)
         advantages, zero_std = self.compute_advantages(everything)
-        rows = slice(self.accelerator.process_index * len(total), (self.accelerator.process_index + 1) * len(total))
+        rows = slice(replica * len(total), (replica + 1) * len(total))
         return advantages[rows], zero_std[rows]
 
     def _score_rows(self, model: torch.nn.Module | None, rollout: Rollout) -> list[torch.Tensor]:
@@ -1097,6 +1135,11 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         # division by n), so each rank divides by global / n: the sum over ranks is divided by the global count,
         # exactly as one process holding the whole step would (tests/integration/test_multiprocess.py).
         total = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu() if n > 1 else local
+        if self.sequence_parallel is not None:
+            # a group's ranks counted their shared rows P times; each replica divides by global / replicas, and
+            # sequence_parallel_loss makes up for DDP's average over the P ranks of each group
+            total = total / self.sequence_parallel.size
+            n = self.sequence_parallel.dp_size
         self._rows_in_loss_all_ranks = int(total[1])  # read by _update_without_signal
         counts = {name: float(max(float(v), 1.0)) / n
                   for name, v in zip(("step_tokens", "step_sequences", "step_prompts"), total)}
@@ -1176,6 +1219,8 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         out = policy_objective(loss_inputs, self._policy_term, aggregation=self.loss_aggregation,
                                settings=self.resolved_objective().objective_settings,
                                corrects_behaviour=self.policy_loss.corrects_behaviour)
+        if self.sequence_parallel is not None:  # each rank of the group holds its positions' share of the gradient
+            out = dataclasses.replace(out, loss=sequence_parallel_loss(out.loss, self.sequence_parallel))
         finite = dict(loss=out.loss, logps=tokens.logps, advantages=inputs["advantages"])
         # read after backward is queued (training_step): no host sync before it. Not under DeepSpeed, whose backward
         # also steps the optimizer at the end of an accumulation: there the check stays before backward.

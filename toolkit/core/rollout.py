@@ -19,7 +19,7 @@ import torch
 from .errors import ConfigError, ToolkitDeprecationWarning
 from .generation import Completion, GenerationBackend, SamplingParams
 
-__all__ = ["RoundSampler", "ScoredGroups", "generate_and_score", "generation_seed", "order_seed"]
+__all__ = ["RoundSampler", "ScoredGroups", "gather_scored", "generate_and_score", "generation_seed", "order_seed"]
 
 
 def order_seed(seed: int, epoch: int) -> int:
@@ -100,6 +100,19 @@ class ScoredGroups:
     @property
     def completion_ids(self) -> list[list[int]]:
         return [c.token_ids for g in self.groups for c in g]
+
+
+def gather_scored(scored: ScoredGroups, sp: Any) -> ScoredGroups:
+    """The groups each rank of a sequence-parallel group generated and scored for its part of a shared round, in
+    rank order on every rank of the group (`sequence_parallel.SequenceParallel`)."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * sp.size
+    dist.all_gather_object(parts, (scored.groups, scored.rewards_per_func.cpu(), scored.generation_s,
+                                   scored.scoring_s), group=sp.group)
+    return ScoredGroups(groups=[g for part in parts for g in part[0]],
+                        rewards_per_func=torch.cat([part[1] for part in parts], dim=1).to(scored.rewards_per_func.device),
+                        generation_s=max(part[2] for part in parts), scoring_s=max(part[3] for part in parts))
 
 
 def generate_and_score(

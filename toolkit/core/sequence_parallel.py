@@ -139,15 +139,17 @@ class RepeatBatches(torch.utils.data.Sampler):
         self.sampler, self.batch_size, self.repeats, self.drop_last = sampler, batch_size, repeats, drop_last
 
     def __iter__(self):
-        order = list(self.sampler)
-        short = len(order) % self.batch_size
-        if short and self.drop_last:
-            order = order[: len(order) - short]
-        elif short:
-            order += (order * self.batch_size)[: self.batch_size - short]
-        for start in range(0, len(order), self.batch_size):
-            for _ in range(self.repeats):
-                yield from order[start:start + self.batch_size]
+        first: list[int] | None = None
+        batch: list[int] = []
+        for index in self.sampler:  # lazily: a sampler may decide later indices from training (GRPO's solved prompts)
+            batch.append(index)
+            if len(batch) == self.batch_size:
+                first = first or batch
+                yield from batch * self.repeats
+                batch = []
+        if batch and not self.drop_last:
+            fill = ((first or batch) * self.batch_size)[: self.batch_size - len(batch)]
+            yield from (batch + fill) * self.repeats
 
     def __len__(self) -> int:
         n = len(self.sampler)
