@@ -513,26 +513,55 @@ def _estimate(argv: list[str]) -> int:
     ap.add_argument("--no_bf16", action="store_true", help="no bf16 autocast (float32 compute)")
     ap.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains the full model")
     ap.add_argument("--activation_checkpointing", action="store_true")
+    ap.add_argument("--activation_offloading", action="store_true",
+                    help="saved activations wait in host memory until backward (the trainers' activation_offloading)")
+    ap.add_argument("--sequence_parallel_size", type=int, default=1,
+                    help="one rank of a Ulysses group of this many ranks, holding 1/N of each row's tokens")
     ap.add_argument("--reference_model", choices=("auto", "yes", "no"), default="auto",
                     help="a frozen reference copy (auto: DPO and PPO yes, GRPO no, i.e. beta = 0)")
-    ap.add_argument("--gpu_gib", type=float, default=None, help="say whether the step fits a card of this size")
+    ap.add_argument("--gpu_gib", type=float, default=None, help="say whether the step fits a card of this size; if "
+                                                                "not, find the first setting that does (checkpointing, "
+                                                                "then offloading, then sequence parallelism 2/4/8)")
     a = ap.parse_args(argv)
     model = a.model or str(embedded_model_path())
     ref = None if a.reference_model == "auto" else a.reference_model == "yes"
-    est = estimate_step_memory(model, a.trainer, batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,
-                               completion_len=a.completion_len, num_generations=a.num_generations, dtype=a.dtype,
-                               bf16=not a.no_bf16, lora_r=a.lora_r, activation_checkpointing=a.activation_checkpointing,
-                               reference_model=ref)
+
+    def estimate(checkpointing: bool, offloading: bool, sp: int):
+        return estimate_step_memory(model, a.trainer, batch_size=a.batch_size, seq_len=a.seq_len,
+                                    prompt_len=a.prompt_len, completion_len=a.completion_len,
+                                    num_generations=a.num_generations, dtype=a.dtype, bf16=not a.no_bf16,
+                                    lora_r=a.lora_r, activation_checkpointing=checkpointing,
+                                    activation_offloading=offloading, reference_model=ref, sequence_parallel_size=sp)
+
+    est = estimate(a.activation_checkpointing, a.activation_offloading, a.sequence_parallel_size)
     d = est.details
     print(f"{a.trainer} on {model}: {d['tokens_per_micro_batch']} tokens per micro-batch, {d['dtype']} weights"
           f"{' + bf16 autocast' if d['bf16'] and d['dtype'] == 'float32' else ''}, "
           f"{'LoRA r=' + str(d['lora_r']) if d['lora_r'] else 'full fine-tuning'}, activation checkpointing "
           f"{'on' if d['activation_checkpointing'] else 'off'}, {d['frozen_copies']} frozen model(s) beside")
+    if a.sequence_parallel_size > 1 or a.activation_offloading:
+        print(f"per rank of a sequence-parallel group of {a.sequence_parallel_size}; activation offloading "
+              f"{'on' if a.activation_offloading else 'off'}")
     print(est.table())
     if a.gpu_gib is not None:
         need = est.peak * 1.1 / 2**30
         print(f"{'fits' if need <= a.gpu_gib else 'does not fit'} a {a.gpu_gib:g} GiB card (the peak + 10% for "
               f"kernel workspaces and fragmentation: {need:.1f} GiB)")
+        if need > a.gpu_gib:
+            # the ladder, cheapest first: recompute (a third more compute), then host copies (PCIe time), then
+            # more GPUs per row
+            ladder = [(True, a.activation_offloading, a.sequence_parallel_size),
+                      (True, True, a.sequence_parallel_size)]
+            ladder += [(True, True, sp) for sp in (2, 4, 8) if sp > a.sequence_parallel_size]
+            for checkpointing, offloading, sp in ladder:
+                peak = estimate(checkpointing, offloading, sp).peak * 1.1 / 2**30
+                setting = (f"activation_checkpointing=True, activation_offloading={offloading}, "
+                           f"sequence_parallel_size={sp}")
+                print(f"  {setting}: {peak:.1f} GiB")
+                if peak <= a.gpu_gib:
+                    print(f"fits with {setting}")
+                    return 0
+            print("no setting tried fits; shorten the rows, use LoRA (--lora_r) or shard the weights (FSDP2)")
     return 0
 
 

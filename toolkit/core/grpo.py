@@ -185,6 +185,10 @@ class GroupRolloutConfig(RolloutConfig):
                 "language model too)."})
     train_projector: bool = field(default=True, metadata={
         "help": "Vision-language models: train the projector into the language model even with the tower frozen."})
+    activation_offloading: bool = field(default=False, metadata={
+        "help": "Keep the tensors the forward saves for backward in host memory until backward needs them (TRL's "
+                "name); with activation_checkpointing, about one layer's activations stay on the GPU. No effect on "
+                "CPU, whose memory is already the host's."})
     sequence_parallel_size: int = field(default=1, metadata={
         "help": "Split each packed micro-batch row over this many consecutive ranks (Ulysses sequence parallelism): "
                 "each holds 1/N of the tokens' activations; the group shares its prompts, each rank generating a "
@@ -593,6 +597,9 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             return "splits packed rows, and this model's attention cannot run them (use attn_implementation='sdpa')."
         if self.environment_factory is not None:
             return "multi-turn episodes are not split over a group yet."
+        if type(self).compute_loss is not GRPOTrainer.compute_loss:
+            return (f"{type(self).__name__} computes its own loss; sequence parallelism is built into GRPO's "
+                    "(a wrapper changes GRPO's loss through compute_policy_loss or a plugin loss instead).")
         return None
 
     def _replica(self) -> tuple[int, int]:

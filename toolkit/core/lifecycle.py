@@ -46,6 +46,7 @@ from .checkpoint import (
 from .console import install_console
 from .distributed import warn_if_sharding_ignored
 from .errors import ConfigError, HubPushError
+from .memory import OffloadActivations
 from .model_card import hub_base_model, write_model_card
 from .plugins import notify_checkpoint_saved, notify_step_metrics
 from .sequence_parallel import RepeatBatches, SequenceParallel, enable, sequence_parallel_group
@@ -73,6 +74,9 @@ class TrainerLifecycle:
         callbacks = list(callbacks or []) + [CompleteCheckpointCallback(on_complete=self._checkpoint_complete)]
         super().__init__(*args, callbacks=callbacks, **kwargs)
         install_console(self)  # one compact line per logged step; full dicts in metrics.jsonl
+        if getattr(self.args, "activation_offloading", False) and self.args.device.type == "cpu":
+            logger.warning("activation_offloading: training on CPU, whose memory is already the host's; nothing is "
+                           "moved (it applies on a GPU).")
         warn_if_sharding_ignored(self)  # FSDP asked for on CPU runs unsharded; say so
 
     def _checkpoint_complete(self, step: int, path: str) -> None:
@@ -127,6 +131,13 @@ class TrainerLifecycle:
                                             num_samples=sampler._num_samples, generator=sampler.generator,
                                             data_seed=config.data_seed)
         return RepeatBatches(sampler, batch_size, sp.size, drop_last=self.args.dataloader_drop_last)
+
+    def compute_loss_context_manager(self) -> Any:
+        """Trainer's (autocast), with activation offloading when `args.activation_offloading` is on."""
+        stack = super().compute_loss_context_manager()
+        if getattr(self.args, "activation_offloading", False) and self.args.device.type != "cpu":
+            stack.enter_context(OffloadActivations())
+        return stack
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         sampler = super()._get_train_sampler(train_dataset)

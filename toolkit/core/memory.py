@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import TrainerCallback
 
-__all__ = ["MemoryEstimate", "PeakAllocatorMemory", "PeakTensorMemoryCallback", "TensorMemoryTally", "estimate_step_memory"]
+__all__ = ["MemoryEstimate", "OffloadActivations", "PeakAllocatorMemory", "PeakTensorMemoryCallback", "TensorMemoryTally",
+           "estimate_step_memory"]
 
 
 class TensorMemoryTally(TorchDispatchMode):
@@ -201,6 +202,52 @@ class PeakAllocatorMemory:
         return False
 
 
+def _is_weight(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a linear layer saves its weight for backward): it stays on the device anyway."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter)
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Activation offloading: the tensors a forward saves for backward wait in host memory, not on the device.
+
+        with OffloadActivations():
+            loss = model(**batch).loss
+        loss.backward()            # each saved tensor comes back to its device when backward reaches it
+
+    What moves: saved tensors on a device in `devices` (default: any but the CPU, whose memory is already the
+    host's) of at least `min_bytes`; weights (and views of them) stay, as they stay on the device anyway. With
+    activation checkpointing, only the checkpoints (each layer's input) are saved outside the recomputed regions,
+    so the two together hold about one layer's activations on the device. Copies go to pinned memory without
+    blocking the host; the device memory is freed when nothing else holds the tensor. `moved_bytes` counts what
+    moved (the test on CPU passes `devices={"cpu"}` to run the same path)."""
+
+    def __init__(self, *, min_bytes: int = 1 << 20, devices: set[str] | None = None, pin_memory: bool | None = None):
+        self.moved_bytes = 0
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+
+        def pack(t: torch.Tensor) -> Any:
+            on = t.device.type in devices if devices is not None else t.device.type != "cpu"
+            size = t.numel() * t.element_size()
+            if not on or size < min_bytes or _is_weight(t) or t.layout != torch.strided:
+                return t
+            host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=pin and t.device.type != "cpu")
+            host.copy_(t, non_blocking=pin)
+            self.moved_bytes += size
+            return (t.device, t.requires_grad, host)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, _, host = packed
+            return host.to(device, non_blocking=True) if device.type != "cpu" else host.clone()
+
+        super().__init__(pack, unpack)
+
+    def __enter__(self) -> OffloadActivations:
+        super().__enter__()
+        return self
+
+
 class PeakTensorMemoryCallback(TrainerCallback):
     """A transformers TrainerCallback measuring the peak tensor memory of one optimizer step (`PeakAllocatorMemory`).
 
@@ -324,7 +371,8 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
                          lora_target_modules: Any = "all-linear", activation_checkpointing: bool = False,
                          reference_model: bool | None = None, logps_chunk_size: int | None = None,
                          fp32_lm_head: bool = True, fused_optimizer: bool = True,
-                         loss_tokens: int | None = None, generation_rows: int | None = None) -> MemoryEstimate:
+                         loss_tokens: int | None = None, generation_rows: int | None = None,
+                         activation_offloading: bool = False, sequence_parallel_size: int = 1) -> MemoryEstimate:
     """Peak tensor memory of one steady-state training step (optimizer state already built), without allocating.
 
     A model of the step, not a formula: the model's own code runs forward and backward, then AdamW steps, on fake
@@ -349,6 +397,11 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
     `lora_target_modules` of frozen weights. The peak is the larger of the training pass and generation (weights,
     optimizer state, KV cache; gradients are freed by then). Kernels' internal workspaces (cuBLAS, flash) and the
     allocator's fragmentation are not in it: leave a GPU ~10% beyond the estimate.
+
+    `activation_offloading`: the training forward's saved tensors (of 1 MiB or more, weights excepted) wait in host
+    memory and come back as backward reaches them (`OffloadActivations`). `sequence_parallel_size` P: one rank of a
+    Ulysses group, which holds 1/P of the micro-batch's tokens (its attention runs over every token for 1/P of the
+    heads, the same bytes); the all-to-all buffers, one layer's q/k/v and output at a time, are not in it.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -357,6 +410,8 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
 
     if trainer not in TRAINERS:
         raise ValueError(f"trainer: '{trainer}' is not one of {TRAINERS}")
+    if sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size: must be >= 1, got {sequence_parallel_size}")
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("prompt_len", prompt_len),
                         ("completion_len", completion_len), ("num_generations", num_generations)):
         if value < 1:
@@ -417,8 +472,20 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
             tokens, scored = prompts * prompt_len + batch_size * completion_len, batch_size * completion_len
         else:
             tokens, scored = batch_size * (prompt_len + completion_len), batch_size * completion_len
+        tokens, scored = -(-tokens // sequence_parallel_size), -(-scored // sequence_parallel_size)  # this rank's
         ids = torch.zeros(1, tokens, dtype=torch.long)
         targets = torch.zeros(scored, dtype=torch.long)
+
+        def offload(t: torch.Tensor) -> Any:  # what OffloadActivations moves leaves the device until backward
+            if t.numel() * t.element_size() < (1 << 20) or _is_weight(t):
+                return t
+            return (t.shape, t.dtype)
+
+        def reload(packed: Any) -> torch.Tensor:
+            return packed if isinstance(packed, torch.Tensor) else torch.empty(packed[0], dtype=packed[1])
+
+        offloading = (torch.autograd.graph.saved_tensors_hooks(offload, reload) if activation_offloading
+                      else contextlib.nullcontext())
 
         def step(tally: TensorMemoryTally) -> int:
             """One micro-batch's forward, backward and optimizer step; returns the pass's peak."""
@@ -428,7 +495,7 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
                     h = body(input_ids=ids).last_hidden_state[0, :scored]
                     ref = chunked_token_logps(h, head_weight, targets, chunk_size=chunk, upcast=fp32_lm_head)
                     del h, ref
-            with autocast:
+            with autocast, offloading:
                 h = body(input_ids=ids).last_hidden_state[0, :scored]
                 if trainer in ("grpo", "ppo"):  # their passes read the entropy from the same chunks
                     logps = chunked_token_logps_and_entropy(h, head_weight, targets, chunk_size=chunk,
@@ -492,4 +559,6 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
                           details={"trainer": trainer, "tokens_per_micro_batch": tokens, "scored_tokens": scored,
                                    "dtype": dtype, "bf16": bf16, "lora_r": lora_r,
                                    "activation_checkpointing": activation_checkpointing,
+                                   "activation_offloading": activation_offloading,
+                                   "sequence_parallel_size": sequence_parallel_size,
                                    "frozen_copies": frozen_copies})

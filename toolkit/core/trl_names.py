@@ -118,8 +118,6 @@ _COMMON: dict[str, TrlField] = {
     "dataset_num_proc": TrlField("default", "nothing: " + _DATA_PREP, accepts=(None, 1)),
     "pad_to_multiple_of": TrlField("default", "nothing: the trainers pack rows without padding (padding-free), so "
                                    "there is no padded length to round", accepts=("auto", None)),
-    "activation_offloading": TrlField("refused", "activation_checkpointing (recomputes activations instead of "
-                                      "moving them to host memory); offloading: " + _NOT_YET, accepts=(False,)),
     "router_aux_loss_coef": TrlField("refused", "a plugin loss (toolkit_register_policy_losses / a custom "
                                      "compute_loss): the MoE router's auxiliary loss is not added", accepts=(None, 0.0)),
     "pad_token": TrlField("refused", _TOKENIZER, accepts=(None,)),

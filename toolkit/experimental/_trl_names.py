@@ -35,6 +35,8 @@ _GENERATE_DURING_EVAL = TrlField("refused", "evaluation reports the loss and the
 _MAX_COMPLETION_LENGTH = TrlField("default", "max_length (prompt + completion; a pair that is too long is cut at the "
                                   "completions' end)", accepts=(None,))
 _MAX_NEW_TOKENS = TrlField("same", "max_completion_length", _to_max_completion_length)
+_OFFLOADING = TrlField("refused", "activation_checkpointing (activation_offloading is a field of the other "
+                       "trainers' configs; not yet of this trainer's)", accepts=(False,))
 _PROMPT_CAP = ("nothing: a prompt longer than max_prompt_length is cut from the left and completions stop at "
                "max_completion_length (no cap on their sum)")
 
@@ -55,7 +57,7 @@ _ORPO = {
 }
 
 _KTO = _pick("DPOConfig", "trust_remote_code", "router_aux_loss_coef", "dataset_num_proc", "pad_to_multiple_of",
-             "precompute_ref_batch_size", "activation_offloading", "sync_ref_model", "ref_model_mixup_alpha",
+             "precompute_ref_batch_size", "sync_ref_model", "ref_model_mixup_alpha",
              "ref_model_sync_steps")
 
 _ONLINE_DPO = {
@@ -74,7 +76,7 @@ _ONLINE_DPO = {
 _GKD = {
     **_pick("SFTConfig", "trust_remote_code", "router_aux_loss_coef", "chat_template_path", "dataset_text_field",
             "dataset_kwargs", "dataset_num_proc", "eos_token", "truncation_mode", "shuffle_dataset", "packing_strategy",
-            "pad_to_multiple_of", "eval_packing", "loss_type", "activation_offloading", "pad_token"),
+            "pad_to_multiple_of", "eval_packing", "loss_type", "pad_token"),
     "max_length": TrlField("default", _PROMPT_CAP, accepts=(1024, None)),
     "packing": TrlField("default", "nothing: each step's rows (sampled or from the dataset) go through the forward "
                         "padding-free; rows are not packed across examples ahead of time", accepts=(False,)),
@@ -89,8 +91,8 @@ _GKD = {
 }
 
 _REWARD = {
-    **_pick("SFTConfig", "chat_template_path", "dataset_num_proc", "eos_token", "pad_to_multiple_of",
-            "activation_offloading", "pad_token"),
+    **_pick("SFTConfig", "chat_template_path", "dataset_num_proc", "eos_token", "pad_to_multiple_of", "pad_token"),
+    "activation_offloading": _OFFLOADING,
     "model_init_kwargs": TrlField("refused", "load the model yourself (AutoModelForSequenceClassification."
                                   "from_pretrained(..., **kwargs)) and pass it to RewardTrainer", accepts=(None,)),
     "trust_remote_code": TrlField("refused", "load the model yourself with trust_remote_code=True and pass it to "
