@@ -71,6 +71,7 @@ BENCHES = [
     Bench("memory_vs_trl", "memory_vs_trl.py", "core", 30, needs=[(".venv/trl-1.8.0", "bash scripts/setup.sh")]),
     # the memory model's fit table for docs/gpu.md (fake tensors: no model is loaded or allocated)
     Bench("memory_table", "memory_table.py", "core", 8),
+    Bench("long_context_memory", "long_context_memory.py", "core", 5, inputs=("bench/memory_table.py",)),
     Bench("grpo_vllm", "grpo_vllm.py", "vllm", 8, python=".venv-vllm",
           needs=[(".venv-vllm/bin/python", "bash scripts/setup-vllm.sh")], inputs=("scripts/setup-vllm.sh",)),
     Bench("multiprocess", "multi_process.py", "long", 8, args=["--steps", "3"]),
