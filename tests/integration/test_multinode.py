@@ -6,6 +6,10 @@ rendezvous on loopback (static: node 0's address and port), as two machines of a
 - Checkpoints go into one output folder both nodes see (a shared file system): each is written once, by global
   rank 0, complete (its marker) with each rank's RNG state; a run resumed by both nodes from that folder equals an
   uninterrupted one-process run.
+- Async GRPO with a trainer rank per node: each starts its rollout worker on its own node, and at max_staleness 0
+  the run equals synchronous GRPO on the same two nodes.
+- Sequence parallelism inside each node (2 nodes x 2 processes, groups of the 2 ranks of a node): SFT and GRPO
+  equal one process with the whole batch.
 - Each rank knows its place: global rank, node rank, local rank; global rank 0 is the only world process zero,
   and each node has a local process zero (what node-local I/O would key on; docs/distributed.md).
 """
@@ -41,16 +45,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(logs: Path, *args: str) -> None:
-    """Both nodes' agents at once (each waits at the rendezvous for the other), one process per node; each agent's
-    output goes to a file (no pipe to fill), and each agent with its workers is its own process group, killed
-    whole if the run hangs."""
+def _two_nodes(logs: Path, *args: str, nproc: int = 1) -> None:
+    """Both nodes' agents at once (each waits at the rendezvous for the other), `nproc` processes per node; each
+    agent's output goes to a file (no pipe to fill), and each agent with its workers is its own process group,
+    killed whole if the run hangs."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun comes with torch"
     port = _free_port()
     logs.mkdir(parents=True, exist_ok=True)
     files = [open(logs / f"node{node}.log", "w") for node in (0, 1)]
-    procs = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node),
+    procs = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc_per_node", str(nproc), "--node_rank", str(node),
                                "--master_addr", "127.0.0.1", "--master_port", str(port), *args],
                               stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
              for node, f in zip((0, 1), files)]
@@ -122,3 +126,27 @@ def test_checkpoints_are_written_once_and_both_nodes_resume_from_them(tmp_path):
     straight = json.loads((one / "rank0.json").read_text())
     assert resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5, abs=2e-6)
     _same(torch.load(one / "params.pt"), torch.load(shared / "params.pt"), "resumed on two nodes")
+
+
+def test_async_grpo_starts_a_worker_per_node_and_equals_synchronous_grpo(tmp_path):
+    cases = "grpo-tfm,async-0"
+    _two_nodes(tmp_path / "logs", DDP_WORKER, str(tmp_path / "two"), "2", cases)
+    r = json.loads((tmp_path / "two" / "result.json").read_text())
+    assert r["async-0"]["world_size"] == 2 and len(r["async-0"]["losses"]) == 3
+    assert r["async-0"]["losses"] == pytest.approx(r["grpo-tfm"]["losses"], rel=1e-5, abs=2e-6)
+    _same(torch.load(tmp_path / "two" / "grpo-tfm" / "params.pt"), torch.load(tmp_path / "two" / "async-0" / "params.pt"),
+          "async-0 on two nodes")
+    rounds = [json.loads((tmp_path / "two" / "async-0" / f"rounds_rank{k}.json").read_text()) for k in (0, 1)]
+    assert all(not set(a) & set(b) for a, b in zip(*rounds))  # each node's worker generated its own share
+
+
+def test_sequence_parallel_groups_inside_each_node_equal_one_process(tmp_path):
+    cases = "sft-sp,grpo-sp"
+    _one(DDP_WORKER, str(tmp_path / "one"), "1", cases)
+    _two_nodes(tmp_path / "logs", DDP_WORKER, str(tmp_path / "four"), "4", cases, nproc=2)
+    r1, r4 = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("one", "four"))
+    for case in cases.split(","):
+        assert r4[case]["world_size"] == 4 and r4[case]["sequence_parallel"] == 2, case
+        assert r4[case]["losses"] == pytest.approx(r1[case]["losses"], rel=1e-5, abs=2e-6), case
+        _same(torch.load(tmp_path / "one" / case / "params.pt"), torch.load(tmp_path / "four" / case / "params.pt"),
+              case)

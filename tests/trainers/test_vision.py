@@ -683,6 +683,13 @@ def test_online_dpo_trains_on_image_prompts_and_async_grpo_says_it_does_not(tmp_
                          args=AsyncGRPOConfig(output_dir=str(tmp_path / "ag"), per_device_train_batch_size=4,
                                               num_generations=4),
                          train_dataset=prompt_rows_with_images(4))
+    from toolkit.experimental.gkd import GKDConfig, GKDTrainer
+
+    # a teacher given by name: refused before its tokenizer is compared with the processor (which has no vocabulary)
+    with pytest.raises(ConfigError, match="GKDTrainer does not take vision-language models yet"):
+        GKDTrainer(model, teacher_model="smollm2-135m-instruct", processing_class=processor,
+                   args=GKDConfig(output_dir=str(tmp_path / "gkd"), per_device_train_batch_size=4, num_generations=4),
+                   train_dataset=prompt_rows_with_images(4))
 
 
 # ------------------------------------------------------------------------------------- the shapes task

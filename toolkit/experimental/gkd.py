@@ -57,6 +57,7 @@ from toolkit.core.models import (
 from toolkit.core.numerics import upcast_region
 from toolkit.core.packing import completion_hidden
 from toolkit.core.rollout import generation_seed
+from toolkit.core.vision import is_vision_processor
 from ._trl_names import accepting_trl_names
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,9 @@ class GKDTrainer(GRPOTrainer):
         if "ref_model" in kwargs:
             raise ConfigError("ref_model: GKD has no reference model; the teacher is teacher_model.")
         tokenizer = processing_class if processing_class is not None else load_tokenizer(model)
+        if is_vision_processor(tokenizer):  # before the teacher's tokenizer is compared (a processor has no vocab)
+            raise ConfigError(f"processing_class: {type(self).__name__} does not take vision-language models yet; "
+                              "GRPOTrainer (and the experimental OnlineDPOTrainer) do.")
         if isinstance(teacher_model, str):
             # before any model loads: a teacher with another vocabulary would give a divergence between unrelated
             # distributions, silently
