@@ -6,7 +6,8 @@ For two Llama-architecture configs built offline with the sizes of Qwen2.5-1.5B 
 loaded or allocated), `toolkit.core.memory.estimate_step_memory` gives the peak tensor memory per GPU of one
 steady-state GRPO step: a micro-batch of one completion of L tokens after a 512-token prompt (the group of 8
 spans micro-batches, as long-context recipes run), bf16 weights and Adam state ("full") or LoRA r=16 adapters on
-every linear layer of bf16 weights, a reference for the KL (LoRA: the base with adapters off), generation one row
+every linear layer of bf16 weights, no reference model (GRPO's default, beta = 0; beta > 0 adds a frozen copy of
+the weights to "full", nothing to LoRA, whose reference is the base with adapters off), generation one row
 at a time in the trainer's process (a `toolkit vllm-serve` server keeps its own cache elsewhere). Each cell is one
 setting of the ladder `toolkit estimate --gpu_gib` climbs: activation checkpointing; + activation offloading;
 + sequence parallelism over 2, 4 or 8 ranks (those dividing the heads). The last two columns name the first
@@ -49,7 +50,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    from transformers.utils import logging as hf_logging
+
     from toolkit.core.memory import estimate_step_memory
+
+    hf_logging.set_verbosity_error()  # checkpointing's use_cache notice would land inside the table
 
     started = time.perf_counter()
     cells = []
@@ -63,18 +68,21 @@ def main() -> None:
                 peaks = {}
                 for setting, extra in ladder(dims[2]):
                     est = estimate_step_memory(cfg, "grpo", batch_size=1, num_generations=8, prompt_len=512,
-                                               completion_len=length, reference_model=True, generation_rows=1,
+                                               completion_len=length, reference_model=False, generation_rows=1,
                                                **kw, **extra)
                     peaks[setting] = est.peak / 2**30
                     cells.append({"model": name, "mode": mode, "length": length, "setting": setting,
                                   "peak_gib": peaks[setting], "activations_gib": est.activations / 2**30,
+                                  "pinned_host_gib": est.details["offloaded_bytes"] / 2**30,
                                   "weights_gib": est.weights / 2**30, "optimizer_gib": est.optimizer / 2**30})
                 first = {card: next((s for s, p in peaks.items() if p * 1.1 <= cap), "none")
                          for card, cap in CARDS.items()}
                 row = [f"{peaks[s]:.1f}" if s in peaks else "-" for s in names]
                 print(f"| {name} | {mode} | {length // 1024}k | " + " | ".join(row) + f" | {first['24 GB']} | "
                       f"{first['80 GB']} |", flush=True)
-    print(f"\nCells: peak GiB per GPU of one GRPO step. {len(cells)} estimates in "
+    host = max(c["pinned_host_gib"] for c in cells)
+    print(f"\nCells: peak GiB per GPU of one GRPO step. Offloading holds up to {host:.1f} GiB of pinned host memory "
+          f"per rank in these cells (before the host allocator's rounding). {len(cells)} estimates in "
           f"{time.perf_counter() - started:.0f} s.")
     if args.json:
         with open(args.json, "w") as fh:

@@ -162,8 +162,9 @@ def run(case: str, out: Path, world: int) -> dict:
         per_device = 8 // (world // sp)
         common = dict(output_dir=str(out), max_steps=2, per_device_train_batch_size=per_device,
                       sequence_parallel_size=sp, **{**SGD, "learning_rate": 0.1}, **sharded)
-        if case == "sft-sp":
-            trainer = SFTTrainer(tiny_model(), SFTConfig(**common), train_dataset=sft_rows(), processing_class=tok)
+        if case == "sft-sp":  # with held-out rows: evaluation shares its batches over the group too
+            trainer = SFTTrainer(tiny_model(), SFTConfig(**common), train_dataset=sft_rows(),
+                                 eval_dataset=sft_rows()[::-1][:6], processing_class=tok)
         elif case == "grpo-sp":
             # 8 prompts x 2 completions per step; batch-scaled rewards (statistics over each replica's rows once),
             # a reference (KL), completions cut by every 4th id so row lengths differ
@@ -173,7 +174,7 @@ def run(case: str, out: Path, world: int) -> dict:
             trainer = GRPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)
         else:
             trainer = DPOTrainer(tiny_model(), args=DPOConfig(beta=0.5, **common), train_dataset=pairs(),
-                                 processing_class=tok)
+                                 eval_dataset=pairs()[:6], processing_class=tok)
     elif case == "sft":
         trainer = SFTTrainer(tiny_model(), SFTConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=per_device,
                                                       **SGD, **sharded), train_dataset=sft_rows(), processing_class=tok)
@@ -250,6 +251,8 @@ def run(case: str, out: Path, world: int) -> dict:
         trainer = GRPOTrainer(tiny_model(), [uneven_reward], cfg, train_dataset=prompts(), processing_class=tok)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if case in ("sft-sp", "dpo-sp"):
+        losses.append(trainer.evaluate()["eval_loss"])
     if case.startswith("ppo"):  # the rollout statistics are global too: scores, KL, advantages' inputs
         losses += [h[k] for h in trainer.state.log_history if "objective/scores" in h
                    for k in ("objective/scores", "objective/kl", "val/explained_variance", "policy/clipfrac_avg")]

@@ -31,6 +31,31 @@ def test_offloaded_activations_come_back_for_backward_with_the_same_gradients():
         torch.testing.assert_close(plain[k], offloaded[k], rtol=0, atol=0, msg=k)
 
 
+def test_backward_reads_the_host_copy_not_the_device_tensor():
+    # exp saves its output; zeroing that output's memory behind autograd's back leaves the offloaded copy intact
+    a = torch.randn(4096, requires_grad=True)
+    with OffloadActivations(devices={"cpu"}, min_bytes=0):
+        b = a.exp()
+    b.data.zero_()
+    b.sum().backward()
+    torch.testing.assert_close(a.grad, a.detach().exp())
+    a.grad = None
+    b = a.exp()  # without offloading, backward reads the zeroed tensor: the check above can fail
+    b.data.zero_()
+    b.sum().backward()
+    assert a.grad.abs().max() == 0
+
+
+def test_a_tensor_saved_by_several_ops_is_copied_once():
+    x = torch.randn(16, 64, requires_grad=True)
+    weights = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(3)]
+    with OffloadActivations(devices={"cpu"}, min_bytes=0) as off:
+        h = x * 2  # the shared input of three projections (q, k, v)
+        out = sum(torch.nn.functional.linear(h, w) for w in weights)
+    out.sum().backward()
+    assert off.moved_bytes == h.numel() * 4
+
+
 def test_weights_and_small_tensors_stay():
     weight = torch.nn.Parameter(torch.randn(64, 64))
     x = torch.randn(8, 64, requires_grad=True)
@@ -106,3 +131,8 @@ def test_a_trainer_on_cpu_says_offloading_moves_nothing(tmp_path, caplog):
     assert "activation_offloading: training on CPU" in caplog.text
     with trainer.compute_loss_context_manager():  # no saved-tensor hooks on CPU: nothing would be gained
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    # on a GPU (its device stood in for by a CUDA device object: nothing runs on it) the hooks are installed
+    trainer.args.__dict__["_setup_devices"] = torch.device("cuda")  # what `args.device` reads (a cached property)
+    assert trainer.args.device.type == "cuda"
+    with trainer.compute_loss_context_manager():
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None

@@ -91,3 +91,37 @@ def test_padded_batches_are_refused_by_name(tmp_path):
         SFTTrainer(tiny_model(), SFTConfig(output_dir=str(tmp_path / "o"), sequence_parallel_size=2,
                                            padding_free=False, report_to="none"),
                    train_dataset=rows, processing_class=tiny_tokenizer())
+
+
+def test_streams_overriding_subclasses_and_unshared_sampling_are_refused_by_name(tmp_path):
+    from datasets import IterableDataset
+
+    rows = [{"prompt": "a b", "completion": " c d"}] * 4
+    cfg = dict(output_dir=str(tmp_path / "o"), sequence_parallel_size=2, report_to="none")
+    stream = IterableDataset.from_generator(lambda: iter(rows))
+    with pytest.raises(ConfigError, match="train_dataset is streamed"):
+        SFTTrainer(tiny_model(), SFTConfig(**cfg, max_steps=2), train_dataset=stream, processing_class=tiny_tokenizer())
+
+    class OwnForward(SFTTrainer):
+        def compute_token_logps(self, model, inputs):
+            return super().compute_token_logps(model, inputs)
+
+    with pytest.raises(ConfigError, match="OwnForward overrides compute_token_logps"):
+        OwnForward(tiny_model(), SFTConfig(**cfg), train_dataset=rows, processing_class=tiny_tokenizer())
+    with pytest.raises(ConfigError, match="must draw the same batches"):
+        SFTTrainer(tiny_model(), SFTConfig(**cfg, train_sampling_strategy="group_by_length"), train_dataset=rows,
+                   processing_class=tiny_tokenizer())
+    from toolkit.experimental.kto import KTOConfig, KTOTrainer
+
+    pairs = [{"prompt": "a b", "completion": " c", "label": True}, {"prompt": "a b", "completion": " d", "label": False}]
+    with pytest.raises(ConfigError, match="KTOTrainer overrides compute_loss"):  # its own loss: unscaled gradients
+        KTOTrainer(tiny_model(), args=KTOConfig(**cfg), train_dataset=pairs * 2, processing_class=tiny_tokenizer())
+    assert not (tmp_path / "o").exists()
+
+
+def test_evaluation_batches_are_repeated_whole_and_a_short_last_one_stays_short():
+    from toolkit.core.sequence_parallel import RepeatedBatchSampler
+
+    batches = RepeatedBatchSampler(list(range(7)), 3, 2)
+    assert list(batches) == [[0, 1, 2]] * 2 + [[3, 4, 5]] * 2 + [[6]] * 2 and len(batches) == 6
+    assert not hasattr(batches, "batch_size")  # accelerate would hold a short batch back from some ranks

@@ -523,6 +523,8 @@ def _estimate(argv: list[str]) -> int:
                                                                 "not, find the first setting that does (checkpointing, "
                                                                 "then offloading, then sequence parallelism 2/4/8)")
     a = ap.parse_args(argv)
+    if a.trainer == "ppo" and (a.activation_offloading or a.sequence_parallel_size > 1):
+        ap.error("--activation_offloading and --sequence_parallel_size: PPO has neither setting")
     model = a.model or str(embedded_model_path())
     ref = None if a.reference_model == "auto" else a.reference_model == "yes"
 
@@ -550,14 +552,24 @@ def _estimate(argv: list[str]) -> int:
         if need > a.gpu_gib:
             # the ladder, cheapest first: recompute (a third more compute), then host copies (PCIe time), then
             # more GPUs per row
-            ladder = [(True, a.activation_offloading, a.sequence_parallel_size),
-                      (True, True, a.sequence_parallel_size)]
-            ladder += [(True, True, sp) for sp in (2, 4, 8) if sp > a.sequence_parallel_size]
+            from .memory import _load_config
+
+            heads = _load_config(model).num_attention_heads
+            ladder = [(True, a.activation_offloading, a.sequence_parallel_size)]
+            if a.trainer != "ppo":  # PPO has neither setting
+                ladder += [(True, True, a.sequence_parallel_size)]
+                # Ulysses gives each rank of a group a share of the heads: sizes that divide them
+                ladder += [(True, True, sp) for sp in (2, 4, 8) if sp > a.sequence_parallel_size and heads % sp == 0]
+            asked = (a.activation_checkpointing, a.activation_offloading, a.sequence_parallel_size)
+            ladder = [rung for rung in dict.fromkeys(ladder) if rung != asked]
             for checkpointing, offloading, sp in ladder:
-                peak = estimate(checkpointing, offloading, sp).peak * 1.1 / 2**30
+                est_rung = estimate(checkpointing, offloading, sp)
+                peak = est_rung.peak * 1.1 / 2**30
                 setting = (f"activation_checkpointing=True, activation_offloading={offloading}, "
                            f"sequence_parallel_size={sp}")
-                print(f"  {setting}: {peak:.1f} GiB")
+                host = est_rung.details["offloaded_bytes"] / 2**30
+                print(f"  {setting}: {peak:.1f} GiB" + (f" (and {host:.1f} GiB of pinned host memory per rank)"
+                                                        if offloading else ""))
                 if peak <= a.gpu_gib:
                     print(f"fits with {setting}")
                     return 0

@@ -220,7 +220,8 @@ class DPOTrainer(TrainerLifecycle, Trainer):
         self.setup_sequence_parallel(args, [model, self.ref_model], refuse=(
             "splits packed rows; vision-language pairs are padded." if self.vision else
             "splits packed rows, and this model's attention cannot run them (use attn_implementation='sdpa')."
-            if not self.padding_free else None))
+            if not self.padding_free else None),
+            split_seams=(DPOTrainer, ("compute_loss", "compute_sequence_logps")))
         # prompt + completion <= max_length per sequence; a pair holds the prompt once and two completions, so the
         # most tokens a pair can hold is with a short prompt: an eighth of max_length for the estimate's prompt
         longest = args.max_length or 1024

@@ -485,7 +485,14 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
 
         # 2. Models, the objective, the generation backend.
         model = self._load_models(model, args, peft_config, model_init_kwargs, ref_model)
-        self.setup_sequence_parallel(args, [model, self.ref_model], refuse=self.sequence_parallel_refusal())
+        if args.sequence_parallel_size > 1 and self.prompts_per_round % args.sequence_parallel_size:
+            logger.warning("sequence_parallel_size=%d: a round's %d prompts do not divide over the group, so some of "
+                           "its ranks generate fewer prompts (or none) and wait for the others; a multiple of %d "
+                           "prompts per round shares generation evenly.", args.sequence_parallel_size,
+                           self.prompts_per_round, args.sequence_parallel_size)
+        self.setup_sequence_parallel(args, [model, self.ref_model], refuse=self.sequence_parallel_refusal(),
+                                     split_seams=(GRPOTrainer, ("compute_loss", "compute_token_logps",
+                                                                "forward_tokens")))
         self.sampling = args.sampling_params(self.text_tokenizer.eos_token_id)
         self.setup_objective(args)
         self.episode_delta = self._episode_delta(tokenizer, args) if self.environment_factory is not None else None
@@ -597,9 +604,6 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             return "splits packed rows, and this model's attention cannot run them (use attn_implementation='sdpa')."
         if self.environment_factory is not None:
             return "multi-turn episodes are not split over a group yet."
-        if type(self).compute_loss is not GRPOTrainer.compute_loss:
-            return (f"{type(self).__name__} computes its own loss; sequence parallelism is built into GRPO's "
-                    "(a wrapper changes GRPO's loss through compute_policy_loss or a plugin loss instead).")
         return None
 
     def _replica(self) -> tuple[int, int]:
@@ -955,9 +959,12 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         if sp is not None:  # the group shares the round: each rank generates and scores its part, then all gather
             share = math.ceil(len(mine) / sp.size)
             mine = mine[sp.rank * share:(sp.rank + 1) * share]
+        # a rank of a group with no prompt this round still steps generation (a sharded model decodes in lockstep)
+        # but calls no reward function with nothing to score
+        score = self.compute_rewards if mine else lambda rows, ids: torch.zeros((len(self.reward_names), 0))
         scored = generate_and_score(
             self.generation_backend, [self.prompt_ids[i] for i in mine], [self.rows[i] for i in mine],
-            sampling=self.sampling, n=self.args.num_generations, score=self.compute_rewards,
+            sampling=self.sampling, n=self.args.num_generations, score=score,
             seed=generation_seed(self.args.seed, self.state.global_step, self.accelerator.process_index),
             images=[self.prompt_images[i] for i in mine] if self.prompt_images is not None else None)
         after_generation(self.generation_backend)  # a colocated engine gives its GPU memory to the training pass

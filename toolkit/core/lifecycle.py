@@ -49,7 +49,7 @@ from .errors import ConfigError, HubPushError
 from .memory import OffloadActivations
 from .model_card import hub_base_model, write_model_card
 from .plugins import notify_checkpoint_saved, notify_step_metrics
-from .sequence_parallel import RepeatBatches, SequenceParallel, enable, sequence_parallel_group
+from .sequence_parallel import RepeatBatches, RepeatedBatchSampler, SequenceParallel, enable, sequence_parallel_group
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +87,29 @@ class TrainerLifecycle:
     #: This rank's sequence-parallel group (`sequence_parallel_size` > 1), else None.
     sequence_parallel: SequenceParallel | None = None
 
-    def setup_sequence_parallel(self, args: Any, models: list, *, refuse: str | None = None) -> None:
+    def setup_sequence_parallel(self, args: Any, models: list, *, refuse: str | None = None,
+                                split_seams: tuple[type, tuple[str, ...]] | None = None) -> None:
         """Split every packed row over `args.sequence_parallel_size` consecutive ranks (Ulysses; docs/distributed.md)
-        for `models` (the policy and, where there is one, the reference). Call before `Trainer.__init__`."""
+        for `models` (the policy and, where there is one, the reference). Call before `Trainer.__init__`.
+
+        `split_seams` (the trainer class, its method names): the loss and forward seams that run the split pass and
+        scale its gradient. A subclass overriding one of them runs a forward or a loss of its own, which would see
+        whole rows on every rank or leave the gradient unscaled: refused by name."""
         size = getattr(args, "sequence_parallel_size", 1)
         if size == 1:
             return
+        if refuse is None and split_seams is not None:
+            base, names = split_seams
+            own = [n for n in names if getattr(type(self), n) is not getattr(base, n)]
+            if own:
+                refuse = (f"{type(self).__name__} overrides {', '.join(own)}, which the split rows go through (a "
+                          "forward of its own would see whole rows on every rank, a loss of its own would miss the "
+                          "gradient's scaling); sequence parallelism runs with the trainer's own.")
+        if refuse is None and (args.train_sampling_strategy not in ("random", "sequential")
+                               or not args.accelerator_config.use_seedable_sampler
+                               or args.accelerator_config.split_batches):
+            refuse = ("the ranks of a group must draw the same batches: it needs train_sampling_strategy 'random' or "
+                      "'sequential', accelerate's seedable sampler and split_batches=False.")
         if refuse is not None:
             raise ConfigError(f"sequence_parallel_size={size}: {refuse} Set sequence_parallel_size=1.")
         from .models import unwrap_model
@@ -111,15 +128,19 @@ class TrainerLifecycle:
         logger.info("Sequence parallelism: each packed row split over %d ranks (Ulysses); %d data-parallel "
                     "replicas of the batch.", size, self.sequence_parallel.dp_size)
 
-    def _sequence_parallel_sampler(self, sampler: Any, batch_size: int, what: str) -> Any:
+    def _sequence_parallel_sampler(self, sampler: Any, batch_size: int, what: str, dataset: Any = None) -> Any:
         """The ranks of a sequence-parallel group must get the same batches: each batch is repeated P times."""
         sp = self.sequence_parallel
         if sp is None:
             return sampler
+        from torch.utils.data import RandomSampler, SequentialSampler
+        from transformers.trainer_utils import has_length
+
+        if sampler is None and dataset is not None and has_length(dataset):
+            sampler = SequentialSampler(dataset)  # transformers leaves evaluation's to accelerate with several ranks
         if sampler is None:
             raise ConfigError(f"sequence_parallel_size={sp.size}: the {what} dataset has no length (a stream), so its "
                               "batches cannot be shared by a sequence-parallel group; pass a datasets.Dataset or list.")
-        from torch.utils.data import RandomSampler
 
         config = self.accelerator.dataloader_config
         if type(sampler) is RandomSampler and config.use_seedable_sampler:
@@ -141,11 +162,28 @@ class TrainerLifecycle:
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         sampler = super()._get_train_sampler(train_dataset)
-        return self._sequence_parallel_sampler(sampler, self._train_batch_size, "train")
+        return self._sequence_parallel_sampler(sampler, self._train_batch_size, "train",
+                                               train_dataset if train_dataset is not None else self.train_dataset)
 
-    def _get_eval_sampler(self, eval_dataset: Any) -> Any:
-        sampler = super()._get_eval_sampler(eval_dataset)
-        return self._sequence_parallel_sampler(sampler, self.args.eval_batch_size, "eval")
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """Trainer's; under sequence parallelism the group's ranks get the same held-out batches, each in order
+        and whole (a batch sampler, so a short last batch stays short: no row counted twice)."""
+        sp = self.sequence_parallel
+        if sp is None:
+            return super().get_eval_dataloader(eval_dataset)
+        from torch.utils.data import DataLoader, SequentialSampler
+        from transformers.trainer_utils import has_length
+
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):  # a name of one of several eval datasets (Trainer's convention)
+            dataset = self.eval_dataset[dataset]
+        if dataset is None or not has_length(dataset):
+            raise ConfigError(f"sequence_parallel_size={sp.size}: the eval dataset has no length (a stream), so its "
+                              "batches cannot be shared by a sequence-parallel group; pass a datasets.Dataset or list.")
+        batches = RepeatedBatchSampler(SequentialSampler(dataset), self.args.eval_batch_size, sp.size)
+        return self.accelerator.prepare(DataLoader(dataset, batch_sampler=batches, collate_fn=self.data_collator,
+                                                   num_workers=self.args.dataloader_num_workers,
+                                                   pin_memory=self.args.dataloader_pin_memory))
 
     # ------------------------------------------------------------------------------ metrics
 

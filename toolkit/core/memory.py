@@ -214,38 +214,57 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             loss = model(**batch).loss
         loss.backward()            # each saved tensor comes back to its device when backward reaches it
 
-    What moves: saved tensors on a device in `devices` (default: any but the CPU, whose memory is already the
-    host's) of at least `min_bytes`; weights (and views of them) stay, as they stay on the device anyway. With
-    activation checkpointing, only the checkpoints (each layer's input) are saved outside the recomputed regions,
-    so the two together hold about one layer's activations on the device. Copies go to pinned memory without
-    blocking the host; the device memory is freed when nothing else holds the tensor. `moved_bytes` counts what
-    moved (the test on CPU passes `devices={"cpu"}` to run the same path)."""
+    What moves: plain strided tensors saved on a device in `devices` (default: any but the CPU, whose memory is
+    already the host's) of at least `min_bytes`. What stays: parameters and views of them (they stay on the device
+    anyway), tensor subclasses (a DTensor's shard is not its global shape), broadcast views (stride 0: copying
+    would materialise them). autocast's bf16 copies of float32 weights are new tensors and do move. A tensor saved
+    by several ops (the input q, k and v projections share) is copied once per forward.
+
+    The copies run on the compute stream, without prefetch: they do not overlap with compute, so each step pays
+    the transfer (device -> host in forward, host -> device in backward). Host memory: pinned buffers from
+    torch's caching host allocator, which rounds each up to a power of two and keeps it for reuse; `moved_bytes`
+    counts what moved (the test on CPU passes `devices={"cpu"}` to run the same path)."""
 
     def __init__(self, *, min_bytes: int = 1 << 20, devices: set[str] | None = None, pin_memory: bool | None = None):
         self.moved_bytes = 0
+        self._copies: dict[tuple, tuple[Any, torch.Tensor]] = {}
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
 
         def pack(t: torch.Tensor) -> Any:
+            if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested:
+                return t
             on = t.device.type in devices if devices is not None else t.device.type != "cpu"
             size = t.numel() * t.element_size()
-            if not on or size < min_bytes or _is_weight(t) or t.layout != torch.strided:
+            if not on or size < min_bytes or 0 in t.stride() or _is_weight(t):
                 return t
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            seen = self._copies.get(key)
+            # the same memory holds the same tensor only while the tensor first copied from it is alive (freed
+            # memory is reused by later tensors of the forward)
+            if seen is not None and seen[0]() is not None:
+                return (t.device, seen[1])
             host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=pin and t.device.type != "cpu")
             host.copy_(t, non_blocking=pin)
+            self._copies[key] = (weakref.ref(t), host)
             self.moved_bytes += size
-            return (t.device, t.requires_grad, host)
+            return (t.device, host)
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            device, _, host = packed
+            device, host = packed
             return host.to(device, non_blocking=True) if device.type != "cpu" else host.clone()
 
         super().__init__(pack, unpack)
 
     def __enter__(self) -> OffloadActivations:
+        self._copies = {}  # one forward's copies: a storage's memory is reused once it is freed
         super().__enter__()
         return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._copies = {}  # the packed tuples hold the copies backward needs; the index is the forward's only
 
 
 class PeakTensorMemoryCallback(TrainerCallback):
@@ -476,9 +495,13 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
         ids = torch.zeros(1, tokens, dtype=torch.long)
         targets = torch.zeros(scored, dtype=torch.long)
 
+        host_bytes = [0]
+
         def offload(t: torch.Tensor) -> Any:  # what OffloadActivations moves leaves the device until backward
-            if t.numel() * t.element_size() < (1 << 20) or _is_weight(t):
+            size = t.numel() * t.element_size()
+            if size < (1 << 20) or 0 in t.stride() or _is_weight(t):
                 return t
+            host_bytes[0] += size  # (copied once per save: an upper bound on the host memory)
             return (t.shape, t.dtype)
 
         def reload(packed: Any) -> torch.Tensor:
@@ -490,6 +513,7 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
         def step(tally: TensorMemoryTally) -> int:
             """One micro-batch's forward, backward and optimizer step; returns the pass's peak."""
             tally.peak_bytes = tally.current_bytes
+            host_bytes[0] = 0
             if trainer in ("dpo", "ppo") or (trainer == "grpo" and reference_model):
                 with torch.no_grad(), autocast:  # the reference's log-probs (and PPO's reward), kept as [N] floats
                     h = body(input_ids=ids).last_hidden_state[0, :scored]
@@ -560,5 +584,6 @@ def estimate_step_memory(model: Any, trainer: str = "sft", *, batch_size: int = 
                                    "dtype": dtype, "bf16": bf16, "lora_r": lora_r,
                                    "activation_checkpointing": activation_checkpointing,
                                    "activation_offloading": activation_offloading,
+                                   "offloaded_bytes": host_bytes[0],
                                    "sequence_parallel_size": sequence_parallel_size,
                                    "frozen_copies": frozen_copies})

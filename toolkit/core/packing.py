@@ -294,8 +294,8 @@ def completion_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 def _sequence_parallel_pass(model: torch.nn.Module, batch: dict[str, torch.Tensor], sp: SequenceParallel, *,
                             temperature: float, chunk_size: int, upcast: bool, entropy: bool) -> TokenLogps:
     """`completion_token_pass` with the row split over `sp`'s group: each rank runs the LM head on the completion
-    positions it holds; the [N] log-probs (with `entropy`: the entropy and [N, H] hidden states too, what a policy
-    loss's metrics read) are gathered whole on every rank."""
+    positions it holds; the [N] log-probs (with `entropy`, the detached entropies from the same product) are
+    gathered whole on every rank. No [N, H] hidden states: gathering them would cost each rank the whole row's."""
     kwargs, start, end = shard_row(_forward_kwargs(model, batch), sp)
     hidden = last_hidden(model, kwargs)[0]                                 # [L, H] this rank's tokens
     positions, targets = batch["completion_positions"], batch["completion_targets"]
@@ -303,16 +303,15 @@ def _sequence_parallel_pass(model: torch.nn.Module, batch: dict[str, torch.Tenso
     local_hidden = hidden[positions[mine] - start]
     weight, bias = output_head(model)
     n = positions.numel()
-    if entropy and torch.is_grad_enabled():
+    ent = None
+    if entropy:  # with or without autograd (a step without signal logs its entropy too): one LM-head product
         logps, ent = chunked_token_logps_and_entropy(local_hidden, weight, targets[mine], bias=bias,
                                                      temperature=temperature, chunk_size=chunk_size, upcast=upcast)
-        ent = gather_owned(ent.detach(), mine, n, sp)
     else:
         logps = chunked_token_logps(local_hidden, weight, targets[mine], bias=bias, temperature=temperature,
                                     chunk_size=chunk_size, upcast=upcast)
-        ent = None
-    return TokenLogps(gather_owned(logps, mine, n, sp), entropy=ent,
-                      hidden=gather_owned(local_hidden.detach(), mine, n, sp) if entropy else None)
+    return TokenLogps(gather_owned(logps, mine, n, sp),
+                      entropy=gather_owned(ent.detach(), mine, n, sp) if ent is not None else None)
 
 
 def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 __all__ = [
     "RepeatBatches",
+    "RepeatedBatchSampler",
     "SequenceParallel",
     "gather_owned",
     "enable",
@@ -159,6 +160,32 @@ class RepeatBatches(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
+
+
+class RepeatedBatchSampler(torch.utils.data.Sampler):
+    """Batches of `batch_size` consecutive indices of `sampler` (the last one short), each yielded `repeats` times in
+    a row: evaluation's counterpart of `RepeatBatches`, which as a batch sampler keeps a short last batch as it is
+    (a held-out loss must not count rows twice)."""
+
+    def __init__(self, sampler, batch_size: int, repeats: int):
+        # `size`, not `batch_size`: accelerate's BatchSamplerShard reads a `batch_size` as "every batch is full" and
+        # would hold a short last batch back from some ranks; without it, batches are taken as they come
+        self.sampler, self.size, self.repeats = sampler, batch_size, repeats
+
+    def __iter__(self):
+        batch: list[int] = []
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) == self.size:
+                for _ in range(self.repeats):
+                    yield list(batch)
+                batch = []
+        if batch:
+            for _ in range(self.repeats):
+                yield list(batch)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.size) * self.repeats
 
 
 class _AllToAll(torch.autograd.Function):

@@ -319,6 +319,10 @@ class SFTTrainer(TrainerLifecycle, Trainer):
             text_tokenizer(tokenizer).pad_token = text_tokenizer(tokenizer).eos_token
         train_rows, eval_rows, sources = self._read_rows(train_dataset, eval_dataset, streamed, formatting_func,
                                                          tokenizer)
+        if args.sequence_parallel_size > 1 and sources:
+            raise ConfigError(f"sequence_parallel_size={args.sequence_parallel_size}: {', '.join(sorted(sources))} is "
+                              "streamed; every rank would read its own rows, and a sequence-parallel group must share "
+                              "them. Pass a datasets.Dataset or a list, or set sequence_parallel_size=1.")
         completion_only = self._completion_only(args)
         # a pre-tokenized dataset's other columns go to a collator of your own, never into our batches
         tok_kwargs = dict(max_length=args.max_length, completion_only_loss=completion_only,
@@ -333,7 +337,8 @@ class SFTTrainer(TrainerLifecycle, Trainer):
         refuse = ("splits packed rows; vision-language rows are padded." if self.vision else
                   "splits packed rows, and this model's batches are padded (padding_free=False or an attention "
                   "implementation that cannot keep packed examples apart)." if not packed else None)
-        self.setup_sequence_parallel(args, [model], refuse=refuse)
+        self.setup_sequence_parallel(args, [model], refuse=refuse,
+                                     split_seams=(SFTTrainer, ("compute_loss", "compute_token_logps")))
 
         # 3. Datasets of token ids (packing groups whole examples into rows of at most max_length).
         if args.packing:
