@@ -178,9 +178,15 @@ def test_checkpointing_follows_the_memory_model_against_the_card():
     line = choose_checkpointing_by_memory(roomy, model, "sft", _card(free_gib=70), **shape)
     assert roomy.activation_checkpointing is False and "off" in line and "fits" in line
     tight = _args(bf16=True, activation_checkpointing=False, gradient_checkpointing=False,
-                  _checkpointing_by_memory=True)
+                  _checkpointing_by_memory=True, activation_offloading=None)
     line = choose_checkpointing_by_memory(tight, model, "sft", _card(free_gib=0.001), **shape)
     assert tight.activation_checkpointing is True and tight.gradient_checkpointing is True and "exceeds" in line
+    assert tight.activation_offloading is True and "activation offloading on" in line  # still over: next rung
+    snug = _args(bf16=True, activation_checkpointing=False, gradient_checkpointing=False,
+                 _checkpointing_by_memory=True, activation_offloading=None)
+    without = estimate_step_memory(model.config, "sft", **shape).peak * 1.1 / 2**30
+    line = choose_checkpointing_by_memory(snug, model, "sft", _card(free_gib=without * 0.9), **shape)
+    assert snug.activation_checkpointing is True and snug.activation_offloading is None  # checkpointing suffices
     users = _args(bf16=True, activation_checkpointing=False, _checkpointing_by_memory=False)  # set by the user
     assert choose_checkpointing_by_memory(users, model, "sft", _card(free_gib=0.001), **shape) is None
     assert users.activation_checkpointing is False

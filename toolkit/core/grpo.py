@@ -185,10 +185,11 @@ class GroupRolloutConfig(RolloutConfig):
                 "language model too)."})
     train_projector: bool = field(default=True, metadata={
         "help": "Vision-language models: train the projector into the language model even with the tower frozen."})
-    activation_offloading: bool = field(default=False, metadata={
+    activation_offloading: bool | None = field(default=None, metadata={
         "help": "Keep the tensors the forward saves for backward in host memory until backward needs them (TRL's "
-                "name); with activation_checkpointing, about one layer's activations stay on the GPU. No effect on "
-                "CPU, whose memory is already the host's."})
+                "name); with activation_checkpointing, about one layer's activations stay on the GPU. None: off, "
+                "unless on one GPU the memory model finds the step over the card even with checkpointing. No "
+                "effect on CPU, whose memory is already the host's."})
     sequence_parallel_size: int = field(default=1, metadata={
         "help": "Split each packed micro-batch row over this many consecutive ranks (Ulysses sequence parallelism): "
                 "each holds 1/N of the tokens' activations; the group shares its prompts, each rank generating a "

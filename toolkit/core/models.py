@@ -622,9 +622,18 @@ def choose_checkpointing_by_memory(args: Any, model: Any, trainer: str, gpu: Gpu
     on = need > budget
     args.activation_checkpointing = args.gradient_checkpointing = on
     g = 2**30
-    return (f"activation checkpointing {'on' if on else 'off'} (the memory model's step peak without it, "
+    line = (f"activation checkpointing {'on' if on else 'off'} (the memory model's step peak without it, "
             f"{need / g:.1f} GiB with 10% for workspaces, {'exceeds' if on else 'fits'} the {budget / g:.1f} GiB "
             f"this process has on {gpu.name})")
+    if on and hasattr(args, "activation_offloading") and args.activation_offloading is None:
+        # the next rung of `toolkit estimate`'s ladder: the saved activations to host memory as well
+        with_it = estimate_step_memory(config, trainer, dtype=weights_dtype, bf16=bool(getattr(args, "bf16", False)),
+                                       lora_r=lora, activation_checkpointing=True, **shape).peak * 1.1
+        if with_it > budget:
+            args.activation_offloading = True
+            line += (f"; activation offloading on (with checkpointing the peak is still {with_it / g:.1f} GiB; "
+                     "the saved activations wait in host memory)")
+    return line
 
 
 def log_gpu_defaults(args: Any, model: Any, trainer: str, **shape: int) -> None:

@@ -125,10 +125,11 @@ class SFTConfig(TrainingArguments):
                                                       "loss (memory vs. speed)."})
     fp32_lm_head: bool = field(
         default=True, metadata={"help": "Compute the LM head and log-softmax in fp32 even for bf16 models."})
-    activation_offloading: bool = field(default=False, metadata={
+    activation_offloading: bool | None = field(default=None, metadata={
         "help": "Keep the tensors the forward saves for backward in host memory until backward needs them (TRL's "
-                "name); with activation_checkpointing, about one layer's activations stay on the GPU. No effect on "
-                "CPU, whose memory is already the host's."})
+                "name); with activation_checkpointing, about one layer's activations stay on the GPU. None: off, "
+                "unless on one GPU the memory model finds the step over the card even with checkpointing. No "
+                "effect on CPU, whose memory is already the host's."})
     sequence_parallel_size: int = field(
         default=1, metadata={"help": "Split each packed row over this many consecutive ranks (Ulysses sequence "
                                      "parallelism): each holds 1/N of the tokens' activations. Must divide the "
