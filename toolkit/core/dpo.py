@@ -41,6 +41,8 @@ from .console import show_logs
 from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
     BF16_HELP,
+    OFFLOADING_HELP,
+    SEQUENCE_PARALLEL_HELP,
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
     disable_dropout,
@@ -111,14 +113,8 @@ class DPOConfig(TrainingArguments):
     chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
     logps_chunk_size: int = field(default=DEFAULT_CHUNK_SIZE, metadata={"help": "Chunk size of the LM head."})
     fp32_lm_head: bool = field(default=True, metadata={"help": "Compute the LM head in fp32."})
-    activation_offloading: bool | None = field(default=None, metadata={
-        "help": "Keep the tensors the forward saves for backward in host memory until backward needs them (TRL's "
-                "name); with activation_checkpointing, about one layer's activations stay on the GPU. None: off, "
-                "unless on one GPU the memory model finds the step over the card even with checkpointing. No "
-                "effect on CPU, whose memory is already the host's."})
-    sequence_parallel_size: int = field(default=1, metadata={
-        "help": "Split each packed row over this many consecutive ranks (Ulysses sequence parallelism): each holds "
-                "1/N of the tokens' activations. Must divide the number of processes."})
+    activation_offloading: bool | None = field(default=None, metadata={"help": OFFLOADING_HELP})
+    sequence_parallel_size: int = field(default=1, metadata={"help": SEQUENCE_PARALLEL_HELP})
     bf16: bool | None = field(default=None, metadata={"help": BF16_HELP})
     model_dtype: str = field(default="float32", metadata={"help": "dtype for a model given by name."})
     flat_warn_steps: int = field(default=20, metadata={

@@ -60,6 +60,8 @@ from .console import show_logs
 from .lifecycle import TrainerLifecycle
 from .models import (
     DEFAULT_MODEL,
+    OFFLOADING_HELP,
+    SEQUENCE_PARALLEL_HELP,
     apply_cpu_training_defaults,
     disable_dropout,
     is_peft_model,
@@ -185,15 +187,8 @@ class GroupRolloutConfig(RolloutConfig):
                 "language model too)."})
     train_projector: bool = field(default=True, metadata={
         "help": "Vision-language models: train the projector into the language model even with the tower frozen."})
-    activation_offloading: bool | None = field(default=None, metadata={
-        "help": "Keep the tensors the forward saves for backward in host memory until backward needs them (TRL's "
-                "name); with activation_checkpointing, about one layer's activations stay on the GPU. None: off, "
-                "unless on one GPU the memory model finds the step over the card even with checkpointing. No "
-                "effect on CPU, whose memory is already the host's."})
-    sequence_parallel_size: int = field(default=1, metadata={
-        "help": "Split each packed micro-batch row over this many consecutive ranks (Ulysses sequence parallelism): "
-                "each holds 1/N of the tokens' activations; the group shares its prompts, each rank generating a "
-                "share of them. Must divide the number of processes."})
+    activation_offloading: bool | None = field(default=None, metadata={"help": OFFLOADING_HELP})
+    sequence_parallel_size: int = field(default=1, metadata={"help": SEQUENCE_PARALLEL_HELP})
 
     def __post_init__(self):
         # GRPO trains on completions packed behind their shared prompt, a few hundred to a few thousand tokens a

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 __all__ = [
     "BF16_HELP",
+    "OFFLOADING_HELP",
+    "SEQUENCE_PARALLEL_HELP",
     "DEFAULT_MODEL",
     "EMBEDDED_HUB_ID",
     "EMBEDDED_VISION_NAME",
@@ -520,6 +522,13 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+OFFLOADING_HELP = ("Keep the tensors the forward saves for backward in host memory until backward needs them "
+                   "(TRL's name); with activation_checkpointing, about one layer's activations stay on the GPU. None: "
+                   "off, unless on one GPU the memory model finds the step over the card even with checkpointing. "
+                   "No effect on CPU, whose memory is already the host's.")
+SEQUENCE_PARALLEL_HELP = ("Split each packed row over this many consecutive ranks (Ulysses sequence parallelism, "
+                          "docs/distributed.md): each holds 1/N of the tokens' activations. Must divide the number "
+                          "of processes; processes / N replicas each train on their own batches.")
 BF16_HELP = ("bf16 mixed precision (autocast over float32 weights and optimizer state). None (default): on with a "
              "CUDA GPU that computes bf16 natively (Ampere and later), off on CPU.")
 

@@ -55,6 +55,8 @@ from .console import show_logs
 from .lifecycle import TrainerLifecycle, warn_if_smaller_than_a_batch
 from .models import (
     BF16_HELP,
+    OFFLOADING_HELP,
+    SEQUENCE_PARALLEL_HELP,
     DEFAULT_MODEL,
     apply_cpu_training_defaults,
     log_gpu_defaults,
@@ -125,15 +127,8 @@ class SFTConfig(TrainingArguments):
                                                       "loss (memory vs. speed)."})
     fp32_lm_head: bool = field(
         default=True, metadata={"help": "Compute the LM head and log-softmax in fp32 even for bf16 models."})
-    activation_offloading: bool | None = field(default=None, metadata={
-        "help": "Keep the tensors the forward saves for backward in host memory until backward needs them (TRL's "
-                "name); with activation_checkpointing, about one layer's activations stay on the GPU. None: off, "
-                "unless on one GPU the memory model finds the step over the card even with checkpointing. No "
-                "effect on CPU, whose memory is already the host's."})
-    sequence_parallel_size: int = field(
-        default=1, metadata={"help": "Split each packed row over this many consecutive ranks (Ulysses sequence "
-                                     "parallelism): each holds 1/N of the tokens' activations. Must divide the "
-                                     "number of processes; processes / N replicas each train on their own batches."})
+    activation_offloading: bool | None = field(default=None, metadata={"help": OFFLOADING_HELP})
+    sequence_parallel_size: int = field(default=1, metadata={"help": SEQUENCE_PARALLEL_HELP})
     bf16: bool | None = field(default=None, metadata={"help": BF16_HELP})
     model_dtype: str = field(
         default="float32", metadata={"help": "dtype to load the model in when it is given by name: float32 | bfloat16."})
