@@ -136,3 +136,16 @@ def test_a_trainer_on_cpu_says_offloading_moves_nothing(tmp_path, caplog):
     assert trainer.args.device.type == "cuda"
     with trainer.compute_loss_context_manager():
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def test_a_tensor_changed_in_place_between_two_saves_is_copied_again():
+    a = torch.randn(4096, requires_grad=True)
+    with OffloadActivations(devices={"cpu"}, min_bytes=0) as off:
+        h = a * 1.0
+        first = h.exp()       # saves its output (not h)
+        y = h * h             # saves h
+        with torch.no_grad():
+            h.mul_(2.0)       # h changes in place (outside autograd's view: the test's stand-in for a buffer reused)
+        z = h * h             # saves h again, now doubled
+    assert off.moved_bytes == 4 * 4096 * 3  # exp's output, h, and h again after the change
+    del first, y, z

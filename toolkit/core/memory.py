@@ -237,7 +237,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             size = t.numel() * t.element_size()
             if not on or size < min_bytes or 0 in t.stride() or _is_weight(t):
                 return t
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            # the version counter: an in-place op between two saves of one tensor must not hand back the older copy
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
             seen = self._copies.get(key)
             # the same memory holds the same tensor only while the tensor first copied from it is alive (freed
             # memory is reused by later tensors of the forward)
