@@ -160,8 +160,9 @@ def run(case: str, out: Path, world: int) -> dict:
         # 8 examples per step over the world // 2 replicas, 2 steps
         sp = 2 if world > 1 else 1
         per_device = 8 // (world // sp)
+        # held-out batches of 3 rows: 6 rows make 2, the same batches for one process and for 2 replicas
         common = dict(output_dir=str(out), max_steps=2, per_device_train_batch_size=per_device,
-                      sequence_parallel_size=sp, **{**SGD, "learning_rate": 0.1}, **sharded)
+                      per_device_eval_batch_size=3, sequence_parallel_size=sp, **{**SGD, "learning_rate": 0.1}, **sharded)
         if case == "sft-sp":  # with held-out rows: evaluation shares its batches over the group too
             trainer = SFTTrainer(tiny_model(), SFTConfig(**common), train_dataset=sft_rows(),
                                  eval_dataset=sft_rows()[::-1][:6], processing_class=tok)

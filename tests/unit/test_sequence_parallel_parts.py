@@ -125,3 +125,17 @@ def test_evaluation_batches_are_repeated_whole_and_a_short_last_one_stays_short(
     batches = RepeatedBatchSampler(list(range(7)), 3, 2)
     assert list(batches) == [[0, 1, 2]] * 2 + [[3, 4, 5]] * 2 + [[6]] * 2 and len(batches) == 6
     assert not hasattr(batches, "batch_size")  # accelerate would hold a short batch back from some ranks
+
+
+def test_held_out_batches_come_in_a_multiple_of_the_replicas_without_repeating_a_row():
+    from toolkit.core.sequence_parallel import RepeatedBatchSampler
+
+    uneven = RepeatedBatchSampler(list(range(5)), 2, 2, replicas=2)  # 3 batches of 2 would leave one replica short
+    assert list(uneven) == [[0, 1]] * 2 + [[2]] * 2 + [[3]] * 2 + [[4]] * 2
+    per_rank = _batches(uneven, 1, world=4)  # (each yielded item is a batch: accelerate's turn per rank)
+    assert per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3]
+    seen = [i for turns in (per_rank[0], per_rank[2]) for batch in turns for i in batch[0]]
+    assert sorted(seen) == list(range(5))  # every row once over the replicas
+    assert RepeatedBatchSampler(list(range(8)), 2, 1, replicas=2).sizes == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="3 held-out rows"):
+        RepeatedBatchSampler(list(range(3)), 2, 2, replicas=4)

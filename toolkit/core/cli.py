@@ -545,6 +545,9 @@ def _estimate(argv: list[str]) -> int:
         print(f"per rank of a sequence-parallel group of {a.sequence_parallel_size}; activation offloading "
               f"{'on' if a.activation_offloading else 'off'}")
     print(est.table())
+    if a.activation_offloading:
+        print(f"pinned host memory for the offloaded activations: {d['offloaded_bytes'] / 2**30:.2f} GiB per rank "
+              "(each save counted; the host allocator rounds each buffer up to a power of two)")
     if a.gpu_gib is not None:
         need = est.peak * 1.1 / 2**30
         print(f"{'fits' if need <= a.gpu_gib else 'does not fit'} a {a.gpu_gib:g} GiB card (the peak + 10% for "

@@ -602,6 +602,12 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             return "multi-turn episodes are not split over a group yet."
         return None
 
+    def _score_nothing(self, rows: list[dict[str, Any]], completion_ids: list[list[int]]) -> torch.Tensor:
+        """The rewards of an empty share of a round (a rank of a sequence-parallel group without prompts): none,
+        and no failures to report. A `compute_rewards` override is not called for it."""
+        self._reward_failures = {}
+        return torch.zeros((len(self.reward_names), 0))
+
     def _replica(self) -> tuple[int, int]:
         """(this rank's replica, replicas): the data-parallel view; a sequence-parallel group is one replica."""
         sp = self.sequence_parallel
@@ -957,7 +963,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             mine = mine[sp.rank * share:(sp.rank + 1) * share]
         # a rank of a group with no prompt this round still steps generation (a sharded model decodes in lockstep)
         # but calls no reward function with nothing to score
-        score = self.compute_rewards if mine else lambda rows, ids: torch.zeros((len(self.reward_names), 0))
+        score = self.compute_rewards if mine else self._score_nothing
         scored = generate_and_score(
             self.generation_backend, [self.prompt_ids[i] for i in mine], [self.rows[i] for i in mine],
             sampling=self.sampling, n=self.args.num_generations, score=score,

@@ -107,9 +107,10 @@ class TrainerLifecycle:
                           "gradient's scaling); sequence parallelism runs with the trainer's own.")
         if refuse is None and (args.train_sampling_strategy not in ("random", "sequential")
                                or not args.accelerator_config.use_seedable_sampler
-                               or args.accelerator_config.split_batches):
+                               or args.accelerator_config.split_batches
+                               or args.accelerator_config.dispatch_batches):
             refuse = ("the ranks of a group must draw the same batches: it needs train_sampling_strategy 'random' or "
-                      "'sequential', accelerate's seedable sampler and split_batches=False.")
+                      "'sequential', accelerate's seedable sampler, split_batches=False and dispatch_batches unset.")
         if refuse is not None:
             raise ConfigError(f"sequence_parallel_size={size}: {refuse} Set sequence_parallel_size=1.")
         from .models import unwrap_model
@@ -166,21 +167,35 @@ class TrainerLifecycle:
                                                train_dataset if train_dataset is not None else self.train_dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        """Trainer's; under sequence parallelism the group's ranks get the same held-out batches, each in order
-        and whole (a batch sampler, so a short last batch stays short: no row counted twice)."""
-        sp = self.sequence_parallel
-        if sp is None:
+        """Trainer's; under sequence parallelism the group's ranks get the same held-out batches, each whole and in
+        order, no row twice (`RepeatedBatchSampler`)."""
+        if self.sequence_parallel is None:
             return super().get_eval_dataloader(eval_dataset)
-        from torch.utils.data import DataLoader, SequentialSampler
-        from transformers.trainer_utils import has_length
-
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str):  # a name of one of several eval datasets (Trainer's convention)
             dataset = self.eval_dataset[dataset]
-        if dataset is None or not has_length(dataset):
-            raise ConfigError(f"sequence_parallel_size={sp.size}: the eval dataset has no length (a stream), so its "
+        return self._shared_batches(dataset, "eval")
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """Trainer's (`predict`); under sequence parallelism as `get_eval_dataloader`."""
+        if self.sequence_parallel is None:
+            return super().get_test_dataloader(test_dataset)
+        return self._shared_batches(test_dataset, "test")
+
+    def _shared_batches(self, dataset: Any, what: str) -> Any:
+        from torch.utils.data import DataLoader, SequentialSampler
+        from transformers.trainer_utils import has_length
+
+        sp = self.sequence_parallel
+        if dataset is None:
+            raise ConfigError(f"{what}: no {what} dataset was given.")
+        if not has_length(dataset):
+            raise ConfigError(f"sequence_parallel_size={sp.size}: the {what} dataset has no length (a stream), so its "
                               "batches cannot be shared by a sequence-parallel group; pass a datasets.Dataset or list.")
-        batches = RepeatedBatchSampler(SequentialSampler(dataset), self.args.eval_batch_size, sp.size)
+        try:
+            batches = RepeatedBatchSampler(SequentialSampler(dataset), self.args.eval_batch_size, sp.size, sp.dp_size)
+        except ValueError as e:
+            raise ConfigError(f"sequence_parallel_size={sp.size}: {e}") from None
         return self.accelerator.prepare(DataLoader(dataset, batch_sampler=batches, collate_fn=self.data_collator,
                                                    num_workers=self.args.dataloader_num_workers,
                                                    pin_memory=self.args.dataloader_pin_memory))

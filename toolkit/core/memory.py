@@ -263,7 +263,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         super().__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self._copies = {}  # the packed tuples hold the copies backward needs; the index is the forward's only
 

@@ -524,8 +524,8 @@ def _has_gpu() -> bool:
 
 OFFLOADING_HELP = ("Keep the tensors the forward saves for backward in host memory until backward needs them "
                    "(TRL's name); with activation_checkpointing, about one layer's activations stay on the GPU. None: "
-                   "off, unless on one GPU the memory model finds the step over the card even with checkpointing. "
-                   "No effect on CPU, whose memory is already the host's.")
+                   "off, unless on one GPU, with activation_checkpointing also left unset, the memory model turns "
+                   "checkpointing on and finds the step over the card even with it. No effect on CPU.")
 SEQUENCE_PARALLEL_HELP = ("Split each packed row over this many consecutive ranks (Ulysses sequence parallelism, "
                           "docs/distributed.md): each holds 1/N of the tokens' activations. Must divide the number "
                           "of processes; processes / N replicas each train on their own batches.")
@@ -636,8 +636,14 @@ def choose_checkpointing_by_memory(args: Any, model: Any, trainer: str, gpu: Gpu
             f"this process has on {gpu.name})")
     if on and hasattr(args, "activation_offloading") and args.activation_offloading is None:
         # the next rung of `toolkit estimate`'s ladder: the saved activations to host memory as well
-        with_it = estimate_step_memory(config, trainer, dtype=weights_dtype, bf16=bool(getattr(args, "bf16", False)),
-                                       lora_r=lora, activation_checkpointing=True, **shape).peak * 1.1
+        try:
+            with_it = estimate_step_memory(config, trainer, dtype=weights_dtype,
+                                           bf16=bool(getattr(args, "bf16", False)), lora_r=lora,
+                                           activation_checkpointing=True, **shape).peak * 1.1
+        except Exception as e:  # the trace with checkpointing failed: offloading stays off, say why
+            logger.info("Activation offloading left off: the memory model could not trace %s with checkpointing "
+                        "(%s).", type(config).__name__, e)
+            return line
         if with_it > budget:
             args.activation_offloading = True
             line += (f"; activation offloading on (with checkpointing the peak is still {with_it / g:.1f} GiB; "

@@ -28,8 +28,8 @@ __all__ = [
     "RepeatBatches",
     "RepeatedBatchSampler",
     "SequenceParallel",
-    "gather_owned",
     "enable",
+    "gather_owned",
     "sequence_parallel_group",
     "sequence_parallel_loss",
     "sequence_parallel_of",
@@ -163,29 +163,38 @@ class RepeatBatches(torch.utils.data.Sampler):
 
 
 class RepeatedBatchSampler(torch.utils.data.Sampler):
-    """Batches of `batch_size` consecutive indices of `sampler` (the last one short), each yielded `repeats` times in
-    a row: evaluation's counterpart of `RepeatBatches`, which as a batch sampler keeps a short last batch as it is
-    (a held-out loss must not count rows twice)."""
+    """Evaluation's counterpart of `RepeatBatches`: batches of consecutive indices of `sampler`, each yielded
+    `repeats` times in a row, no index twice (a held-out loss must not count rows twice).
 
-    def __init__(self, sampler, batch_size: int, repeats: int):
+    Batches of `batch_size`, the last one short, when their count is a multiple of `replicas` (one per
+    data-parallel replica: accelerate would otherwise pad the replicas' turns with repeats of the first batches);
+    else the rows are split into the next multiple of `replicas` batches of near-equal size (at most `batch_size`)."""
+
+    def __init__(self, sampler, batch_size: int, repeats: int, replicas: int = 1):
         # `size`, not `batch_size`: accelerate's BatchSamplerShard reads a `batch_size` as "every batch is full" and
         # would hold a short last batch back from some ranks; without it, batches are taken as they come
-        self.sampler, self.size, self.repeats = sampler, batch_size, repeats
+        self.sampler, self.size, self.repeats, self.replicas = sampler, batch_size, repeats, replicas
+        n = len(sampler)
+        count = math.ceil(n / batch_size)
+        if count % replicas:
+            count = math.ceil(count / replicas) * replicas
+            if count > n:
+                raise ValueError(f"{n} held-out rows cannot give each of {replicas} data-parallel replicas a batch "
+                                 f"of its own; use at least {replicas} rows or fewer replicas.")
+            self.sizes = [n // count + (1 if k < n % count else 0) for k in range(count)]
+        else:
+            self.sizes = [min(batch_size, n - k * batch_size) for k in range(count)]
 
     def __iter__(self):
-        batch: list[int] = []
-        for index in self.sampler:
-            batch.append(index)
-            if len(batch) == self.size:
-                for _ in range(self.repeats):
-                    yield list(batch)
-                batch = []
-        if batch:
+        order = list(self.sampler)
+        start = 0
+        for size in self.sizes:
             for _ in range(self.repeats):
-                yield list(batch)
+                yield order[start:start + size]
+            start += size
 
     def __len__(self) -> int:
-        return math.ceil(len(self.sampler) / self.size) * self.repeats
+        return len(self.sizes) * self.repeats
 
 
 class _AllToAll(torch.autograd.Function):
