@@ -804,3 +804,45 @@ def test_grpo_micro_batches_with_and_without_images_train(tmp_path):
     assert [bool(m.get("pixels")) for m in micros] == [True, False, True]
     t.train()
     assert all(math.isfinite(h["loss"]) for h in t.state.log_history if "loss" in h)
+
+
+def test_which_saved_types_load_as_vision_language_models(tmp_path):
+    from transformers import Gemma3Config, LlamaConfig, Qwen2VLConfig
+
+    from toolkit.core.models import is_vision_language
+
+    for name, config, expected in (("qwen2_vl", Qwen2VLConfig(), True),
+                                   ("gemma3", Gemma3Config(), False),  # a causal LM too: keeps loading as text
+                                   ("llama", LlamaConfig(), False)):
+        config.save_pretrained(tmp_path / name)
+        assert is_vision_language(str(tmp_path / name)) is expected, name
+    assert is_vision_language(str(tmp_path / "missing")) is False  # the loader says what is wrong, not this check
+
+
+def test_grpo_with_images_refuses_a_backend_that_takes_no_images_before_training(tmp_path):
+    from toolkit import GRPOConfig, GRPOTrainer
+
+    model, processor = tiny_qwen2_vl()
+    for backend in ("vllm", "vllm-server"):
+        with pytest.raises(ConfigError, match=f"generation_backend: '{backend}' takes no images yet"):
+            GRPOTrainer(model, reward_funcs=length_reward, processing_class=processor,
+                        args=GRPOConfig(output_dir=str(tmp_path / backend), per_device_train_batch_size=4,
+                                        num_generations=4, generation_backend=backend, report_to="none"),
+                        train_dataset=prompt_rows_with_images(4))
+    assert not any((tmp_path / b).exists() for b in ("vllm", "vllm-server"))
+
+
+def test_the_renamed_weights_reload_is_skipped_and_said_under_fsdp_or_deepspeed(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from toolkit.core import lifecycle
+
+    calls = []
+    monkeypatch.setattr(lifecycle, "reload_renamed_weights", lambda model, folder: calls.append(folder))
+    reload = lifecycle.TrainerLifecycle._reload_renamed
+    with caplog.at_level("INFO", logger="toolkit.core.lifecycle"):
+        reload(SimpleNamespace(is_fsdp_enabled=True, is_deepspeed_enabled=False), object(), "ckpt-1")
+        reload(SimpleNamespace(is_fsdp_enabled=False, is_deepspeed_enabled=True), object(), "ckpt-2")
+    assert calls == [] and caplog.text.count("skipped under FSDP/DeepSpeed") == 2
+    reload(SimpleNamespace(is_fsdp_enabled=False, is_deepspeed_enabled=False), object(), "ckpt-3")
+    assert calls == ["ckpt-3"]  # a whole model: the check runs
