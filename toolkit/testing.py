@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2VLProcessor
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -248,18 +248,21 @@ def _text_config(tok, hidden_size: int) -> dict:
                 tie_word_embeddings=True)
 
 
+class _ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor without its video processor (which needs torchvision): images only. At module level, so
+    the processor pickles, as async GRPO's rollout worker needs. (ProcessorMixin reads which sub-processors exist
+    from this signature.)"""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        Qwen2VLProcessor.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
 def tiny_qwen2_vl(*, seed: int = 0):
     """(model, processor): a Qwen2-VL with a 2-layer width-64 text model and a 2-block vision tower.
 
     Images are resized to between 56x56 and 112x112 pixels (4 to 16 image tokens each, by size)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    class _ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
-        # Qwen2VLProcessor also wants a video processor, which needs torchvision; images only here.
-        # (ProcessorMixin reads which sub-processors exist from this signature.)
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            Qwen2VLProcessor.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     tok = tiny_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",

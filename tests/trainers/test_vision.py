@@ -661,8 +661,7 @@ def test_grpo_resumes_exactly_with_images(tmp_path, family):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=k)
 
 
-def test_online_dpo_trains_on_image_prompts_and_async_grpo_says_it_does_not(tmp_path):
-    from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer
+def test_online_dpo_trains_on_image_prompts_and_gkd_says_it_does_not(tmp_path):
     from toolkit.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     model, processor = tiny_idefics3()
@@ -678,11 +677,6 @@ def test_online_dpo_trains_on_image_prompts_and_async_grpo_says_it_does_not(tmp_
     # generation encodes 2 prompts' images per step (4 in all); the rest are the training forwards' (the groups in
     # the loss, once each): the images reach its loss too
     assert counter.images > 2 * 2
-    with pytest.raises(ConfigError, match="AsyncGRPOTrainer does not take vision-language models yet"):
-        AsyncGRPOTrainer(model, reward_funcs=length_reward, processing_class=processor,
-                         args=AsyncGRPOConfig(output_dir=str(tmp_path / "ag"), per_device_train_batch_size=4,
-                                              num_generations=4),
-                         train_dataset=prompt_rows_with_images(4))
     from toolkit.experimental.gkd import GKDConfig, GKDTrainer
 
     # a teacher given by name: refused before its tokenizer is compared with the processor (which has no vocabulary)
@@ -690,6 +684,56 @@ def test_online_dpo_trains_on_image_prompts_and_async_grpo_says_it_does_not(tmp_
         GKDTrainer(model, teacher_model="smollm2-135m-instruct", processing_class=processor,
                    args=GKDConfig(output_dir=str(tmp_path / "gkd"), per_device_train_batch_size=4, num_generations=4),
                    train_dataset=prompt_rows_with_images(4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_async_grpo_with_images_at_staleness_zero_equals_synchronous_grpo(tmp_path, family):
+    """The rollout worker (a spawned process) builds the policy's own vision-language class, gets each prompt's
+    images and samples with them in context: at max_staleness 0 its rounds are synchronous GRPO's, so the rewards,
+    losses and weights are equal."""
+    from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOTrainer
+
+    common = dict(max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                  logging_steps=1, learning_rate=1e-3, report_to="none", disable_tqdm=True, save_strategy="no", seed=0,
+                  beta=0.04)
+    model, processor = FAMILIES[family]()
+    sync = GRPOTrainer(copy.deepcopy(model), reward_funcs=length_reward, processing_class=processor,
+                       args=grpo_cfg(tmp_path / "sync", **common), train_dataset=prompt_rows_with_images(4))
+    sync.train()
+    t = AsyncGRPOTrainer(model, reward_funcs=length_reward, processing_class=processor,
+                         args=AsyncGRPOConfig(output_dir=str(tmp_path / "async"), max_staleness=0, warm_start=False,
+                                              worker_threads=torch.get_num_threads(), heartbeat_timeout=60, **common),
+                         train_dataset=prompt_rows_with_images(4))
+    t.train()
+
+    def logged(trainer, key):
+        return [h[key] for h in trainer.state.log_history if key in h]
+
+    assert logged(t, "reward") == pytest.approx(logged(sync, "reward"), abs=1e-6) and len(logged(t, "reward")) == 2
+    assert logged(t, "loss") == pytest.approx(logged(sync, "loss"), abs=2e-6)
+    for (k, v), (_, w) in zip(sync.model.state_dict().items(), t.model.state_dict().items()):
+        torch.testing.assert_close(w, v, atol=1e-6, rtol=1e-5, msg=k)
+    assert logged(t, "async/staleness_max") == [0.0, 0.0]
+    # the worker's sampler log-probs are the synchronous sampler's (the images in context; what gap there is, is the
+    # banned vision tokens' renormalisation, the same on both sides)
+    assert logged(t, "sampler/logp_abs_diff_max") == pytest.approx(logged(sync, "sampler/logp_abs_diff_max"),
+                                                                    abs=1e-5)
+
+
+def test_async_grpo_with_images_refuses_what_its_worker_cannot_sample_with_them(tmp_path):
+    from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    model, processor = tiny_qwen2_vl()
+    for name, kw, match in (("vllm", {"generation_backend": "vllm"}, "generation_backend: 'vllm' takes no images"),
+                            ("inflight", {"inflight_weight_updates": True}, "inflight_weight_updates"),
+                            ("static", {"generation_backend_kwargs": {"static_decode": True}}, "static_decode")):
+        with pytest.raises(ConfigError, match=match):
+            AsyncGRPOTrainer(model, reward_funcs=length_reward, processing_class=processor,
+                             args=AsyncGRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4,
+                                                  num_generations=4, report_to="none", **kw),
+                             train_dataset=prompt_rows_with_images(4))
+        assert not (tmp_path / name).exists()
 
 
 # ------------------------------------------------------------------------------------- the shapes task
@@ -830,6 +874,38 @@ def test_grpo_with_images_refuses_a_backend_that_takes_no_images_before_training
                                         num_generations=4, generation_backend=backend, report_to="none"),
                         train_dataset=prompt_rows_with_images(4))
     assert not any((tmp_path / b).exists() for b in ("vllm", "vllm-server"))
+
+
+def test_grpo_evaluates_held_out_prompts_with_their_images(tmp_path):
+    """TRL's GRPO evaluation with images: each held-out prompt is sampled with its own pictures in context (the
+    backend receives them), and the reward functions get them as a column; a bad held-out row is a DataError that
+    names it, before anything is written."""
+    from toolkit import GRPOTrainer
+
+    model, processor = tiny_qwen2_vl()
+    held_out = prompt_rows_with_images(5)[2:]  # other sizes than the first training rows
+    calls = []
+    t = GRPOTrainer(model, reward_funcs=length_reward, args=grpo_cfg(tmp_path), train_dataset=prompt_rows_with_images(4),
+                    eval_dataset=held_out, processing_class=processor)
+    generate = t.generation_backend.generate
+
+    def recording(prompts, params, **kw):
+        calls.append((len(prompts), kw.get("images")))
+        return generate(prompts, params, **kw)
+
+    t.generation_backend.generate = recording
+    SEEN_IMAGES.clear()
+    metrics = t.evaluate()
+    assert math.isfinite(metrics["eval_reward"]) and metrics["eval_completions/mean_length"] > 0
+    (n, images), = calls
+    assert n == 3 and [[im.size for im in row] for row in images] == [[r["images"][0].size] for r in held_out]
+    assert [[im.size for im in x] for x in SEEN_IMAGES] == [[r["images"][0].size] for r in held_out for _ in range(4)]
+    assert all(sum(1 for x in ids if x == processor.image_token_id) >= 4 for ids in t.eval_prompt_ids)
+    bad = held_out[:1] + [dict(held_out[1], images=[])]
+    with pytest.raises(DataError, match="eval_dataset is invalid:\n  - row 1: 1 image placeholder"):
+        GRPOTrainer(model, reward_funcs=length_reward, args=grpo_cfg(tmp_path / "bad"),
+                    train_dataset=prompt_rows_with_images(4), eval_dataset=bad, processing_class=processor)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_the_renamed_weights_reload_is_skipped_and_said_under_fsdp_or_deepspeed(monkeypatch, caplog):

@@ -80,7 +80,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     The worker process is `self.worker` (a `WorkerHandle`: process, shared weights, queues, liveness); this class
     keeps the staleness gate, the warm start, restarts and the metrics."""
-    supports_vision = False  # (vision-language models: not yet; docs/vision.md)
+    supports_vision = True  # prompts with images: the worker gets each row's images and samples with them
 
     supports_environments = True  # multi-turn episodes: the worker builds the environments (docs/agents.md)
 
@@ -187,6 +187,19 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                   f"process, which runs GRPO's own {seam}; the override would not run there. Use "
                                   "GRPOTrainer for a custom sampler or scorer.")
 
+    def prepare_prompts(self, train_dataset: Any, tokenizer: Any, args: Any) -> None:
+        super().prepare_prompts(train_dataset, tokenizer, args)
+        if self.prompt_images is None:
+            return
+        # prompts with images, refused before any model loads: what the worker's backend cannot sample with them
+        if args.generation_backend != "transformers":
+            raise ConfigError(f"generation_backend: '{args.generation_backend}' takes no images yet; the rollout "
+                              "worker samples prompts with images with the 'transformers' backend (docs/vision.md).")
+        if args.inflight_weight_updates or (args.generation_backend_kwargs or {}).get("static_decode"):
+            raise ConfigError("inflight_weight_updates / generation_backend_kwargs.static_decode: not with prompts "
+                              "that show images (both re-run prompts without their images); turn them off for a "
+                              "vision-language model.")
+
     def setup_objective(self, args: Any) -> None:
         self._check_seams()  # before any model work is wasted on a subclass the worker cannot run
         super().setup_objective(args)
@@ -276,11 +289,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             num_generations=args.num_generations, per_round=self.prompts_per_round, seed=args.seed,
             max_staleness=args.max_staleness, start_timeout=args.worker_start_timeout,
             backend=args.generation_backend, backend_kwargs=self._worker_backend_kwargs(),
-            pad_token_id=self.processing_class.pad_token_id, max_batch_size=args.generation_batch_size,
+            pad_token_id=self.text_tokenizer.pad_token_id, max_batch_size=args.generation_batch_size,
             varlen=self.padding_free, rank=self.accelerator.process_index,
             num_processes=self.accelerator.num_processes, inflight=args.inflight_weight_updates,
             scoring_concurrency=args.scoring_concurrency, rounds_per_generation=args.rounds_per_generation,
-            episodes=episodes, device=self.worker_device, lora_config=self._worker_lora_config())
+            episodes=episodes, device=self.worker_device, lora_config=self._worker_lora_config(),
+            # prompts with images: the worker builds the policy's own class (AutoModelForCausalLM cannot build a
+            # vision-language model) and samples each prompt with its images, as GRPO's transformers backend does
+            prompt_images=self.prompt_images, model_class=type(base) if self.prompt_images is not None else None)
 
     def _start_worker(self) -> None:
         first_start = self.worker.started_at is None
@@ -309,8 +325,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         backend and generates rounds)."""
         from .generation import TransformersBackend
 
-        return TransformersBackend(self.model, pad_token_id=self.processing_class.pad_token_id,
-                                   max_batch_size=self.args.generation_batch_size)
+        return TransformersBackend(self.model, pad_token_id=self.text_tokenizer.pad_token_id,
+                                   max_batch_size=self.args.generation_batch_size, **self._vision_kwargs())
+
+    def _vision_kwargs(self) -> dict[str, Any]:
+        """A backend's processor= for prompts with images (vision-language models), else nothing."""
+        return {"processor": self.processing_class} if self.prompt_images is not None else {}
 
     def _warm_backend(self):
         """Warm-start rounds generate here as the worker would: in its dtype (generation_backend_kwargs.dtype).
@@ -323,8 +343,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if dtype is None:
             return self.evaluation_backend()
         if self._warm_copy is None:
-            self._warm_copy = TransformersBackend(self.model, pad_token_id=self.processing_class.pad_token_id,
-                                                  max_batch_size=self.args.generation_batch_size, dtype=dtype)
+            self._warm_copy = TransformersBackend(self.model, pad_token_id=self.text_tokenizer.pad_token_id,
+                                                  max_batch_size=self.args.generation_batch_size, dtype=dtype,
+                                                  **self._vision_kwargs())
         self._warm_copy.sync_weights(self.model)
         return self._warm_copy
 
@@ -429,7 +450,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                environment_s=timings.get("environment_s"))
         else:
             scored = generate_and_score(backend, [self.prompt_ids[i] for i in idx], [self.rows[i] for i in idx],
-                                        sampling=self.sampling, n=G, seed=seed, score=self.compute_rewards)
+                                        sampling=self.sampling, n=G, seed=seed, score=self.compute_rewards,
+                                        images=([self.prompt_images[i] for i in idx] if self.prompt_images is not None
+                                                else None))
             item = ScoredRound(round=r, version=self.state.global_step, row_indices=idx,
                                completions=[[(c.token_ids, c.logprobs, c.finish_reason) for c in g]
                                             for g in scored.groups],

@@ -313,7 +313,8 @@ class _Problems:
         self.by_key.setdefault(key, []).append(row)
         self.first_msg.setdefault(key, message)
 
-    def raise_if_any(self, n_rows: int | str) -> None:
+    def raise_if_any(self, n_rows: int | str, *, where: str = "dataset") -> None:
+        """`where`: the dataset the rows come from, as the user named it (dataset, eval_dataset)."""
         if not self.by_key:
             return
         lines = []
@@ -321,7 +322,7 @@ class _Problems:
             shown = ", ".join(str(r) for r in rws[:_MAX_ROWS_IN_MESSAGE])
             more = f" and {len(rws) - _MAX_ROWS_IN_MESSAGE} more" if len(rws) > _MAX_ROWS_IN_MESSAGE else ""
             lines.append(f"{self.first_msg[key]} (rows {shown}{more} of {n_rows})")
-        raise DataError("dataset is invalid:\n  - " + "\n  - ".join(lines))
+        raise DataError(f"{where} is invalid:\n  - " + "\n  - ".join(lines))
 
 
 def _blank(text: str) -> bool:

@@ -444,13 +444,13 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         if self.vision and generation_backend is None and args.generation_backend != "transformers":
             raise ConfigError(f"generation_backend: '{args.generation_backend}' takes no images yet; prompts with "
                               "images are sampled by the 'transformers' backend (docs/vision.md).")
-        if self.vision and (environment is not None or args.environment is not None or eval_dataset is not None):
-            raise ConfigError("environment/eval_dataset: multi-turn episodes and held-out evaluation are not supported "
-                              "for vision-language models yet; train single-turn, and measure held-out accuracy with "
-                              "the pipeline's report_accuracy.")
+        if self.vision and (environment is not None or args.environment is not None):
+            raise ConfigError("environment: multi-turn episodes are not supported for vision-language models yet; "
+                              "train single-turn (docs/vision.md).")
         self.prepare_prompts(train_dataset, tokenizer, args)
         self.eval_rows: list[dict[str, Any]] | None = None
         self.eval_prompt_ids: list[list[int]] | None = None
+        self.eval_images: list[list[Any]] | None = None  # per held-out prompt, vision-language models only
         if eval_dataset is None and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":
             raise ConfigError(f"eval_strategy: '{getattr(args.eval_strategy, 'value', args.eval_strategy)}' needs "
                               "held-out prompts: pass eval_dataset=... to the trainer, or set eval_strategy='no' (on "
@@ -467,9 +467,19 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
                 raise ConfigError("metric_for_best_model: GRPO's evaluation logs eval_reward, not eval_loss; set "
                                   "metric_for_best_model = 'reward' and greater_is_better = True (needed by "
                                   "load_best_model_at_end or reduce_lr_on_plateau).")
-            self.eval_prompt_ids, _ = tokenize_prompts(self.eval_rows, tokenizer,
-                                                       max_prompt_length=args.max_prompt_length,
-                                                       chat_template_kwargs=args.chat_template_kwargs)
+            # held-out prompts with images: checked like the training rows (a DataError names the eval row), decoded
+            # once, and sampled with their images in context
+            eval_images = validate_vision(self.eval_rows, self.eval_format, tokenizer, trainer="GRPO",
+                                          where="eval_dataset")
+            self.eval_images = eval_images if self.vision else None
+            if self.eval_images is not None:
+                self.eval_prompt_ids, _ = tokenize_vision_prompts(self.eval_rows, eval_images, tokenizer,
+                                                                  max_prompt_length=args.max_prompt_length,
+                                                                  chat_template_kwargs=args.chat_template_kwargs)
+            else:
+                self.eval_prompt_ids, _ = tokenize_prompts(self.eval_rows, tokenizer,
+                                                           max_prompt_length=args.max_prompt_length,
+                                                           chat_template_kwargs=args.chat_template_kwargs)
         check_reward_columns(self.reward_runner.funcs, self.reward_runner.names,
                              ["prompt", *self.dataset_format.extra_columns], where="train_dataset")
         prompts_per_micro = args.per_device_train_batch_size // args.num_generations
@@ -778,7 +788,9 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         scored = generate_and_score(backend, [self.eval_prompt_ids[i] for i in mine],
                                     [self.eval_rows[i] for i in mine], sampling=self.sampling,
                                     n=self.args.num_generations, score=self._score_held_out,
-                                    seed=generation_seed(self.args.seed, 10**9, rank))
+                                    seed=generation_seed(self.args.seed, 10**9, rank),
+                                    images=([self.eval_images[i] for i in mine] if self.eval_images is not None
+                                            else None))
         after_generation(backend)
         from accelerate.utils import gather_object
 

@@ -169,7 +169,7 @@ def heldout_accuracy(model: Any, tokenizer: Any, dataset: Any, reward_funcs: lis
     from .vision import is_vision_processor, text_tokenizer, tokenize_vision_prompts, validate_vision
 
     rows, fmt = prompt_rows(dataset, tokenizer, trainer="eval_dataset")
-    images = validate_vision(rows, fmt, tokenizer, trainer="eval_dataset")
+    images = validate_vision(rows, fmt, tokenizer, trainer="eval_dataset", where="eval_dataset")
     vision = is_vision_processor(tokenizer)  # prompts with images: generated with them in context
     if vision:
         prompts, _ = tokenize_vision_prompts(rows, images, tokenizer, max_prompt_length=max_prompt_length,

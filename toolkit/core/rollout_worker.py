@@ -246,6 +246,9 @@ class WorkerSpec:
     # adapter-only LoRA sync into the worker's vLLM engine: the adapter_config; the published weights are then the
     # adapter's tensors (ADAPTER_PREFIX + PEFT's names) and, from the start only, the base (BASE_PREFIX + engine names)
     lora_config: dict[str, Any] | None = None
+    # vision-language models: each row's images (sampled with its prompt) and the policy's class (built from `config`)
+    prompt_images: list[list[Any]] | None = None
+    model_class: Any = None
 
 
 def choose_worker_device(requested: str | None, *, cuda: bool, gpus: int, trainer_index: int = 0,
@@ -280,10 +283,11 @@ def round_sampler(spec: WorkerSpec) -> RoundSampler:
     return RoundSampler(len(spec.rows), spec.per_round, 1, seed=spec.seed, num_processes=spec.num_processes)
 
 
-def _build_model(config: Any) -> torch.nn.Module:
+def _build_model(config: Any, model_class: Any = None) -> torch.nn.Module:
     """The architecture without initialising its weights: every weight is overwritten by the trainer's published ones
     (_load_strict refuses a missing one), and a random init of a 135M model costs 3-4 s of the worker's start-up on one
-    core. Buffers (rotary frequencies) are still computed as usual."""
+    core. Buffers (rotary frequencies) are still computed as usual. `model_class`: the policy's own class (a
+    vision-language model's), else the causal LM of `config`."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -291,7 +295,8 @@ def _build_model(config: Any) -> torch.nn.Module:
     except ImportError:  # pragma: no cover - older transformers: initialise, only slower
         no_init_weights = contextlib.nullcontext
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config)
+        model = (model_class._from_config(config) if model_class is not None
+                 else AutoModelForCausalLM.from_config(config))
     model.tie_weights()  # tying happens in the init that no_init_weights skips; a tied head is not published twice
     return model
 
@@ -358,7 +363,7 @@ class RolloutWorker:
                     os.environ["CUDA_VISIBLE_DEVICES"] = visible
             return (VLLMBackend(kwargs.pop("model_path"), **kwargs) if spec.backend == "vllm"
                     else VLLMServerBackend(**kwargs))
-        self.model = _build_model(spec.config).to(spec.device).eval()
+        self.model = _build_model(spec.config, spec.model_class).to(spec.device).eval()
         gen_dtype = _generation_dtype(spec.backend_kwargs.get("dtype"))
         if gen_dtype is not None:
             # generation_backend_kwargs.dtype: this model only generates, so it is cast itself (no second copy);
@@ -375,7 +380,8 @@ class RolloutWorker:
         return TransformersBackend(self.model, pad_token_id=spec.pad_token_id, max_batch_size=spec.max_batch_size,
                                    on_decode_step=self.progress.tick,
                                    refresh_weights=self.refresh_weights if spec.inflight else None,
-                                   static_decode=spec.backend_kwargs.get("static_decode"))
+                                   static_decode=spec.backend_kwargs.get("static_decode"),
+                                   **({"processor": spec.tokenizer} if spec.prompt_images is not None else {}))
 
     def load_weights(self) -> None:
         """The published weights into the model or engine (the caller holds the lock). Adapter-only sync: the base
@@ -503,8 +509,10 @@ class RolloutWorker:
         spec, count = self.spec, len(rounds)
         with self._generating():
             t0 = time.perf_counter()
+            images = ({"images": [spec.prompt_images[i] for idx in idxs for i in idx]}
+                      if spec.prompt_images is not None else {})
             groups = self.backend.generate([list(spec.prompt_ids[i]) for idx in idxs for i in idx], spec.sampling,
-                                           n=spec.num_generations, seed=seed)
+                                           n=spec.num_generations, seed=seed, **images)
             gen_s = time.perf_counter() - t0
         start = 0
         for q, idx in zip(rounds, idxs):

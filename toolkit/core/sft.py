@@ -485,7 +485,8 @@ class SFTTrainer(TrainerLifecycle, Trainer):
                 raise ConfigError(f"eval_dataset: it is {self._eval_format.describe()} but train_dataset is "
                                   f"{self.dataset_format.describe()}; use the same format for both.")
             validate(eval_rows, self._eval_format, tokenizer=tokenizer, vision=self.vision)
-            self._eval_images = validate_vision(eval_rows, self._eval_format, tokenizer) if self.vision else None
+            self._eval_images = (validate_vision(eval_rows, self._eval_format, tokenizer, where="eval_dataset")
+                                 if self.vision else None)
         return train_rows, eval_rows, sources
 
     # ---------------------------------------------------------------------------------- seams

@@ -142,7 +142,7 @@ def row_images(row: Mapping[str, Any], i: int) -> list[Any]:
 
 
 def validate_vision(rows: list[dict[str, Any]], fmt: DatasetFormat, processing_class: Any, *, first_row: int = 0,
-                    trainer: str = "SFT") -> list[list[Any]]:
+                    trainer: str = "SFT", where: str = "dataset") -> list[list[Any]]:
     """Check the image side of every row and return each row's decoded images (so they are opened once).
 
     A text tokenizer with image rows, a processor without a chat template, parts that are neither image nor
@@ -184,15 +184,15 @@ def validate_vision(rows: list[dict[str, Any]], fmt: DatasetFormat, processing_c
         n_parts = max(_placeholders(r.get(c)) for c in columns) if fmt.kind == "preference" else \
             sum(_placeholders(r.get(c)) for c in columns)
         if n_parts != n_images:
-            where = f"'{column}' holds {n_images}" if column else "there is no 'images' column"
-            p.add("vision:count", i, f"row {i}: {n_parts} image placeholder(s) in the turns but {where}; each "
+            held = f"'{column}' holds {n_images}" if column else "there is no 'images' column"
+            p.add("vision:count", i, f"row {i}: {n_parts} image placeholder(s) in the turns but {held}; each "
                                      "{'type': 'image'} part takes the next image of the row, so the counts must match")
             continue
         try:
             images[-1] = row_images(r, i)
         except DataError as e:
             p.add("vision:open", i, str(e).rstrip("."))
-    p.raise_if_any(len(rows) if first_row == 0 else f"the rows read so far, {first_row + len(rows)}")
+    p.raise_if_any(len(rows) if first_row == 0 else f"the rows read so far, {first_row + len(rows)}", where=where)
     return images
 
 
