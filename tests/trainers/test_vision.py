@@ -694,9 +694,9 @@ def test_async_grpo_with_images_at_staleness_zero_equals_synchronous_grpo(tmp_pa
     losses and weights are equal."""
     from toolkit import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOTrainer
 
-    common = dict(max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                  logging_steps=1, learning_rate=1e-3, report_to="none", disable_tqdm=True, save_strategy="no", seed=0,
-                  beta=0.04)
+    common = {"max_steps": 2, "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 6,
+              "logging_steps": 1, "learning_rate": 1e-3, "report_to": "none", "disable_tqdm": True,
+              "save_strategy": "no", "seed": 0, "beta": 0.04}
     model, processor = FAMILIES[family]()
     sync = GRPOTrainer(copy.deepcopy(model), reward_funcs=length_reward, processing_class=processor,
                        args=grpo_cfg(tmp_path / "sync", **common), train_dataset=prompt_rows_with_images(4))
