@@ -288,6 +288,38 @@ def tiny_qwen2_vl(*, seed: int = 0):
     return model, processor
 
 
+def tiny_llava_next(*, seed: int = 0):
+    """(model, processor): a LLaVA-NeXT (any-resolution: each image is cut into 28x28 crops on the best of a
+    2x1, 1x2 or 2x2 grid, plus a downscaled whole view; `pixel_values` is [images, crops, C, H, W]) with a 2-layer
+    width-64 Llama text model and a 2-layer CLIP tower; an image is 10 to 20 `<image>` tokens, by its shape."""
+    from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = tiny_tokenizer()
+    tok.add_tokens(["<image>"], special_tokens=True)
+    template = _vision_chat_template("<image>")
+    tok.chat_template = template
+    grid = [[28, 56], [56, 28], [56, 56]]
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                                 image_grid_pinpoints=grid)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=template)
+    config = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=28, patch_size=14, projection_dim=32),
+        text_config={**_text_config(tok, 64), "model_type": "llama"}, image_grid_pinpoints=grid,
+        image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
+        vision_feature_layer=-1, tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlavaNextForConditionalGeneration(config)
+    model.config._name_or_path = ""
+    return model, processor
+
+
 def tiny_idefics3(*, seed: int = 0):
     """(model, processor): an Idefics3 (SmolVLM's family) with a 2-layer width-64 Llama text model and a
     2-layer SigLIP vision tower on 56x56 images; each image is 4 `<image>` tokens (no image splitting)."""

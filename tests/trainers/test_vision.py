@@ -14,7 +14,7 @@ from PIL import Image
 from toolkit import ConfigError, DataError, SFTConfig, SFTTrainer
 from toolkit.core import vision
 from toolkit.core.checkpoint import COMPLETE_MARKER
-from toolkit.testing import tiny_idefics3, tiny_model, tiny_qwen2_vl, tiny_tokenizer
+from toolkit.testing import tiny_idefics3, tiny_llava_next, tiny_model, tiny_qwen2_vl, tiny_tokenizer
 
 FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "idefics3": tiny_idefics3}
 COLOURS = [((255, 0, 0), "red"), ((0, 160, 0), "green"), ((0, 0, 255), "blue")]
@@ -414,6 +414,30 @@ def test_dpo_trains_and_resumes_exactly(tmp_path, family):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=k)
 
 
+def test_a_third_family_llava_next_trains_with_sft_dpo_and_grpo(tmp_path):
+    """LLaVA-NeXT (any-resolution crops, [images, crops, C, H, W] pixel values, a different token count per image
+    shape): SFT, DPO and GRPO train with the tower frozen and the projector trained."""
+    from toolkit import DPOTrainer, GRPOTrainer
+
+    for name, make in (
+        ("sft", lambda m, p: SFTTrainer(m, cfg(tmp_path / "sft", max_steps=3), train_dataset=pc_rows(6),
+                                        processing_class=p)),
+        ("dpo", lambda m, p: DPOTrainer(m, args=dpo_cfg(tmp_path / "dpo", max_steps=3), train_dataset=pref_rows(6),
+                                        processing_class=p)),
+        ("grpo", lambda m, p: GRPOTrainer(m, reward_funcs=length_reward, args=grpo_cfg(tmp_path / "grpo"),
+                                          train_dataset=prompt_rows_with_images(4), processing_class=p)),
+    ):
+        model, processor = tiny_llava_next()
+        before = {k: v.clone() for k, v in model.named_parameters()}
+        t = make(model, processor)
+        t.train()
+        logged = [h["loss"] for h in t.state.log_history if "loss" in h]
+        assert logged and all(math.isfinite(x) for x in logged), name
+        changed = {k for k, v in model.named_parameters() if not torch.equal(v, before[k])}
+        assert not any("vision_tower" in k for k in changed), name
+        assert any("multi_modal_projector" in k for k in changed) and any("language_model" in k for k in changed), name
+
+
 def test_dpo_precomputed_reference_with_images(tmp_path):
     from toolkit import DPOTrainer
 
@@ -803,15 +827,16 @@ def two_image_and_no_image_prompts(n: int) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "llava_next"])
 def test_rows_with_two_images_or_none_get_their_own_features(tmp_path, family):
     """Each row's log-probs with images encoded once per prompt (GRPO's path) equal those of a forward given the
     row's own pixels alone, for prompts with 2, 0 and 1 images in one batch, several completions each; and
-    generation over such a batch runs (a chunk without images included)."""
+    generation over such a batch runs (a chunk without images included). LLaVA-NeXT's pixel values are per image
+    ([images, crops, C, H, W]), its features split by each example's image tokens."""
     from toolkit import GRPOTrainer
     from toolkit.core.packing import completion_logps, pack_completions
 
-    model, processor = FAMILIES[family]()
+    model, processor = {**FAMILIES, "llava_next": tiny_llava_next}[family]()
     rows = two_image_and_no_image_prompts(3)
     t = GRPOTrainer(model, reward_funcs=lambda completions, **kw: [float(len(c[0]["content"])) for c in completions],
                     args=grpo_cfg(tmp_path, per_device_train_batch_size=6, num_generations=2,

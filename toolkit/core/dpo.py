@@ -65,6 +65,7 @@ from .vision import (
     encode_images,
     freeze_vision_tower,
     image_inputs_for_rows,
+    image_tokens_per_example,
     is_vision_processor,
     pixel_inputs,
     text_tokenizer,
@@ -332,7 +333,8 @@ class DPOTrainer(TrainerLifecycle, Trainer):
             pixels = {k: v.to(self.args.device) for k, v in inputs["pixels"].items()}
             n = len(inputs["prompt_ids"])
             counts = inputs["images_per_example"]
-            batch.update(image_inputs_for_rows(encode_images(model, pixels, counts), pixels, counts,
+            tokens = image_tokens_per_example(model, batch["input_ids"], list(range(n)) * 2, n)
+            batch.update(image_inputs_for_rows(encode_images(model, pixels, counts, tokens), pixels, counts,
                                                list(range(n)) * 2, batch["input_ids"], self.processing_class))
         flat = completion_logps(model, batch, chunk_size=self.args.logps_chunk_size, upcast=self.args.fp32_lm_head)
         sums = sequence_sums(flat, batch["completion_lengths"])

@@ -32,6 +32,7 @@ __all__ = [
     "encode_images",
     "freeze_vision_tower",
     "image_inputs_for_rows",
+    "image_tokens_per_example",
     "is_vision_processor",
     "pixel_inputs",
     "prompt_image_inputs",
@@ -494,10 +495,25 @@ def _vision_base(model: Any) -> Any:
                     "transformers knows how to encode images for.")
 
 
-def encode_images(model: Any, pixels: Mapping[str, Any], images_per_example: list[int]) -> list[Any]:
+def image_tokens_per_example(model: Any, input_ids: Any, row_example: list[int], examples: int) -> list[int] | None:
+    """How many image-feature positions each example's ids hold (the model's `image_token_id`, counted in the
+    first row showing the example), or None when the model names no image token."""
+    token = getattr(getattr(_vision_base(model), "config", None), "image_token_id", None)
+    if token is None:
+        return None
+    first = {}
+    for r, e in enumerate(row_example):
+        first.setdefault(e, r)
+    return [int((input_ids[first[e]] == token).sum()) if e in first else 0 for e in range(examples)]
+
+
+def encode_images(model: Any, pixels: Mapping[str, Any], images_per_example: list[int],
+                  tokens_per_example: list[int] | None = None) -> list[Any]:
     """Run the vision tower and projector once: one [tokens, H] feature tensor per example (all of its images'
     tokens, in order; empty for an example without images), as the forward takes them back through
-    `mm_encoder_outputs`. Families split their output per image (Qwen2-VL, LLaVA) or per example (Idefics3)."""
+    `mm_encoder_outputs`. `tokens_per_example` (`image_tokens_per_example`): the image positions each example's
+    ids hold; the features are split by them whatever blocks the family returns (per image: Qwen2-VL, LLaVA,
+    LLaVA-NeXT's crops packed per image; per example: Idefics3). Without it, by the shape of `pixel_values`."""
     import inspect
 
     import torch
@@ -508,6 +524,10 @@ def encode_images(model: Any, pixels: Mapping[str, Any], images_per_example: lis
     pooled = base.get_image_features(**kwargs, return_dict=True).pooler_output
     pieces = list(pooled) if isinstance(pooled, (tuple, list)) else list(pooled.unbind(0))
     pieces = [p.reshape(-1, p.shape[-1]) for p in pieces]
+    if tokens_per_example is not None and sum(p.shape[0] for p in pieces) == sum(tokens_per_example):
+        # the order of the features is the order of the image positions in the rows, example after example (what
+        # the model's own masked scatter relies on): split by each example's count
+        return list(torch.cat(pieces).split(tokens_per_example))
     # pixel values with an example dimension ([examples, images, C, H, W]: Idefics3) come back per example; flat
     # ones (Qwen2-VL's patches, LLaVA's [images, C, H, W]) per image
     per_example = getattr(pixels.get("pixel_values"), "dim", lambda: 0)() == 5
@@ -555,8 +575,9 @@ def prompt_image_inputs(model: Any, processor: Any, images: list[list[Any]], ids
     largest position), else `positions` unchanged."""
     pixels = {k: v.to(ids.device) for k, v in pixel_inputs(processor, images).items()}
     counts = [len(x) for x in images]
-    kwargs = image_inputs_for_rows(encode_images(model, pixels, counts), pixels, counts, list(range(len(images))),
-                                   ids, processor)
+    tokens = image_tokens_per_example(model, ids, list(range(len(images))), len(images))
+    kwargs = image_inputs_for_rows(encode_images(model, pixels, counts, tokens), pixels, counts,
+                                   list(range(len(images))), ids, processor)
     base = _vision_base(model)
     if hasattr(base, "get_rope_index") and "image_grid_thw" in kwargs:
         positions, _ = base.get_rope_index(ids, mm_token_type_ids=kwargs["mm_token_type_ids"],
@@ -573,7 +594,8 @@ def attach_image_features(model: Any, batch: dict[str, Any], processor: Any) -> 
     device = batch["input_ids"].device
     pixels = {k: v.to(device) for k, v in batch["pixels"].items()}
     counts = batch["images_per_example"]
-    rows = image_inputs_for_rows(encode_images(model, pixels, counts), pixels, counts, batch["row_example"],
+    tokens = image_tokens_per_example(model, batch["input_ids"], batch["row_example"], len(counts))
+    rows = image_inputs_for_rows(encode_images(model, pixels, counts, tokens), pixels, counts, batch["row_example"],
                                  batch["input_ids"], processor)
     return {**{k: v for k, v in batch.items() if k not in ("pixels", "images_per_example", "row_example")}, **rows}
 
