@@ -530,3 +530,100 @@ def test_episodes_through_the_server_are_token_exact(own_server, path, tok):
     for context, ids in seen:
         assert any((ep.prompt_ids + ep.ids)[:len(context) + len(ids)] == context + ids for ep in eps)
     assert all(len(ep.logprobs) == len(ep.ids) for ep in eps)
+
+
+# ------------------------------------------------------------------------------------------ images (Idefics3)
+
+def _tiny_idefics3_on_disk(folder):
+    """toolkit.testing's tiny Idefics3 with head_dim 32 (vLLM's CPU attention refuses 16), saved with its processor:
+    Idefics3 is a family this vLLM build imports without torchvision (LLaVA, Qwen2-VL and Gemma 3 need it)."""
+    from transformers import Idefics3ForConditionalGeneration
+
+    from toolkit.testing import tiny_idefics3
+
+    model, processor = tiny_idefics3()
+    config = model.config
+    config.text_config.num_attention_heads, config.text_config.num_key_value_heads = 2, 1
+    config.text_config.head_dim = 32
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Idefics3ForConditionalGeneration(config)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model, processor
+
+
+def _image_rows(n):
+    from PIL import Image
+
+    colours = [((255, 0, 0), "red"), ((0, 160, 0), "green"), ((0, 0, 255), "blue")]
+    return [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Colour {i}?"}]}],
+             "answer": colours[i % 3][1], "images": [Image.new("RGB", (60 + 10 * (i % 3), 50), colours[i % 3][0])]}
+            for i in range(n)]
+
+
+def image_lengths(completions, images, **kw):
+    """Module-level: rewards by length, and only if each completion's row came with its picture."""
+    assert all(len(x) == 1 for x in images)
+    return [float(len(c[0]["content"]) % 3) for c in completions]
+
+
+def test_grpo_with_images_samples_through_vllms_multimodal_inputs(tmp_path):
+    """GRPO on a vision-language model with generation_backend='vllm': each prompt goes to the engine with its
+    picture and one placeholder, the engine's expansion gives back exactly the ids the loss scores (checked on
+    every request), the sampler's log-probs equal the trainer's after each weight sync, and image tokens are never
+    sampled."""
+    from toolkit import GRPOConfig, GRPOTrainer
+    from toolkit.core import vision
+
+    folder = tmp_path / "tiny-idefics3"
+    model, processor = _tiny_idefics3_on_disk(folder)
+    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                     max_completion_length=6, learning_rate=1e-2, save_strategy="no", report_to="none",
+                     disable_tqdm=True, logging_steps=1, generation_backend="vllm", beta=0.0,
+                     generation_backend_kwargs={"model_path": str(folder), "max_model_len": 256})
+    t = GRPOTrainer(model, [image_lengths], cfg, train_dataset=_image_rows(6), processing_class=processor)
+    assert isinstance(t.generation_backend, VLLMBackend)
+    rollout = t.generate_rollout([0, 1])
+    assert [rollout.prompt_ids[r] for r in range(8)] == [t.prompt_ids[i] for i in (0, 1) for _ in range(4)]
+    banned = sorted(vision.vision_token_ids(processor))
+    assert not any(x in banned for c in rollout.completion_ids for x in c)
+
+    def gap_to_the_trainer(rollout, rows):
+        """The largest gap between the engine's log-probs and the trainer model's over the same ids and pixels,
+        with the image tokens banned (the renormalised distribution both backends sample from)."""
+        worst = 0.0
+        for r in range(len(rollout.completion_ids)):
+            prompt, completion = rollout.prompt_ids[r], rollout.completion_ids[r]
+            pixels = vision.pixel_inputs(processor, [rows[r // 4]["images"]])
+            with torch.no_grad():
+                logits = t.model(input_ids=torch.tensor([prompt + completion]), **pixels).logits[0].float()
+            logits[:, banned] = float("-inf")
+            logps = torch.log_softmax(logits, -1)
+            ours = [logps[len(prompt) - 1 + k, x].item() for k, x in enumerate(completion)]
+            worst = max([worst] + [abs(a - b) for a, b in zip(ours, rollout.sampler_logps[r])])
+        return worst
+
+    rows = _image_rows(6)
+    assert gap_to_the_trainer(rollout, rows) < 1e-4
+    t.train()
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert len(logs) == 2 and t.generation_backend.weights_version >= 2
+    # the weights moved (learning rate 1e-2) and were synced: the engine still samples from the trainer's model
+    t.model.eval()
+    assert gap_to_the_trainer(t.generate_rollout([2, 3]), rows[2:]) < 1e-4
+
+
+def test_vllm_refuses_prompts_with_images_it_would_expand_differently(tmp_path):
+    """Ids that are not the processor's expansion of the images (here, expanded twice) are refused, not sampled."""
+    from toolkit.core import vision
+
+    folder = tmp_path / "tiny-idefics3"
+    _, processor = _tiny_idefics3_on_disk(folder)
+    rows = _image_rows(1)
+    ids, _ = vision.tokenize_vision_prompts(rows, [rows[0]["images"]], processor, max_prompt_length=None)
+    backend = VLLMBackend(str(folder), max_model_len=256, seed=0, processor=processor)
+    params = SamplingParams(max_tokens=4, temperature=1.0)
+    backend.generate(ids, params, n=1, images=[rows[0]["images"]])  # the processor's own expansion: sampled
+    with pytest.raises(ToolkitError, match="image 0's .* tokens are not in the prompt's ids"):
+        backend.generate([[1, 2, 3]], params, n=1, images=[rows[0]["images"]])

@@ -81,6 +81,10 @@ def toolkit_register_generation_backends():
             kwargs.setdefault("max_lora_rank", rank)
         kwargs.setdefault("max_model_len", vllm_context_length(config))
         kwargs.setdefault("seed", config.seed)
+        from .vision import is_vision_processor
+
+        if is_vision_processor(tokenizer):  # prompts with images: vLLM's multimodal inputs (docs/vision.md)
+            kwargs.setdefault("processor", tokenizer)
         return VLLMBackend(path, **kwargs)
 
     def vllm_server(model, tokenizer, config):

@@ -441,9 +441,10 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
         if self.vision and not type(self).supports_vision:
             raise ConfigError(f"processing_class: {type(self).__name__} does not take vision-language models yet; "
                               "GRPOTrainer (and the experimental OnlineDPOTrainer) do.")
-        if self.vision and generation_backend is None and args.generation_backend != "transformers":
+        if self.vision and generation_backend is None and args.generation_backend not in ("transformers", "vllm"):
             raise ConfigError(f"generation_backend: '{args.generation_backend}' takes no images yet; prompts with "
-                              "images are sampled by the 'transformers' backend (docs/vision.md).")
+                              "images are sampled by the 'transformers' backend, or by 'vllm' (the colocated engine) "
+                              "for the architectures its build can import (docs/vision.md).")
         if self.vision and (environment is not None or args.environment is not None):
             raise ConfigError("environment: multi-turn episodes are not supported for vision-language models yet; "
                               "train single-turn (docs/vision.md).")

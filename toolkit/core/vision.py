@@ -29,6 +29,7 @@ __all__ = [
     "ListDataset",
     "VisionCollator",
     "attach_image_features",
+    "collapse_images",
     "encode_images",
     "freeze_vision_tower",
     "image_inputs_for_rows",
@@ -48,11 +49,11 @@ __all__ = [
 import io
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .data import DatasetFormat, SFTCollator, TokenizationReport, _finish_example, _Problems, _render
-from .errors import DataError
+from .errors import ConfigError, DataError, ToolkitError
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +233,27 @@ def _bad_part(row: Mapping[str, Any], columns: list[str]) -> str | None:
                     c in ("messages", "chosen", "rejected"):
                 return f"column '{c}', turn {j}: an image in an assistant turn; the model does not write images"
     return None
+
+
+def collapse_images(processor: Any, ids: Sequence[int], images: Sequence[Any]) -> list[int]:
+    """`ids` with each image's expansion (as `_expand` makes it) put back to the processor's one placeholder
+    token: the prompt an engine that expands images itself (vLLM's multimodal inputs) must be given, so that its
+    expansion gives back `ids` exactly. An image whose tokens are not found is a ToolkitError."""
+    token = getattr(processor, "image_token", None)
+    if not token:
+        raise ConfigError(f"vision: {type(processor).__name__} names no image_token, so its expanded images cannot "
+                          "be handed to an engine that expands them itself; use the transformers backend.")
+    placeholder = text_tokenizer(processor)(token, add_special_tokens=False)["input_ids"]
+    out, start = list(ids), 0
+    for k, image in enumerate(images):
+        span = _expand(processor, token, [image])
+        at = next((i for i in range(start, len(out) - len(span) + 1) if out[i:i + len(span)] == span), -1)
+        if at < 0:
+            raise ToolkitError(f"vision: image {k}'s {len(span)} tokens are not in the prompt's ids; the prompt was "
+                               "not expanded by this processor.")
+        out[at:at + len(span)] = placeholder
+        start = at + len(placeholder)
+    return out
 
 
 def vision_token_ids(processor: Any) -> frozenset[int]:
@@ -516,14 +538,29 @@ def encode_images(model: Any, pixels: Mapping[str, Any], images_per_example: lis
     LLaVA-NeXT's crops packed per image; per example: Idefics3). Without it, by the shape of `pixel_values`."""
     import inspect
 
-    import torch
-
     base = _vision_base(model)
     params = inspect.signature(type(base).get_image_features).parameters  # (the class's: an instance may be wrapped)
     kwargs = {k: v for k, v in pixels.items() if k in params}
     pooled = base.get_image_features(**kwargs, return_dict=True).pooler_output
     pieces = list(pooled) if isinstance(pooled, (tuple, list)) else list(pooled.unbind(0))
     pieces = [p.reshape(-1, p.shape[-1]) for p in pieces]
+    out = _Features(_split_features(pieces, pixels, images_per_example, tokens_per_example, type(base).__name__))
+    # the forward takes back what its own get_image_features gave: a tuple, or (Idefics3 before transformers 5.20)
+    # one tensor, which a tuple would not be
+    out.as_tensor = not isinstance(pooled, (tuple, list))
+    return out
+
+
+class _Features(list):
+    """Per-example image features (`encode_images`), and whether the family's forward wants them as one tensor."""
+
+    as_tensor = False
+
+
+def _split_features(pieces: list[Any], pixels: Mapping[str, Any], images_per_example: list[int],
+                    tokens_per_example: list[int] | None, family: str) -> list[Any]:
+    import torch
+
     if tokens_per_example is not None and sum(p.shape[0] for p in pieces) == sum(tokens_per_example):
         # the order of the features is the order of the image positions in the rows, example after example (what
         # the model's own masked scatter relies on): split by each example's count
@@ -539,7 +576,7 @@ def encode_images(model: Any, pixels: Mapping[str, Any], images_per_example: lis
         return out
     if per_example and len(pieces) == len(images_per_example):
         return pieces
-    raise ValueError(f"vision: {type(base).__name__}.get_image_features gave {len(pieces)} feature blocks for "
+    raise ValueError(f"vision: {family}.get_image_features gave {len(pieces)} feature blocks for "
                      f"{len(images_per_example)} examples holding {sum(images_per_example)} images.")
 
 
@@ -557,8 +594,10 @@ def image_inputs_for_rows(features: list[Any], pixels: Mapping[str, Any], images
     chosen = [k for e in row_example for k in range(starts[e], starts[e + 1])]  # the rows' images, in row order
     out: dict[str, Any] = {}
     if chosen:
-        out["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(
-            pooler_output=tuple(features[e] for e in row_example if images_per_example[e]))}
+        pooled: Any = tuple(features[e] for e in row_example if images_per_example[e])
+        if getattr(features, "as_tensor", False):  # [1, tokens, H]: torch.cat over its first dimension is [tokens, H]
+            pooled = torch.cat(pooled).unsqueeze(0)
+        out["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=pooled)}
         if "image_grid_thw" in pixels:  # Qwen2-VL's 3-D positions need each image's grid
             out["image_grid_thw"] = pixels["image_grid_thw"][torch.tensor(chosen)]
     if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):

@@ -286,10 +286,16 @@ def tensor_parallel_groups(world_size: int, tp: int) -> list[list[int]]:
     return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
 
 
-def _vllm_sampling(params: SamplingParams, n: int, *, seed: int | None = None):
+def _vllm_sampling(params: SamplingParams, n: int, *, seed: int | None = None,
+                   banned: Collection[int] = ()):
+    """`banned`: token ids never sampled (a vision model's image tokens: a sampled one would have no image behind
+    it), as the transformers backend bans them: their logits pushed to -100, far below any other, so the processed
+    log-probs are those of the renormalised distribution."""
     from vllm import SamplingParams as VSP
 
     extra = {} if seed is None else {"seed": int(seed) % 2**31}
+    if banned:
+        extra["logit_bias"] = {int(t): -100.0 for t in banned}
     return VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
                max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
                logprobs=0, detokenize=False, skip_special_tokens=False, **extra)
@@ -655,7 +661,9 @@ class VLLMBackend(_SyncEvery):
     def __init__(self, model_path: str, *, max_model_len: int = 1024, seed: int = 0, sync_every: int = 1,
                  dtype: str = "float32", gpu_memory_utilization: float = 0.1, kv_cache_gib: int = 1,
                  lora_sync: str = "auto", max_lora_rank: int | None = None, sleep_mode: bool | None = None,
-                 sleep_level: int | None = None, **engine_kwargs: Any):
+                 sleep_level: int | None = None, processor: Any = None, **engine_kwargs: Any):
+        # a vision-language processor: prompts may come with images (generate(images=...), vLLM's multimodal inputs)
+        self.processor = processor
         requested, lora_sync = lora_sync, lora_sync_mode(lora_sync)
         lora_model = bool(max_lora_rank or engine_kwargs.get("enable_lora"))
         if requested == "auto" and not lora_model:
@@ -896,6 +904,10 @@ class VLLMBackend(_SyncEvery):
             # vLLM's reload leaves its prefix cache: a shared prompt start (a system prompt) would reuse keys and
             # values the old weights computed (prefix caching is on by default on GPUs; off on the CPU engine)
             self.llm.reset_prefix_cache()
+            if self.processor is not None:
+                # likewise the image features the engine keeps by picture (its encoder cache): computed by the old
+                # vision weights, and cleared on one side only by the reload ("encoder cache miss" on the next call)
+                self.llm.llm_engine.reset_encoder_cache()
             self.weights_version += 1
         self.last_sync_s = time.perf_counter() - started
         self.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in weights)
@@ -903,9 +915,15 @@ class VLLMBackend(_SyncEvery):
         self._weights_discarded = self._weights_discarded and partial
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, n: int = 1,
-                 seed: int | None = None) -> list[list[Completion]]:
+                 seed: int | None = None, images: Sequence[Sequence[Any]] | None = None) -> list[list[Completion]]:
+        """`images`: per prompt, the images its expanded ids show (a vision-language model, the engine built with
+        `processor=`). vLLM expands images itself, so each prompt goes in with its images put back to one
+        placeholder each (`vision.collapse_images`) and the engine's expansion is checked to give back exactly the
+        ids the trainer scores; image tokens are never sampled."""
         from vllm.inputs import TokensPrompt
 
+        if images is not None and any(images):
+            return self._generate_with_images(prompts, params, n, images)
         if self._tp_group is not None:
             return self._generate_tensor_parallel(prompts, params, n, seed)
         if not prompts:  # e.g. a rank whose episodes ended while another rank's go on: nothing to ask the engine
@@ -922,6 +940,44 @@ class VLLMBackend(_SyncEvery):
         result = [_completions(o) for o in outs]
         tokens = sum(len(c.token_ids) for g in result for c in g)
         self.last_stats = GenerationStats(seconds=time.perf_counter() - started, generated_tokens=tokens)
+        return result
+
+    def _generate_with_images(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
+                              images: Sequence[Sequence[Any]]) -> list[list[Completion]]:
+        from vllm.inputs import TokensPrompt
+
+        from .vision import collapse_images, vision_token_ids
+
+        if self.processor is None:
+            raise ConfigError("generate(images=...): this vLLM backend was built without a vision-language processor "
+                              "(VLLMBackend(..., processor=...)); the images cannot reach the engine.")
+        if len(images) != len(prompts):
+            raise ConfigError(f"generate(images=...): {len(images)} image lists for {len(prompts)} prompts; give one "
+                              "list per prompt (empty for a prompt without images).")
+        if self._tp_group is not None:
+            raise ConfigError("generate(images=...): prompts with images under vLLM tensor parallelism are not "
+                              "supported yet; use tensor_parallel_size 1.")
+        if self._weights_discarded:
+            raise ToolkitError("vLLM: the engine slept at level 2 (its weights were dropped) and no weights were "
+                               "loaded since; call sync_weights before generating.")
+        if not hasattr(self, "_banned"):
+            self._banned = sorted(vision_token_ids(self.processor))
+        requests = [TokensPrompt(prompt_token_ids=collapse_images(self.processor, p, imgs),
+                                 multi_modal_data={"image": list(imgs)}) if imgs
+                    else TokensPrompt(prompt_token_ids=list(p)) for p, imgs in zip(prompts, images)]
+        started = time.perf_counter()
+        with self._lock:
+            self._wake_locked(("weights", "kv_cache"))
+            outs = self.llm.generate(requests, _vllm_sampling(params, n, banned=self._banned), use_tqdm=False,
+                                     lora_request=self._lora_request)
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            if list(o.prompt_token_ids) != list(p):
+                raise ToolkitError(f"vLLM: prompt {i}'s images were expanded into {len(o.prompt_token_ids)} ids, the "
+                                   f"processor's expansion has {len(p)}; the completions would not follow the ids the "
+                                   "loss scores. Use the transformers backend for this model (docs/vision.md).")
+        result = [_completions(o) for o in outs]
+        self.last_stats = GenerationStats(seconds=time.perf_counter() - started,
+                                          generated_tokens=sum(len(c.token_ids) for g in result for c in g))
         return result
 
     def submit(self, prompts, params: SamplingParams, *, n: int = 1, seed: int | None = None
