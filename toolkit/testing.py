@@ -257,6 +257,16 @@ class _ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
         Qwen2VLProcessor.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
+def _seeded(model_class, config, seed: int):
+    """A tiny vision-language model of `model_class` with sdpa attention and weights drawn from `seed`."""
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_class(config)
+    model.config._name_or_path = ""
+    return model
+
+
 def tiny_qwen2_vl(*, seed: int = 0):
     """(model, processor): a Qwen2-VL with a 2-layer width-64 text model and a 2-block vision tower.
 
@@ -280,12 +290,7 @@ def tiny_qwen2_vl(*, seed: int = 0):
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
         tie_word_embeddings=True,
     )
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
-    model.config._name_or_path = ""
-    return model, processor
+    return _seeded(Qwen2VLForConditionalGeneration, config, seed), processor
 
 
 def tiny_llava_next(*, seed: int = 0):
@@ -312,12 +317,7 @@ def tiny_llava_next(*, seed: int = 0):
         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
         vision_feature_layer=-1, tie_word_embeddings=True,
     )
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlavaNextForConditionalGeneration(config)
-    model.config._name_or_path = ""
-    return model, processor
+    return _seeded(LlavaNextForConditionalGeneration, config, seed), processor
 
 
 def tiny_idefics3(*, seed: int = 0):
@@ -340,9 +340,4 @@ def tiny_idefics3(*, seed: int = 0):
                            image_size=56, patch_size=14),
         scale_factor=2, image_token_id=processor.image_token_id, tie_word_embeddings=True,
     )
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Idefics3ForConditionalGeneration(config)
-    model.config._name_or_path = ""
-    return model, processor
+    return _seeded(Idefics3ForConditionalGeneration, config, seed), processor

@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm")
 
 from builders import HELPERS
 
-from toolkit import ToolkitError, embedded_model_path, load_model, load_tokenizer  # noqa: E402
+from toolkit import ConfigError, ToolkitError, embedded_model_path, load_model, load_tokenizer  # noqa: E402
 from toolkit.core.environments import EnvResponse  # noqa: E402
 from toolkit.core.generation import SamplingParams, TransformersBackend  # noqa: E402
 from toolkit.core.vllm_backend import VLLMBackend, VLLMServerBackend, engine_weights  # noqa: E402
@@ -585,7 +585,6 @@ def test_grpo_with_images_samples_through_vllms_multimodal_inputs(tmp_path):
     t = GRPOTrainer(model, [image_lengths], cfg, train_dataset=_image_rows(6), processing_class=processor)
     assert isinstance(t.generation_backend, VLLMBackend)
     rollout = t.generate_rollout([0, 1])
-    assert [rollout.prompt_ids[r] for r in range(8)] == [t.prompt_ids[i] for i in (0, 1) for _ in range(4)]
     banned = sorted(vision.vision_token_ids(processor))
     assert not any(x in banned for c in rollout.completion_ids for x in c)
 
@@ -615,15 +614,28 @@ def test_grpo_with_images_samples_through_vllms_multimodal_inputs(tmp_path):
 
 
 def test_vllm_refuses_prompts_with_images_it_would_expand_differently(tmp_path):
-    """Ids that are not the processor's expansion of the images (here, expanded twice) are refused, not sampled."""
+    """The trainer's processor expands an image into 9 tokens, the engine's (saved with the model) into 4: the
+    engine's expansion differs from the ids the loss would score, and the call is refused. Ids that hold no
+    expansion of the image at all are refused before the engine sees them."""
+    import copy
+
     from toolkit.core import vision
 
     folder = tmp_path / "tiny-idefics3"
     _, processor = _tiny_idefics3_on_disk(folder)
     rows = _image_rows(1)
-    ids, _ = vision.tokenize_vision_prompts(rows, [rows[0]["images"]], processor, max_prompt_length=None)
-    backend = VLLMBackend(str(folder), max_model_len=256, seed=0, processor=processor)
     params = SamplingParams(max_tokens=4, temperature=1.0)
-    backend.generate(ids, params, n=1, images=[rows[0]["images"]])  # the processor's own expansion: sampled
+    backend = VLLMBackend(str(folder), max_model_len=256, seed=0, processor=processor)
+    ids, _ = vision.tokenize_vision_prompts(rows, [rows[0]["images"]], processor, max_prompt_length=None)
+    assert len(backend.generate(ids, params, n=1, images=[rows[0]["images"]])[0][0].token_ids) == 4
+    other = copy.deepcopy(processor)
+    other.image_seq_len = 9
+    longer, _ = vision.tokenize_vision_prompts(rows, [rows[0]["images"]], other, max_prompt_length=None)
+    assert len(longer[0]) == len(ids[0]) + 5
+    backend.processor = other
+    with pytest.raises(ToolkitError, match="expanded into 24 ids, the processor's expansion has 29"):
+        backend.generate(longer, params, n=1, images=[rows[0]["images"]])
     with pytest.raises(ToolkitError, match="image 0's .* tokens are not in the prompt's ids"):
         backend.generate([[1, 2, 3]], params, n=1, images=[rows[0]["images"]])
+    with pytest.raises(ConfigError, match="tensor_parallel_size: prompts with images"):
+        VLLMBackend(str(folder), max_model_len=256, processor=processor, tensor_parallel_size=2)

@@ -601,6 +601,10 @@ class TransformersBackend:
         # expand to are never sampled (a sampled one would have no image behind it).
         self.processor = processor
         self._banned: torch.Tensor | None = None
+        if processor is not None:  # on every call, a batch of text-only prompts too
+            from .vision import vision_token_ids
+
+            self._banned = torch.tensor(sorted(vision_token_ids(processor)), dtype=torch.long)
         self.static_decode = bool(static_decode)
         self._copy: torch.nn.Module | None = None     # the weights in `dtype` (when the model's differs)
         self._copy_of: torch.nn.Module | None = None  # the model it was cast from
@@ -697,10 +701,6 @@ class TransformersBackend:
             raise ConfigError("generate(images=...): generation_backend_kwargs.static_decode and in-flight weight "
                               "updates re-run prompts without their images; turn them off for vision-language "
                               "models.")
-        if self._banned is None:
-            from .vision import vision_token_ids
-
-            self._banned = torch.tensor(sorted(vision_token_ids(self.processor)), dtype=torch.long)
 
     def _generate_chunk(self, model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, n: int,
                         generator: torch.Generator, *, placeholder: bool = False,

@@ -440,7 +440,7 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             self.text_tokenizer.pad_token = self.text_tokenizer.eos_token
         if self.vision and not type(self).supports_vision:
             raise ConfigError(f"processing_class: {type(self).__name__} does not take vision-language models yet; "
-                              "GRPOTrainer (and the experimental OnlineDPOTrainer) do.")
+                              "GRPOTrainer, AsyncGRPOTrainer and the experimental OnlineDPOTrainer do.")
         if self.vision and generation_backend is None and args.generation_backend not in ("transformers", "vllm"):
             raise ConfigError(f"generation_backend: '{args.generation_backend}' takes no images yet; prompts with "
                               "images are sampled by the 'transformers' backend, or by 'vllm' (the colocated engine) "
@@ -476,7 +476,8 @@ class GRPOTrainer(TrainerLifecycle, Trainer):
             if self.eval_images is not None:
                 self.eval_prompt_ids, _ = tokenize_vision_prompts(self.eval_rows, eval_images, tokenizer,
                                                                   max_prompt_length=args.max_prompt_length,
-                                                                  chat_template_kwargs=args.chat_template_kwargs)
+                                                                  chat_template_kwargs=args.chat_template_kwargs,
+                                                                  where="eval_dataset")
             else:
                 self.eval_prompt_ids, _ = tokenize_prompts(self.eval_rows, tokenizer,
                                                            max_prompt_length=args.max_prompt_length,

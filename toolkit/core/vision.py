@@ -641,7 +641,8 @@ def attach_image_features(model: Any, batch: dict[str, Any], processor: Any) -> 
 
 def tokenize_vision_prompts(rows: list[dict[str, Any]], images: list[list[Any]], processor: Any, *,
                             max_prompt_length: int | None,
-                            chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[list[int]], int]:
+                            chat_template_kwargs: Mapping[str, Any] | None = None,
+                            where: str = "dataset") -> tuple[list[list[int]], int]:
     """RL prompts with their images expanded, as the model sees them at generation and in the loss. A prompt
     longer than `max_prompt_length` is refused rather than cut from the left (the cut would take its image's
     tokens, or the image itself, away). Returns (ids, 0)."""
@@ -653,7 +654,7 @@ def tokenize_vision_prompts(rows: list[dict[str, Any]], images: list[list[Any]],
             long_rows.append((i, len(ids)))
         out.append(ids)
     if long_rows:
-        raise DataError(f"dataset: rows {[i for i, _ in long_rows[:5]]} have prompts of up to "
+        raise DataError(f"{where}: rows {[i for i, _ in long_rows[:5]]} have prompts of up to "
                         f"{max(n for _, n in long_rows)} tokens with their images expanded, more than "
                         f"max_prompt_length={max_prompt_length}; cutting them would "
                         "cut an image. Raise max_prompt_length or use smaller images (the processor's max_pixels).")

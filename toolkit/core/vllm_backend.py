@@ -289,8 +289,8 @@ def tensor_parallel_groups(world_size: int, tp: int) -> list[list[int]]:
 def _vllm_sampling(params: SamplingParams, n: int, *, seed: int | None = None,
                    banned: Collection[int] = ()):
     """`banned`: token ids never sampled (a vision model's image tokens: a sampled one would have no image behind
-    it), as the transformers backend bans them: their logits pushed to -100, far below any other, so the processed
-    log-probs are those of the renormalised distribution."""
+    it): their logits lowered by 100 (vLLM's largest bias; the transformers backend sets them to -inf), so the
+    processed log-probs are those of the renormalised distribution (the banned tokens' share is below e^-100/T)."""
     from vllm import SamplingParams as VSP
 
     extra = {} if seed is None else {"seed": int(seed) % 2**31}
@@ -662,8 +662,17 @@ class VLLMBackend(_SyncEvery):
                  dtype: str = "float32", gpu_memory_utilization: float = 0.1, kv_cache_gib: int = 1,
                  lora_sync: str = "auto", max_lora_rank: int | None = None, sleep_mode: bool | None = None,
                  sleep_level: int | None = None, processor: Any = None, **engine_kwargs: Any):
-        # a vision-language processor: prompts may come with images (generate(images=...), vLLM's multimodal inputs)
+        # a vision-language processor: prompts may come with images (generate(images=...), vLLM's multimodal inputs);
+        # the tokens images expand to are never sampled, on any call (a text-only batch of a VLM too)
         self.processor = processor
+        self._banned: list[int] = []
+        if processor is not None:
+            from .vision import vision_token_ids
+
+            self._banned = sorted(vision_token_ids(processor))
+            if int(engine_kwargs.get("tensor_parallel_size", 1) or 1) > 1:
+                raise ConfigError("tensor_parallel_size: prompts with images under vLLM tensor parallelism are not "
+                                  "supported yet; use tensor_parallel_size 1 for a vision-language model.")
         requested, lora_sync = lora_sync, lora_sync_mode(lora_sync)
         lora_model = bool(max_lora_rank or engine_kwargs.get("enable_lora"))
         if requested == "auto" and not lora_model:
@@ -936,7 +945,8 @@ class VLLMBackend(_SyncEvery):
         with self._lock:
             self._wake_locked(("weights", "kv_cache"))
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                     _vllm_sampling(params, n), use_tqdm=False, lora_request=self._lora_request)
+                                     _vllm_sampling(params, n, banned=self._banned), use_tqdm=False,
+                                     lora_request=self._lora_request)
         result = [_completions(o) for o in outs]
         tokens = sum(len(c.token_ids) for g in result for c in g)
         self.last_stats = GenerationStats(seconds=time.perf_counter() - started, generated_tokens=tokens)
@@ -946,7 +956,7 @@ class VLLMBackend(_SyncEvery):
                               images: Sequence[Sequence[Any]]) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
-        from .vision import collapse_images, vision_token_ids
+        from .vision import collapse_images
 
         if self.processor is None:
             raise ConfigError("generate(images=...): this vLLM backend was built without a vision-language processor "
@@ -954,14 +964,9 @@ class VLLMBackend(_SyncEvery):
         if len(images) != len(prompts):
             raise ConfigError(f"generate(images=...): {len(images)} image lists for {len(prompts)} prompts; give one "
                               "list per prompt (empty for a prompt without images).")
-        if self._tp_group is not None:
-            raise ConfigError("generate(images=...): prompts with images under vLLM tensor parallelism are not "
-                              "supported yet; use tensor_parallel_size 1.")
         if self._weights_discarded:
             raise ToolkitError("vLLM: the engine slept at level 2 (its weights were dropped) and no weights were "
                                "loaded since; call sync_weights before generating.")
-        if not hasattr(self, "_banned"):
-            self._banned = sorted(vision_token_ids(self.processor))
         requests = [TokensPrompt(prompt_token_ids=collapse_images(self.processor, p, imgs),
                                  multi_modal_data={"image": list(imgs)}) if imgs
                     else TokensPrompt(prompt_token_ids=list(p)) for p, imgs in zip(prompts, images)]
